@@ -132,7 +132,9 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _build(parts: list[tuple[str, str, tuple[int, ...], int | None]]) -> tuple[tuple[Field, ...], int]:
+def _build(
+    parts: list[tuple[str, str, tuple[int, ...], int | None]],
+) -> tuple[tuple[Field, ...], int]:
     """Lay out (name, dtype, shape, bits) parts in order, each on a 16-byte boundary."""
     fields = []
     offset = 0
