@@ -26,7 +26,8 @@ def test_describe_mla_defaults_geometry(capsys):
 def test_describe_json(capsys):
     assert main(["describe", "kvarn_k2v2_g128", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["record_bytes"] == 9728 and data["head_dim"] == 128
+    assert data["record_bytes"] == 9728
+    assert data["head_dim"] == 128
 
 
 def test_list(capsys):
