@@ -1,0 +1,587 @@
+"""Split-K flash decoding over a dense KVarN paged cache (packed records + exact tail).
+
+Two launches per call:
+
+1. ``_decode_split_kernel``, grid ``(S, B * Hkv)``: one program per (split, request, KV head)
+   serves every grouped query head and every one of the T query tokens (rows
+   ``r = t * GQA + g``), so each record is read and unpacked once. It rotates q into the
+   cache frame (Sylvester Hadamard built from ``popcount(i & j)``), walks its share of the
+   request's full blocks (packed records) and, in the last split, the exact tail, and writes
+   a normalized partial output and its log-sum-exp (base 2) to the workspace.
+2. ``_decode_combine_kernel``, grid ``(B * T * Hq,)``: merges the live splits of one query row
+   and rotates the result back to the model frame.
+
+The split count follows the live context length read on the device: with ``n`` work units
+(full blocks, plus one for a non-empty tail), ``per = cdiv(n, min(S, cdiv(n, MIN_UNITS)))``
+units go to each split and only ``cdiv(n, per)`` splits run; the other programs of the fixed
+grid return at once. Both kernels evaluate the same formula, so nothing is synchronized with
+the host and the call can be captured in a CUDA graph.
+
+Dequantization folds into the dot products (kvarn-method.md section 7)::
+
+    score[t] = s_row_K[t] * (sum_d (q[d] * s_col_K[d]) * cK[d, t] + sum_d q[d] * zp_K[d])
+    out[d]  += s_col_V[d] * (sum_t (p[t] * s_row_V[t]) * cV[t, d] + sum_t p[t] * zp_V[t])
+
+Codes go to the tensor cores as exact fp16 integers and are never re-interleaved: for widths
+that divide 8 (2, 4, 8 bits) the K dot is split by a code's position inside its byte ("phase":
+4-bit K -> even / odd tokens of the tile) and the V dot by the V code's position inside its
+byte (2-bit V -> four channel groups ``d % 4``). Other widths (3, 5, 6, 7) take a generic
+path that reads a 16-bit window at byte ``(i * b) >> 3`` and shifts by ``(i * b) & 7``.
+
+Memory traffic per call (the roofline the benchmark uses): read, for every request,
+``ceil(seq_len / G)`` records per KV head (full blocks: ``record_bytes``; the tail:
+``(seq_len % G) * D * 2`` pool elements, plus their fp32 scales for fp8 pools) and q
+(``B*T*Hq*D`` elements); write ``out`` (``B*T*Hq*D``); the workspace adds
+``S * B*T*Hq*(D + 1) * 4`` bytes written and read back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+import kvarn_formats as kf
+
+from kvarn_ops import _validate as V
+
+__all__ = [
+    "DECODE_MAX_QUERY_LEN",
+    "DECODE_MIN_UNITS_PER_SPLIT",
+    "decode",
+    "decode_workspace",
+    "decode_num_splits",
+]
+
+DECODE_MAX_QUERY_LEN = 8
+"""Largest T (speculative verify) the kernel serves."""
+DECODE_MAX_GQA = 8
+"""Largest number of query heads per KV head."""
+DECODE_MIN_UNITS_PER_SPLIT = 2
+"""A split gets at least this many work units (blocks) when the context allows: below that the
+fixed per-program cost (rotating q, writing a partial row) outweighs the blocks it reads."""
+DECODE_MAX_SPLITS = 128
+"""Upper bound on the split count a workspace is sized for."""
+_CODE_REG_BUDGET = 8192
+"""Largest packed-code tile (elements) one program holds at once; bigger head_dims process a
+block in token chunks so the code tile stays within the register file at 4-8 warps."""
+
+
+# --------------------------------------------------------------------------------------------
+# device helpers
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _hadamard_signs(i, j):
+    """+1 / -1 entries of the unnormalized Sylvester Hadamard: (-1)^popcount(i & j)."""
+    x = i & j
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1 - 2 * (x & 1)
+
+
+@triton.jit
+def _load_codes(base_ptr, idx, BITS: tl.constexpr):
+    """Generic unpack: code ``idx`` of a little-endian ``BITS``-bit stream, any width 2..8.
+
+    Reads the 16-bit window at byte ``(idx * BITS) >> 3``; the byte after a field's last code
+    is always inside the record (a scale field follows every codes field)."""
+    bit = idx * BITS
+    byte = bit >> 3
+    lo = tl.load(base_ptr + byte).to(tl.int32)
+    hi = tl.load(base_ptr + byte + 1).to(tl.int32)
+    return (((hi << 8) | lo) >> (bit & 7)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _online_update(m, l, s):
+    """Running max / sum update for a new score tile ``s`` [R, N] (base-2 logits)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    return m_new, l, alpha, p
+
+
+@triton.jit
+def _pv_phase(p, srow_v, zp_v, v_rows_ptr, va0, va1, va2, va3, pz,
+              D: tl.constexpr, VB: tl.constexpr, NPV: tl.constexpr, V_GENERIC: tl.constexpr,
+              vtok, N: tl.constexpr):
+    """Add ``(p * s_row_V) @ cV`` for the N tokens ``vtok`` of one K phase to the per-phase V
+    accumulators (``va_e`` holds channels ``d = i * NPV + e``) and ``p @ zp_V`` to ``pz``."""
+    pw = (p * srow_v[None, :]).to(tl.float16)
+    pz = pz + tl.sum(p * zp_v[None, :], axis=1)
+    DV: tl.constexpr = D // NPV
+    iv = tl.arange(0, DV)
+    if V_GENERIC:
+        cv = _load_codes(v_rows_ptr, vtok[:, None] * D + iv[None, :], VB)
+        va0 = tl.dot(pw, cv.to(tl.float16), va0)
+    else:
+        vb = tl.load(v_rows_ptr + vtok[:, None] * DV + iv[None, :]).to(tl.int32)
+        mask: tl.constexpr = (1 << VB) - 1
+        va0 = tl.dot(pw, (vb & mask).to(tl.float16), va0)
+        if NPV >= 2:
+            va1 = tl.dot(pw, ((vb >> VB) & mask).to(tl.float16), va1)
+        if NPV >= 4:
+            va2 = tl.dot(pw, ((vb >> (2 * VB)) & mask).to(tl.float16), va2)
+            va3 = tl.dot(pw, ((vb >> (3 * VB)) & mask).to(tl.float16), va3)
+    return va0, va1, va2, va3, pz
+
+
+@triton.jit
+def _k_phase_scores(qs, qz, kb, srow_k_ptr, tok, key_pos, q_pos,
+                    KB: tl.constexpr, SHIFT: tl.constexpr):
+    """Scores of one K phase: ``s_row_K[t] * (qs @ cK[:, tok] + qz)`` with the causal mask."""
+    mask: tl.constexpr = (1 << KB) - 1
+    ck = ((kb >> SHIFT) & mask).to(tl.float16)
+    srow = tl.load(srow_k_ptr + tok).to(tl.float32)
+    s = (tl.dot(qs, ck) + qz[:, None]) * srow[None, :]
+    return tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+
+
+# --------------------------------------------------------------------------------------------
+# main kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, rec_ptr, rec16_ptr, bt_ptr, seq_ptr, ek_ptr, ev_ptr, ks_ptr, vs_ptr, tail_ptr,
+    ws_ptr, qk_scale, bt_stride, num_kv_heads, num_q_heads, lse_numel,
+    T: tl.constexpr, GQA: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    KB: tl.constexpr, VB: tl.constexpr, REC: tl.constexpr,
+    K_OFF: tl.constexpr, KCS_OFF: tl.constexpr, KZP_OFF: tl.constexpr, KRS_OFF: tl.constexpr,
+    V_OFF: tl.constexpr, VCS_OFF: tl.constexpr, VRS_OFF: tl.constexpr, VZP_OFF: tl.constexpr,
+    S: tl.constexpr, MIN_UNITS: tl.constexpr, TC: tl.constexpr, QC: tl.constexpr,
+    POOL_FP8: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+
+    seq_len = tl.load(seq_ptr + b)
+    n_full = seq_len // G
+    tail = seq_len - n_full * G
+    n_units = n_full + (tail > 0).to(tl.int32)
+    n_splits = tl.maximum(tl.minimum(S, tl.cdiv(n_units, MIN_UNITS)), 1)
+    per = tl.cdiv(n_units, n_splits)
+    n_live = tl.cdiv(n_units, per)
+    if split >= n_live:
+        return
+    u0 = split * per
+    u1 = tl.minimum(u0 + per, n_units)
+
+    # rows r = t * GQA + g: query token t (position seq_len - T + t), head h * GQA + g
+    r = tl.arange(0, R_PAD)
+    row_ok = r < T * GQA
+    tq = r // GQA
+    hq = h * GQA + (r % GQA)
+    q_pos = tl.where(row_ok, seq_len - T + tq, -1)
+    q_row = ((b * T + tq) * num_q_heads + hq).to(tl.int64)
+
+    # q_rot = (q * qk_scale) @ H_D, by chunks of QC input channels on the tensor cores
+    # (unnormalized +-1 entries are exact in fp16; 1/sqrt(D) is applied after).
+    dcol = tl.arange(0, D)
+    q_rot = tl.zeros([R_PAD, D], dtype=tl.float32)
+    for kc in tl.static_range(D // QC):
+        dk = kc * QC + tl.arange(0, QC)
+        qc = tl.load(q_ptr + q_row[:, None] * D + dk[None, :], mask=row_ok[:, None], other=0.0)
+        qc = (qc.to(tl.float32) * qk_scale).to(tl.float16)
+        hc = _hadamard_signs(dk[:, None], dcol[None, :]).to(tl.float16)
+        q_rot = tl.dot(qc, hc, q_rot)
+    q_rot = q_rot * (1.0 / tl.sqrt(D * 1.0))
+
+    NPK: tl.constexpr = 8 // KB if (8 % KB) == 0 else 1
+    K_GENERIC: tl.constexpr = (8 % KB) != 0
+    NPV: tl.constexpr = 8 // VB if (8 % VB) == 0 else 1
+    V_GENERIC: tl.constexpr = (8 % VB) != 0
+    DV: tl.constexpr = D // NPV
+    JK: tl.constexpr = TC // NPK  # tokens of one K phase in a chunk
+    iv = tl.arange(0, DV)
+
+    m = tl.full([R_PAD], -1.0e30, dtype=tl.float32)
+    l = tl.zeros([R_PAD], dtype=tl.float32)
+    acc0 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+    acc1 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+    acc2 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+    acc3 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+
+    jk = tl.arange(0, JK)
+    for u in range(u0, tl.minimum(u1, n_full)):
+        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + u).to(tl.int64)
+        rec = rec_ptr + (blk * num_kv_heads + h) * REC
+        rec16 = rec16_ptr + (blk * num_kv_heads + h) * (REC // 2)
+        kcs = tl.load(rec16 + KCS_OFF // 2 + dcol).to(tl.float32)
+        kzp = tl.load(rec16 + KZP_OFF // 2 + dcol).to(tl.float32)
+        qs = (q_rot * kcs[None, :]).to(tl.float16)
+        qz = tl.sum(q_rot * kzp[None, :], axis=1)
+        vcs0 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV).to(tl.float32)
+        va0 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+        va1 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+        va2 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+        va3 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+        pz = tl.zeros([R_PAD], dtype=tl.float32)
+        alpha_tile = tl.full([R_PAD], 1.0, dtype=tl.float32)
+        m_tile = m
+        for c in tl.static_range(G // TC):
+            c0 = c * TC
+            if K_GENERIC:
+                tok = c0 + jk
+                kc = _load_codes(rec + K_OFF, dcol[:, None] * G + tok[None, :], KB)
+                srow = tl.load(rec16 + KRS_OFF // 2 + tok).to(tl.float32)
+                s0 = (tl.dot(qs, kc.to(tl.float16)) + qz[:, None]) * srow[None, :]
+                s0 = tl.where(u * G + tok[None, :] <= q_pos[:, None], s0, float("-inf"))
+                m_new, l, alpha, p0 = _online_update(m_tile, l, s0)
+                va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)
+                alpha_tile = alpha_tile * alpha
+                m_tile = m_new
+                srv = tl.load(rec16 + VRS_OFF // 2 + tok).to(tl.float32)
+                zpv = tl.load(rec16 + VZP_OFF // 2 + tok).to(tl.float32)
+                va0, va1, va2, va3, pz = _pv_phase(p0, srv, zpv, rec + V_OFF, va0, va1, va2,
+                                                   va3, pz, D, VB, NPV, V_GENERIC, tok, JK)
+            else:
+                # K bytes of this chunk: row d holds G / NPK bytes; byte j of the chunk carries
+                # tokens c0 + j * NPK + phase.
+                kb = tl.load(rec + K_OFF + dcol[:, None] * (G // NPK) + (c0 // NPK)
+                             + jk[None, :]).to(tl.int32)
+                tok0 = c0 + jk * NPK
+                s0 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0, u * G + tok0,
+                                     q_pos, KB, 0)
+                m_new = tl.maximum(m_tile, tl.max(s0, axis=1))
+                if NPK >= 2:
+                    s1 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 1,
+                                         u * G + tok0 + 1, q_pos, KB, KB)
+                    m_new = tl.maximum(m_new, tl.max(s1, axis=1))
+                if NPK >= 4:
+                    s2 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 2,
+                                         u * G + tok0 + 2, q_pos, KB, 2 * KB)
+                    s3 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 3,
+                                         u * G + tok0 + 3, q_pos, KB, 3 * KB)
+                    m_new = tl.maximum(m_new, tl.maximum(tl.max(s2, axis=1),
+                                                         tl.max(s3, axis=1)))
+                alpha = tl.exp2(m_tile - m_new)
+                va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)
+                alpha_tile = alpha_tile * alpha
+                l = l * alpha
+                m_tile = m_new
+                p = tl.exp2(s0 - m_new[:, None])
+                l += tl.sum(p, axis=1)
+                va0, va1, va2, va3, pz = _pv_phase(
+                    p, tl.load(rec16 + VRS_OFF // 2 + tok0).to(tl.float32),
+                    tl.load(rec16 + VZP_OFF // 2 + tok0).to(tl.float32), rec + V_OFF,
+                    va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0, JK)
+                if NPK >= 2:
+                    p = tl.exp2(s1 - m_new[:, None])
+                    l += tl.sum(p, axis=1)
+                    va0, va1, va2, va3, pz = _pv_phase(
+                        p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 1).to(tl.float32),
+                        tl.load(rec16 + VZP_OFF // 2 + tok0 + 1).to(tl.float32), rec + V_OFF,
+                        va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 1, JK)
+                if NPK >= 4:
+                    p = tl.exp2(s2 - m_new[:, None])
+                    l += tl.sum(p, axis=1)
+                    va0, va1, va2, va3, pz = _pv_phase(
+                        p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 2).to(tl.float32),
+                        tl.load(rec16 + VZP_OFF // 2 + tok0 + 2).to(tl.float32), rec + V_OFF,
+                        va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 2, JK)
+                    p = tl.exp2(s3 - m_new[:, None])
+                    l += tl.sum(p, axis=1)
+                    va0, va1, va2, va3, pz = _pv_phase(
+                        p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 3).to(tl.float32),
+                        tl.load(rec16 + VZP_OFF // 2 + tok0 + 3).to(tl.float32), rec + V_OFF,
+                        va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 3, JK)
+        # fold the tile into the running accumulators: s_col_V per channel, zp_V per row
+        m = m_tile
+        acc0 = acc0 * alpha_tile[:, None] + vcs0[None, :] * (va0 + pz[:, None])
+        if NPV >= 2:
+            vcs1 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 1).to(tl.float32)
+            acc1 = acc1 * alpha_tile[:, None] + vcs1[None, :] * (va1 + pz[:, None])
+        if NPV >= 4:
+            vcs2 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 2).to(tl.float32)
+            vcs3 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 3).to(tl.float32)
+            acc2 = acc2 * alpha_tile[:, None] + vcs2[None, :] * (va2 + pz[:, None])
+            acc3 = acc3 * alpha_tile[:, None] + vcs3[None, :] * (va3 + pz[:, None])
+
+    # exact tail: the seq_len % G newest tokens, read from the pool block tail_pool_block[b]
+    if (tail > 0) & (u1 > n_full):
+        pb = tl.load(tail_ptr + b).to(tl.int64)
+        tt = tl.arange(0, TC)
+        for c in tl.static_range(G // TC):
+            tok = c * TC + tt
+            t_ok = tok < tail
+            slot = (pb * G + tok) * num_kv_heads + h
+            kx = tl.load(ek_ptr + slot[:, None] * D + dcol[None, :], mask=t_ok[:, None],
+                         other=0.0).to(tl.float32)
+            if POOL_FP8:
+                kx = kx * tl.load(ks_ptr + slot, mask=t_ok, other=0.0)[:, None]
+            s = tl.dot(q_rot, tl.trans(kx))
+            ok = t_ok[None, :] & (n_full * G + tok[None, :] <= q_pos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new, l, alpha, p = _online_update(m, l, s)
+            m = m_new
+            if POOL_FP8:
+                p = p * tl.load(vs_ptr + slot, mask=t_ok, other=0.0)[None, :]
+            vrow = ev_ptr + slot[:, None] * D
+            vx = tl.load(vrow + iv[None, :] * NPV, mask=t_ok[:, None], other=0.0)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, vx.to(tl.float32))
+            if NPV >= 2:
+                vx = tl.load(vrow + iv[None, :] * NPV + 1, mask=t_ok[:, None], other=0.0)
+                acc1 = acc1 * alpha[:, None] + tl.dot(p, vx.to(tl.float32))
+            if NPV >= 4:
+                vx = tl.load(vrow + iv[None, :] * NPV + 2, mask=t_ok[:, None], other=0.0)
+                acc2 = acc2 * alpha[:, None] + tl.dot(p, vx.to(tl.float32))
+                vx = tl.load(vrow + iv[None, :] * NPV + 3, mask=t_ok[:, None], other=0.0)
+                acc3 = acc3 * alpha[:, None] + tl.dot(p, vx.to(tl.float32))
+
+    # normalized partial rows + log2-sum-exp; a row that saw no key writes lse = -inf
+    seen = l > 0.0
+    inv_l = tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)
+    lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))
+    ws_row = q_row * S + split
+    tl.store(ws_ptr + ws_row, lse, mask=row_ok)
+    out_base = ws_ptr + lse_numel + ws_row[:, None] * D + iv[None, :] * NPV
+    tl.store(out_base, acc0 * inv_l[:, None], mask=row_ok[:, None])
+    if NPV >= 2:
+        tl.store(out_base + 1, acc1 * inv_l[:, None], mask=row_ok[:, None])
+    if NPV >= 4:
+        tl.store(out_base + 2, acc2 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(out_base + 3, acc3 * inv_l[:, None], mask=row_ok[:, None])
+
+
+@triton.jit
+def _rescale5(va0, va1, va2, va3, pz, alpha):
+    a = alpha[:, None]
+    return va0 * a, va1 * a, va2 * a, va3 * a, pz * alpha
+
+
+# --------------------------------------------------------------------------------------------
+# combine kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_combine_kernel(
+    ws_ptr, seq_ptr, out_ptr, lse_numel, rows_per_request,
+    D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, S_P2: tl.constexpr,
+    MIN_UNITS: tl.constexpr, JC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // rows_per_request
+    seq_len = tl.load(seq_ptr + b)
+    n_full = seq_len // G
+    n_units = n_full + (seq_len - n_full * G > 0).to(tl.int32)
+    n_splits = tl.maximum(tl.minimum(S, tl.cdiv(n_units, MIN_UNITS)), 1)
+    per = tl.cdiv(n_units, n_splits)
+    n_live = tl.cdiv(n_units, per)
+
+    sp = tl.arange(0, S_P2)
+    lse = tl.load(ws_ptr + row * S + sp, mask=sp < n_live, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    w = tl.where(sp < n_live, tl.exp2(lse - lse_max), 0.0)
+    inv_w = 1.0 / tl.sum(w, axis=0)
+    d = tl.arange(0, D)
+    o = tl.zeros([D], dtype=tl.float32)
+    for s in range(0, n_live):
+        ws_s = tl.exp2(tl.load(ws_ptr + row * S + s) - lse_max)
+        o += ws_s * tl.load(ws_ptr + lse_numel + (row * S + s) * D + d)
+    o = o * (inv_w / tl.sqrt(D * 1.0))
+    # back to the model frame: out[j] = sum_i o[i] * H[i, j], by column chunks of JC
+    for j0 in range(0, D, JC):
+        j = j0 + tl.arange(0, JC)
+        hs = _hadamard_signs(d[:, None], j[None, :]).to(tl.float32)
+        res = tl.sum(o[:, None] * hs, axis=0)
+        tl.store(out_ptr + row * D + j, res.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_consts(format_name: str, head_dim: int) -> dict:
+    lay = kf.dense_layout(format_name, head_dim)
+    fmt = kf.parse_format(format_name)
+    f = lay.field
+    return dict(
+        G=lay.block_size, KB=fmt.k_bits, VB=fmt.v_bits, REC=lay.record_bytes,
+        K_OFF=f("k_codes").offset, KCS_OFF=f("k_col_scale").offset,
+        KZP_OFF=f("k_zero_point").offset, KRS_OFF=f("k_row_scale").offset,
+        V_OFF=f("v_codes").offset, VCS_OFF=f("v_col_scale").offset,
+        VRS_OFF=f("v_row_scale").offset, VZP_OFF=f("v_zero_point").offset,
+    )
+
+
+def kernel_config(format_name: str, head_dim: int, gqa: int, query_len: int,
+                  num_splits: int, pool_fp8: bool) -> tuple[dict, dict]:
+    """Constexprs and launch options of the split kernel for one geometry (also used by the
+    offline compile tests)."""
+    c = _layout_consts(format_name, head_dim)
+    kb, g, d = c["KB"], c["G"], head_dim
+    npk = 8 // kb if 8 % kb == 0 else 1
+    # token chunk: codes of one chunk ([D, TC / NPK] bytes) stay within the register budget,
+    # and each K phase keeps >= 16 tokens (the K dimension of the V dot must be >= 16).
+    tc = min(g, max(16 * npk, _next_pow2(_CODE_REG_BUDGET * npk // d) if d else g))
+    tc = min(g, max(tc, 16 * npk))
+    consts = dict(
+        T=query_len, GQA=gqa, R_PAD=max(16, _next_pow2(query_len * gqa)), D=d,
+        S=num_splits, MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT, TC=tc, QC=min(d, 32),
+        POOL_FP8=pool_fp8, **c,
+    )
+    opts = dict(num_warps=4 if d <= 128 else 8, num_stages=1)
+    return consts, opts
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_size: int,
+                      device: torch.device | str | None = None) -> int:
+    """Split count a workspace is sized for: enough (request, KV head, split) programs to
+    fill the GPU about 4 times over, no more than the longest context can use."""
+    sms = 132
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    units = -(-max(1, max_seq_len) // block_size)
+    want = -(-4 * sms // max(1, batch * num_kv_heads))
+    by_ctx = -(-units // DECODE_MIN_UNITS_PER_SPLIT)
+    return max(1, min(DECODE_MAX_SPLITS, want, by_ctx))
+
+
+def decode_workspace(batch: int, query_len: int, num_q_heads: int, num_kv_heads: int,
+                     head_dim: int, max_seq_len: int, block_size: int,
+                     device: torch.device | str = "cuda", num_splits: int | None = None
+                     ) -> torch.Tensor:
+    """Scratch for :func:`decode`: float32 ``[S * B * T * Hq * (D + 1)]``.
+
+    Allocate once per geometry (outside CUDA-graph capture). ``S`` (the largest split count)
+    defaults to :func:`decode_num_splits`; the live split count of each call is at most ``S``
+    and follows each request's live context length.
+    """
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, max_seq_len, block_size, device)
+    if not 1 <= num_splits <= DECODE_MAX_SPLITS:
+        raise ValueError(f"num_splits: must be in [1, {DECODE_MAX_SPLITS}], got {num_splits}")
+    n = num_splits * batch * query_len * num_q_heads * (head_dim + 1)
+    return torch.empty(n, dtype=torch.float32, device=device)
+
+
+def _check_decode_args(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
+                       tail_pool_block, layout, softmax_scale, out, workspace) -> int:
+    V.check_tensor("q", q, dtypes=V.MODEL_DTYPES, ndim=4)
+    dev = q.device
+    b, t, hq, d = q.shape
+    V.check_dense_layout("layout", layout, head_dim=d)
+    if not 1 <= t <= DECODE_MAX_QUERY_LEN:
+        raise ValueError(f"q: query length T must be in [1, {DECODE_MAX_QUERY_LEN}], got {t}")
+    V.check_tensor("packed", packed, dtypes=torch.uint8, ndim=3, device=dev)
+    nb, hkv, rb = packed.shape
+    if rb != layout.record_bytes:
+        raise ValueError(f"packed: last dim must be record_bytes={layout.record_bytes} of "
+                         f"{layout.format_name!r} at head_dim {d}, got {rb}")
+    if hkv < 1 or hq % hkv != 0 or not 1 <= hq // hkv <= DECODE_MAX_GQA:
+        raise ValueError(f"q: {hq} query heads for {hkv} KV heads (packed dim 1); need a "
+                         f"multiple with 1 to {DECODE_MAX_GQA} query heads per KV head")
+    V.check_tensor("block_table", block_table, dtypes=torch.int32, ndim=2, device=dev)
+    if block_table.shape[0] != b:
+        raise ValueError(f"block_table: expected {b} rows (batch of q), got "
+                         f"{list(block_table.shape)}")
+    V.check_tensor("seq_lens", seq_lens, dtypes=torch.int32, shape=(b,), device=dev)
+    V.check_tensor("tail_pool_block", tail_pool_block, dtypes=torch.int32, shape=(b,),
+                   device=dev)
+    npool, g, phkv, pd = V.check_pool(exact_k, exact_v, k_scale, v_scale, device=dev,
+                                      layout=layout)
+    if phkv != hkv:
+        raise ValueError(f"exact_k: {phkv} KV heads, but packed has {hkv}")
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: must be a finite float, got {softmax_scale!r}")
+    V.check_tensor("out", out, dtypes=V.MODEL_DTYPES, shape=(b, t, hq, d), device=dev)
+    V.check_tensor("workspace", workspace, dtypes=torch.float32, ndim=1, device=dev)
+    splits = workspace.numel() // (b * t * hq * (d + 1))
+    if splits < 1:
+        raise ValueError(f"workspace: too small, {workspace.numel()} float32 elements; at least "
+                         f"{b * t * hq * (d + 1)} needed (use decode_workspace(...))")
+    if dev.type == "cpu":
+        # value checks only where they cost no device sync
+        if bool(((seq_lens < t)).any()):
+            raise ValueError(f"seq_lens: every entry must be >= T={t} (the cache holds the "
+                             f"T new tokens), got {seq_lens.tolist()}")
+        full = (seq_lens // g).to(torch.int64)
+        if int(full.max()) > block_table.shape[1]:
+            raise ValueError(f"block_table: {block_table.shape[1]} columns, but a request has "
+                             f"{int(full.max())} full blocks")
+        cols = torch.arange(block_table.shape[1])
+        V.check_index_range("block_table", block_table, nb, used=cols[None, :] < full[:, None])
+        V.check_index_range("tail_pool_block", tail_pool_block, npool,
+                            used=(seq_lens % g) > 0)
+    return min(splits, DECODE_MAX_SPLITS)
+
+
+def _launch(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
+            tail_pool_block, format_name, softmax_scale, out, workspace, num_splits):
+    b, t, hq, d = q.shape
+    hkv = packed.shape[1]
+    pool_fp8 = exact_k.dtype == torch.float8_e4m3fn
+    consts, opts = kernel_config(format_name, d, hq // hkv, t, num_splits, pool_fp8)
+    lse_numel = num_splits * b * t * hq
+    ks = k_scale if pool_fp8 else exact_k
+    vs = v_scale if pool_fp8 else exact_v
+    _decode_split_kernel[(num_splits, b * hkv)](
+        q, packed, packed.view(torch.float16), block_table, seq_lens, exact_k, exact_v, ks, vs,
+        tail_pool_block, workspace, float(softmax_scale) * math.log2(math.e),
+        block_table.stride(0), hkv, hq, lse_numel, **consts, **opts,
+    )
+    _decode_combine_kernel[(b * t * hq,)](
+        workspace, seq_lens, out, lse_numel, t * hq,
+        D=d, G=consts["G"], S=num_splits, S_P2=_next_pow2(num_splits),
+        MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT, JC=max(1, min(d, 4096 // d)), num_warps=4,
+    )
+
+
+@torch.library.custom_op("kvarn::decode", mutates_args=("out", "workspace"))
+def _decode_op(q: torch.Tensor, packed: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tensor,
+               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+               tail_pool_block: torch.Tensor, format_name: str, softmax_scale: float,
+               out: torch.Tensor, workspace: torch.Tensor, num_splits: int) -> None:
+    _launch(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
+            tail_pool_block, format_name, softmax_scale, out, workspace, num_splits)
+
+
+@_decode_op.register_fake
+def _decode_op_fake(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
+                    tail_pool_block, format_name, softmax_scale, out, workspace,
+                    num_splits) -> None:
+    return None
+
+
+def decode(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
+           tail_pool_block, layout, softmax_scale, out, workspace) -> None:
+    """Attention of T query tokens per request over a KVarN paged cache.
+
+    Parameters
+    ----------
+    q : Tensor [B, T, Hq, D], float16 / bfloat16 / float32, model frame
+        T <= 8 queries: the last T tokens of each sequence, causal among themselves.
+    packed : uint8 [num_blocks, Hkv, record_bytes]
+    block_table : int32 [B, max_blocks]
+        Logical block ``i < seq_len // G`` of request ``b`` is ``packed[block_table[b, i]]``.
+    seq_lens : int32 [B]
+        Tokens in the cache, including the T new ones (>= T).
+    exact_k, exact_v : [P, G, Hkv, D] float16 / bfloat16 / float8_e4m3fn, rotated frame
+    k_scale, v_scale : float32 [P, G, Hkv] for an fp8 pool, else None
+    tail_pool_block : int32 [B]
+        Pool block holding the ``seq_len % G`` newest tokens (read only when that is > 0).
+    layout : kvarn_formats.RecordLayout (dense)
+    softmax_scale : float
+    out : Tensor [B, T, Hq, D], float16 / bfloat16 / float32, written in the model frame.
+    workspace : float32 Tensor from :func:`decode_workspace` (the only scratch).
+
+    Two kernel launches; no allocation and no host synchronization on the GPU.
+    """
+    splits = _check_decode_args(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale,
+                                v_scale, tail_pool_block, layout, softmax_scale, out, workspace)
+    torch.ops.kvarn.decode(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale,
+                           v_scale, tail_pool_block, layout.format_name, float(softmax_scale),
+                           out, workspace, splits)

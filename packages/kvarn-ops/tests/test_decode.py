@@ -1,0 +1,189 @@
+"""Triton decode vs a float64 oracle (and ``kvarn_ops.reference.decode`` when present), under
+the Triton interpreter on CPU.
+
+Tolerances (flash-attention rule): the kernel's max error against the float64 oracle must be
+at most ``ERR_FACTOR`` times the error of the same computation done at the kernel's rounding
+points (q * s_col_K and p * s_row_V rounded to float16, tail K/V rounded to TF32/fp16-like
+precision) plus ``ATOL`` times the output's scale.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kvarn_formats as kf  # noqa: E402
+from kvarn_ops.kernels import decode as kd  # noqa: E402
+
+ERR_FACTOR = 2.0
+"""Kernel error vs fp64 may be at most twice the error of the fp16-rounded emulation."""
+ATOL = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+"""Relative to max|out|: the output dtype's rounding (bf16 has 8 mantissa bits) plus the
+fp16 rounding of q inside the Hadamard dot on the tensor cores."""
+
+SEED = int(os.environ.get("KVARN_TEST_SEED", random.randrange(1 << 30)))
+print(f"test_decode seed {SEED}")
+
+
+def _hadamard(d: int) -> torch.Tensor:
+    i = torch.arange(d)
+    x = i[:, None] & i[None, :]
+    par = torch.zeros_like(x)
+    for k in range(10):
+        par ^= (x >> k) & 1
+    return (1 - 2 * par).to(torch.float64) / math.sqrt(d)
+
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Little-endian bit stream of the last axis (independent of the code under test)."""
+    n = codes.shape[-1]
+    bitsarr = ((codes[..., :, None].astype(np.int64) >> np.arange(bits)) & 1)
+    stream = bitsarr.reshape(*codes.shape[:-1], n * bits)
+    nbytes = -(-n * bits // 8)
+    pad = nbytes * 8 - n * bits
+    if pad:
+        stream = np.concatenate([stream, np.zeros((*codes.shape[:-1], pad), np.int64)], -1)
+    return (stream.reshape(*codes.shape[:-1], nbytes, 8) << np.arange(8)).sum(-1).astype(
+        np.uint8)
+
+
+def make_cache(rng, fmt: str, d: int, nblocks: int, hkv: int):
+    """Random records (codes and fp16 scales of realistic size) and their fp64 dequantization
+    [nblocks, hkv, G, D] for K and V."""
+    lay = kf.dense_layout(fmt, d)
+    f = kf.parse_format(fmt)
+    g = lay.block_size
+    rec = np.zeros((nblocks, hkv, lay.record_bytes), np.uint8)
+    ck = rng.integers(0, 1 << f.k_bits, (nblocks, hkv, d, g))
+    cv = rng.integers(0, 1 << f.v_bits, (nblocks, hkv, g, d))
+
+    def h16(x):
+        return x.astype(np.float16)
+
+    kcs = h16(rng.uniform(0.5, 1.5, (nblocks, hkv, d)) * 2.0 / ((1 << f.k_bits) - 1))
+    kzp = h16(rng.uniform(-1.2, -0.8, (nblocks, hkv, d)))
+    krs = h16(rng.uniform(0.5, 1.5, (nblocks, hkv, g)))
+    vcs = h16(rng.uniform(0.5, 1.5, (nblocks, hkv, d)))
+    vrs = h16(rng.uniform(0.5, 1.5, (nblocks, hkv, g)) * 2.0 / ((1 << f.v_bits) - 1))
+    vzp = h16(rng.uniform(-1.2, -0.8, (nblocks, hkv, g)))
+
+    def put(name, arr):
+        fl = lay.field(name)
+        flat = arr.reshape(nblocks, hkv, -1)
+        raw = _pack(flat, fl.bits) if fl.dtype == "codes" else flat.view(np.uint8)
+        rec[:, :, fl.offset:fl.offset + raw.shape[-1]] = raw
+
+    put("k_codes", ck)
+    put("k_col_scale", kcs)
+    put("k_zero_point", kzp)
+    put("k_row_scale", krs)
+    put("v_codes", cv)
+    put("v_col_scale", vcs)
+    put("v_row_scale", vrs)
+    put("v_zero_point", vzp)
+    f64 = np.float64
+    kdeq = (ck * kcs[..., :, None].astype(f64) + kzp[..., :, None]) * krs[..., None, :]
+    vdeq = (cv * vrs[..., :, None].astype(f64) + vzp[..., :, None]) * vcs[..., None, :]
+    return (torch.from_numpy(rec), torch.from_numpy(kdeq).transpose(-1, -2).contiguous(),
+            torch.from_numpy(vdeq), lay)
+
+
+def oracle(q, kq, vq, pool_k, pool_v, block_table, seq_lens, tail_block, g, scale,
+           lowp=False):
+    """fp64 attention over the dequantized cache; ``lowp`` rounds where the kernel rounds."""
+    b, t, hq, d = q.shape
+    hkv = kq.shape[1]
+    gqa = hq // hkv
+    hm = _hadamard(d)
+    out = torch.empty(b, t, hq, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(seq_lens[i])
+        nf = n // g
+        ks = [kq[int(block_table[i, j])] for j in range(nf)]  # [hkv, G, D]
+        vs = [vq[int(block_table[i, j])] for j in range(nf)]
+        if n % g:
+            ks.append(pool_k[int(tail_block[i]), : n % g].transpose(0, 1))
+            vs.append(pool_v[int(tail_block[i]), : n % g].transpose(0, 1))
+        kk = torch.cat(ks, 1)  # [hkv, n, D]
+        vv = torch.cat(vs, 1)
+        qr = q[i].to(torch.float64) @ hm  # [t, hq, D]
+        if lowp:
+            qr = qr.to(torch.float16).to(torch.float64)
+            kk = kk.to(torch.float16).to(torch.float64)
+            vv = vv.to(torch.float16).to(torch.float64)
+        for h in range(hq):
+            s = (qr[:, h] @ kk[h // gqa].T) * scale  # [t, n]
+            pos = torch.arange(n)
+            qpos = n - t + torch.arange(t)
+            s = s.masked_fill(pos[None, :] > qpos[:, None], float("-inf"))
+            p = torch.softmax(s, -1)
+            if lowp:
+                p = p.to(torch.float16).to(torch.float64)
+            out[i, :, h] = (p @ vv[h // gqa]) @ hm
+    return out
+
+
+def build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype=torch.float32):
+    g = kf.dense_layout(fmt, d).block_size
+    b = len(seq_lens)
+    nfull = [n // g for n in seq_lens]
+    nblocks = sum(nfull) + 3
+    packed, kq, vq, lay = make_cache(rng, fmt, d, nblocks, hkv)
+    perm = rng.permutation(nblocks)
+    max_blocks = max(nfull) + 2
+    bt = np.full((b, max_blocks), -7, np.int32)  # unused entries hold garbage
+    k = 0
+    for i in range(b):
+        bt[i, : nfull[i]] = perm[k:k + nfull[i]]
+        k += nfull[i]
+    npool = b + 2
+    pk = torch.from_numpy(rng.normal(0, 1.0, (npool, g, hkv, d)))
+    pv = torch.from_numpy(rng.normal(0, 1.0, (npool, g, hkv, d)))
+    ks = vs = None
+    if pool_dtype == torch.float8_e4m3fn:
+        ks = (pk.abs().amax(-1) / 448).clamp_min(1e-12).float()
+        vs = (pv.abs().amax(-1) / 448).clamp_min(1e-12).float()
+        ek = (pk / ks[..., None]).to(pool_dtype)
+        ev = (pv / vs[..., None]).to(pool_dtype)
+        pk = ek.double() * ks[..., None].double()
+        pv = ev.double() * vs[..., None].double()
+    else:
+        ek, ev = pk.to(pool_dtype), pv.to(pool_dtype)
+        pk, pv = ek.double(), ev.double()
+    tail = torch.from_numpy(rng.permutation(npool)[:b].astype(np.int32))
+    q = torch.from_numpy(rng.normal(0, 1.0, (b, t, hkv * gqa, d))).to(q_dtype)
+    return dict(q=q, packed=packed, block_table=torch.from_numpy(bt),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), exact_k=ek, exact_v=ev,
+                k_scale=ks, v_scale=vs, tail_pool_block=tail, layout=lay,
+                softmax_scale=1.0 / math.sqrt(d)), (kq, vq, pk, pv)
+
+
+def run_and_check(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, out_dtype=torch.float32,
+                  num_splits=None):
+    args, (kq, vq, pk, pv) = build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype)
+    q = args["q"]
+    b = q.shape[0]
+    g = args["layout"].block_size
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype)
+    ws = kd.decode_workspace(b, t, q.shape[2], hkv, d, max(seq_lens), g, device="cpu",
+                             num_splits=num_splits)
+    ws.fill_(float("nan"))
+    kd.decode(**args, out=out, workspace=ws)
+    assert torch.isfinite(out).all(), "decode left unwritten (NaN) or non-finite elements"
+    ref = oracle(q, kq, vq, pk, pv, args["block_table"], args["seq_lens"],
+                 args["tail_pool_block"], g, args["softmax_scale"])
+    low = oracle(q, kq, vq, pk, pv, args["block_table"], args["seq_lens"],
+                 args["tail_pool_block"], g, args["softmax_scale"], lowp=True)
+    err = (out.double() - ref).abs().max().item()
+    base = (low - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    tol = ERR_FACTOR * base + ATOL[out_dtype] * scale
+    assert err <= tol, f"{fmt} d{d} gqa{gqa} T{t} {pool_dtype}: err {err:.3e} > tol {tol:.3e}"
+    return out, args
