@@ -1,0 +1,264 @@
+"""Dense kvarn-ops kernels against the reference on a CUDA GPU, at real sizes.
+
+Tolerances (relative Frobenius error against the reference computed in fp32 or fp64):
+- rotate, store, materialize: one rounding to the output dtype, so the kernel may differ from
+  the reference by at most 1 unit in the last place of that dtype per element (checked
+  element-wise as |x - ref| <= ulp(ref)).
+- flush: the normalization is iterative float maths whose reduction order differs between
+  torch and Triton, so a code may flip where a value sits within float rounding of a rounding
+  boundary. Bound: >= 99.9% of codes identical, every difference 1 LSB, fp16 scale fields
+  within 2 fp16 ulps; decoded tiles within the reference's own quantization error.
+- decode: the flash-attention rule. err(kernel vs fp64 oracle) <= 2 * err(fp32 reference
+  rounded to the output dtype vs fp64 oracle) + 2e-3 (the kernel accumulates in fp32 but may
+  feed the dots with 16-bit operands: q scaled by fp16 scales, softmax weights).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cache_builder import build_cache
+from gpu_support import DEVICE, poison_, realistic_kv, rel_err
+
+import kvarn_formats as kf
+from kvarn_ops import kernels, reference
+
+DECODE_ATOL = 2e-3
+POOL_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at |x| (normal range), as float64."""
+    info = torch.finfo(dtype)
+    mant = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float8_e4m3fn: 3}[dtype]
+    ax = x.double().abs().clamp_min(info.tiny)
+    return torch.exp2(torch.floor(torch.log2(ax)) - mant)
+
+
+def _assert_within_ulp(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str):
+    assert torch.isfinite(x.double()).all(), f"{what}: non-finite values (unwritten?)"
+    diff = (x.double() - ref.double()).abs()
+    # Plus an absolute term for results near zero, whose fp32 sums carry the rounding error
+    # of their largest terms (8 fp32 epsilons of the largest magnitude).
+    atol = 8 * torch.finfo(torch.float32).eps * float(ref.double().abs().max())
+    bad = diff > _ulp(ref, dtype) * 1.0001 + atol
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements differ by more than 1 ulp"
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotate(gen, dim, dtype):
+    x = realistic_kv(gen, (4099, 3, dim), dtype)
+    out = poison_(torch.empty_like(x))
+    kernels.rotate(x, out)
+    ref = torch.empty_like(x)
+    reference.rotate(x, ref)
+    _assert_within_ulp(out, ref, dtype if dtype != torch.float32 else torch.float32, "rotate")
+
+
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
+@pytest.mark.parametrize(("hkv", "dim"), [(8, 128), (3, 64), (4, 256)])
+def test_store(gen, pool_dtype, hkv, dim):
+    g, pool_blocks, tokens = 64, 40, 1500
+    k = realistic_kv(gen, (tokens, hkv, dim), torch.bfloat16)
+    v = realistic_kv(gen, (tokens, hkv, dim), torch.bfloat16)
+    slots = torch.randperm(pool_blocks * g, generator=gen, device=DEVICE)[:tokens]
+    slots[torch.rand(tokens, generator=gen, device=DEVICE) < 0.1] = -1
+    shape = (pool_blocks, g, hkv, dim)
+    pools = []
+    for _ in range(2):
+        ek = poison_(torch.empty(shape, dtype=pool_dtype, device=DEVICE))
+        ev = poison_(torch.empty(shape, dtype=pool_dtype, device=DEVICE))
+        fp8 = pool_dtype == torch.float8_e4m3fn
+        ks = poison_(torch.empty(shape[:3], device=DEVICE)) if fp8 else None
+        vs = poison_(torch.empty(shape[:3], device=DEVICE)) if fp8 else None
+        pools.append((ek, ev, ks, vs))
+    kernels.store(k, v, slots, *pools[0])
+    reference.store(k, v, slots, *pools[1])
+    written = torch.zeros(pool_blocks * g, dtype=torch.bool, device=DEVICE)
+    written[slots[slots >= 0]] = True
+    written = written.view(pool_blocks, g)
+    for got, want in zip(pools[0], pools[1], strict=True):
+        if got is None:
+            continue
+        # Slots nobody stored to keep their poison bytes exactly.
+        assert torch.equal(got.view(torch.uint8)[~written], want.view(torch.uint8)[~written])
+        if got.dtype == torch.float8_e4m3fn:
+            continue
+        _assert_within_ulp(got[written].float(), want[written].float(), got.dtype, "store")
+    if pool_dtype == torch.float8_e4m3fn:
+        ek, ev, ks, vs = pools[0]
+        rk, rv, rks, rvs = pools[1]
+        # Values: scale within fp32 rounding, codes within one e4m3 step.
+        assert rel_err(ks[written], rks[written]) < 1e-6
+        deq = ek[written].float() * ks[written][..., None]
+        ref = rk[written].float() * rks[written][..., None]
+        assert (deq - ref).abs().max() <= (_ulp(ref, torch.float8_e4m3fn)).max()
+
+
+FLUSH_CASES = [
+    ("kvarn_k4v2_g64", 128, 8),
+    ("kvarn_k4v4_g128", 128, 8),
+    ("kvarn_k2v2_g64", 64, 3),
+    ("kvarn_k5v3_g64", 256, 4),
+    ("kvarn_k8v8_g32", 512, 2),
+]
+
+
+@pytest.mark.parametrize(("fmt", "dim", "hkv"), FLUSH_CASES)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_flush(gen, fmt, dim, hkv, pool_dtype):
+    layout = kf.dense_layout(fmt, dim)
+    g, n, pool_blocks, num_blocks = layout.block_size, 300, 320, 400
+    k = realistic_kv(gen, (pool_blocks * g, hkv, dim))
+    v = realistic_kv(gen, (pool_blocks * g, hkv, dim))
+    shape = (pool_blocks, g, hkv, dim)
+    ek = torch.empty(shape, dtype=pool_dtype, device=DEVICE)
+    ev = torch.empty(shape, dtype=pool_dtype, device=DEVICE)
+    fp8 = pool_dtype == torch.float8_e4m3fn
+    ks = torch.empty(shape[:3], device=DEVICE) if fp8 else None
+    vs = torch.empty(shape[:3], device=DEVICE) if fp8 else None
+    reference.store(k, v, torch.arange(pool_blocks * g, device=DEVICE), ek, ev, ks, vs)
+    src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    got = poison_(
+        torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
+    )
+    want = got.clone()
+    kernels.flush(ek, ev, ks, vs, src, dst, got, layout)
+    reference.flush(ek, ev, ks, vs, src, dst, want, layout)
+    untouched = torch.ones(num_blocks, dtype=torch.bool, device=DEVICE)
+    untouched[dst.long()] = False
+    assert torch.equal(got[untouched], want[untouched]), "flush wrote outside dst_blocks"
+    gf = reference.records.record_fields(got[dst.long()].view(n * hkv, -1), layout)
+    wf = reference.records.record_fields(want[dst.long()].view(n * hkv, -1), layout)
+    for name in ("k_codes", "v_codes"):
+        same = (gf[name] == wf[name]).double().mean().item()
+        assert same >= 0.999, f"{name}: only {same:.5f} of codes identical"
+        assert (gf[name].int() - wf[name].int()).abs().max() <= 1
+    for name, field in gf.items():
+        if name.endswith("codes"):
+            continue
+        a, b = field.double(), wf[name].double()
+        assert torch.isfinite(a).all()
+        assert ((a - b).abs() <= 2 * _ulp(b, torch.float16) + 1e-7).float().mean() >= 0.999, name
+    gk, gv = reference.decode_records(got[dst.long()].view(n * hkv, -1), layout)
+    wk, wv = reference.decode_records(want[dst.long()].view(n * hkv, -1), layout)
+    src_k = reference.cache.read_pool_blocks(ek, ks, src).permute(0, 2, 1, 3).reshape(-1, g, dim)
+    src_v = reference.cache.read_pool_blocks(ev, vs, src).permute(0, 2, 1, 3).reshape(-1, g, dim)
+    for x, w, orig in ((gk, wk, src_k), (gv, wv, src_v)):
+        # The kernel's reconstruction error is the reference's own, within 1%.
+        assert rel_err(x, orig) <= rel_err(w, orig) * 1.01 + 1e-6
+
+
+DECODE_GEOMETRIES = [  # (Hq, Hkv, D): Llama-3.1-8B, Qwen-style GQA 8, small d64, d256, MHA
+    (32, 8, 128),
+    (64, 8, 128),
+    (9, 3, 64),
+    (16, 4, 256),
+    (8, 8, 64),
+]
+DECODE_CASES = [
+    # (format, geometry index, seq_lens, T, q dtype, pool dtype)
+    ("kvarn_k4v2_g64", 0, [1, 63, 64, 65, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v2_g64", 0, [32768], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v2_g64", 0, [131072 + 5], 1, torch.bfloat16, torch.float8_e4m3fn),
+    ("kvarn_k4v2_g64", 0, [4096 + 7] * 64, 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v4_g128", 1, [700, 128, 129, 9000], 4, torch.float16, torch.float16),
+    ("kvarn_k4v4_g64", 2, [3, 64, 200, 2049], 1, torch.float16, torch.float8_e4m3fn),
+    ("kvarn_k2v2_g128", 3, [130, 5000], 8, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k5v3_g64", 4, [65, 640, 3333], 2, torch.bfloat16, torch.float16),
+    ("kvarn_k8v8_g32", 0, [31, 32, 999], 1, torch.float16, torch.bfloat16),
+]
+
+
+def _run_decode(cache, q, scale):
+    b, t, hq, d = q.shape
+    ws = kernels.decode_workspace(b, t, hq, 64, d, device=DEVICE)
+    out = poison_(torch.empty_like(q))
+    kernels.decode(q, *cache.args(), scale, out, ws)
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_decode(gen, case):
+    fmt, geo, lens, t, q_dtype, pool_dtype = DECODE_CASES[case]
+    hq, hkv, d = DECODE_GEOMETRIES[geo]
+    cache = build_cache(gen, fmt, d, hkv, lens, pool_dtype)
+    q = torch.randn(len(lens), t, hq, d, generator=gen, device=DEVICE).to(q_dtype)
+    scale = 1 / math.sqrt(d)
+    out = _run_decode(cache, q, scale)
+    oracle = torch.empty(q.shape, dtype=torch.float64, device=DEVICE)
+    reference.decode(q, *cache.args(), scale, oracle, None, compute_dtype=torch.float64)
+    ref32 = torch.empty_like(q)
+    reference.decode(q, *cache.args(), scale, ref32, None)
+    err = rel_err(out, oracle)
+    bound = 2 * rel_err(ref32, oracle) + DECODE_ATOL
+    assert err <= bound, f"decode error {err:.2e} > bound {bound:.2e}"
+
+
+def test_decode_cuda_graph_replay(gen):
+    """Captured once, replayed with new queries and longer contexts: no host sync inside,
+    split count read from the device, results equal to eager calls."""
+    hq, hkv, d = 32, 8, 128
+    lens = [5000, 70, 20000, 640]
+    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, [n + 40 for n in lens])
+    cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    q = torch.randn(len(lens), 1, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    ws = kernels.decode_workspace(len(lens), 1, hq, 64, d, device=DEVICE)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(d)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            kernels.decode(q, *cache.args(), scale, out, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.decode(q, *cache.args(), scale, out, ws)
+    for step in range(1, 4):
+        q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE))
+        cache.seq_lens.add_(step * 13)
+        poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _run_decode(cache, q, scale)
+        assert torch.equal(out, eager), f"replay {step} differs from an eager call"
+        ref = torch.empty_like(q, dtype=torch.float64)
+        reference.decode(q, *cache.args(), scale, ref, None, compute_dtype=torch.float64)
+        assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize(
+    ("fmt", "geo", "lens", "out_dtype", "pool_dtype"),
+    [
+        ("kvarn_k4v2_g64", 0, [1, 64, 65, 5000, 0, 777], torch.bfloat16, torch.bfloat16),
+        ("kvarn_k4v4_g128", 3, [129, 3000], torch.float16, torch.float8_e4m3fn),
+        ("kvarn_k5v3_g64", 2, [2049, 63], torch.bfloat16, torch.float16),
+    ],
+)
+def test_materialize(gen, fmt, geo, lens, out_dtype, pool_dtype):
+    _, hkv, d = DECODE_GEOMETRIES[geo]
+    cache = build_cache(gen, fmt, d, hkv, [max(n, 1) for n in lens], pool_dtype)
+    cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    total = sum(lens) + 5
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    outs = []
+    for _ in range(2):
+        outs.append(
+            (
+                poison_(torch.empty(total, hkv, d, dtype=out_dtype, device=DEVICE)),
+                poison_(torch.empty(total, hkv, d, dtype=out_dtype, device=DEVICE)),
+            )
+        )
+    kernels.materialize(*cache.args(), outs[0][0], outs[0][1], cu)
+    reference.materialize(*cache.args(), outs[1][0], outs[1][1], cu)
+    n = sum(lens)
+    for got, want in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(got[n:].view(torch.uint8), want[n:].view(torch.uint8))
+        # Both dequantize the same record in fp32 and round once; reduction order inside the
+        # inverse rotation may move a value by one ulp.
+        _assert_within_ulp(got[:n].float(), want[:n].float(), out_dtype, "materialize")
