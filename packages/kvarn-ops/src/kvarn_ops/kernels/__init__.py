@@ -1,0 +1,38 @@
+"""Triton launchers for the dense KVarN cache (docs/contracts.md).
+
+``rotate``, ``store``, ``flush``, ``materialize`` and ``decode`` (with ``decode_workspace``),
+each registered as a ``torch.library`` custom op ``kvarn::<op>`` with a fake implementation,
+so they are opaque to torch.compile. Each launcher validates its arguments (ValueError naming
+the argument) and has the signature of the matching ``kvarn_ops.reference`` op.
+"""
+
+from kvarn_ops.kernels.rotate import rotate
+from kvarn_ops.kernels.store import store
+
+try:
+    from kvarn_ops.kernels.flush import flush
+except ImportError:  # pragma: no cover - module not written yet
+    pass
+try:
+    from kvarn_ops.kernels.materialize import materialize
+except ImportError:  # pragma: no cover - module not written yet
+    pass
+try:
+    from kvarn_ops.kernels.decode import decode, decode_workspace
+except ImportError as _decode_error:  # decode.py is developed separately; report at use
+    _DECODE_IMPORT_ERROR = _decode_error
+
+    def decode(*args, **kwargs):
+        raise NotImplementedError(
+            f"kvarn_ops.kernels.decode is not available ({_DECODE_IMPORT_ERROR}); use "
+            "kvarn_ops.reference.decode"
+        )
+
+    def decode_workspace(*args, **kwargs):
+        raise NotImplementedError(
+            f"kvarn_ops.kernels.decode is not available ({_DECODE_IMPORT_ERROR}); use "
+            "kvarn_ops.decode_workspace"
+        )
+
+
+__all__ = ["decode", "decode_workspace", "flush", "materialize", "rotate", "store"]

@@ -1,0 +1,246 @@
+"""Small @triton.jit helpers shared by the dense KVarN kernels, and two launcher checks.
+
+Everything here runs both compiled and under ``TRITON_INTERPRET=1``: no inline asm, no
+libdevice, fp32 arithmetic only (the interpreter gets bf16 arithmetic and bf16 ``tl.dot``
+wrong, so callers upcast right after loading).
+
+Jit helpers
+-----------
+``pow2(n)``                 exact ``2.0**n`` (fp32) for int32 ``n`` in [-252, 254].
+``frexp_exponent(v)``       ``torch.frexp(v)[1]`` for normal fp32 ``v`` (``v = m * 2**E``).
+``round_half_even(v)``      ``torch.round`` for ``|v| < 2**22``.
+``cast_rne(x, dtype)``      ``x.to(dtype)`` rounding to nearest even also in the interpreter.
+``round_to_e4m3(x)``        ``x`` (already in [-448, 448]) rounded to the float8_e4m3fn grid
+                            with ties to even, so the later cast is exact everywhere.
+``hadamard_signs(N)``       ``[N, N]`` fp32 matrix of ``(-1)**popcount(i & j)`` (unnormalized).
+``rotate_rows(x, D, EXACT)`` ``x [M, D] @ H_D`` (normalized), fp32 in and out.
+``pack_codes_store(...)``   bit-pack a ``[R, C]`` code tile (stream order ``r*C + c``).
+``unpack_codes_load(...)``  the inverse, for a ``[R, C]`` window of a packed field.
+
+Bit packing (docs/contracts.md): code ``i`` of width ``b`` occupies stream bits
+``[i*b, (i+1)*b)``, stream bit ``j`` is bit ``j % 8`` of byte ``j // 8``. ``L`` consecutive codes
+(``L = 8 / gcd(b, 8)``) fill exactly ``NB = b*L/8`` whole bytes, so a tile is handled as rows of
+``L`` codes <-> ``NB`` bytes, with ``NB`` padded to the power of two ``NBP`` for the tensor shape.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "INTERPRET",
+    "cast_rne",
+    "check_device",
+    "exact_in_tf32",
+    "frexp_exponent",
+    "hadamard_signs",
+    "pack_codes_store",
+    "pack_geometry",
+    "pow2",
+    "rotate_rows",
+    "round_half_even",
+    "round_to_bf16",
+    "round_to_e4m3",
+    "unpack_codes_load",
+]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""True when Triton runs kernels on the CPU interpreter (set before triton is imported)."""
+
+
+def check_device(t: torch.Tensor) -> None:
+    """Triton kernels run on CUDA devices, or on the CPU under ``TRITON_INTERPRET=1``."""
+    if t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu"):
+        return
+    raise NotImplementedError(
+        f"kvarn_ops Triton kernels run on CUDA devices (or on the CPU with TRITON_INTERPRET=1 set "
+        f"before triton is imported), got a tensor on {t.device}; use kvarn_ops.reference there"
+    )
+
+
+def exact_in_tf32(dtype: torch.dtype) -> bool:
+    """Whether every value of ``dtype`` has at most 11 significant bits (one tf32 pass is
+    exact)."""
+    return dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def pack_geometry(bits: int) -> tuple[int, int, int]:
+    """``(L, NB, NBP)`` for ``bits``-bit codes: ``L`` codes fill ``NB`` whole bytes; ``NBP`` is
+    ``NB`` rounded up to a power of two (the tensor width used for those bytes)."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits: must be from 2 to 8, got {bits}")
+    group = 8 // math.gcd(bits, 8)
+    nb = bits * group // 8
+    return group, nb, triton.next_power_of_2(nb)
+
+
+@triton.jit
+def _pow2_normal(n):
+    # 2**n from the exponent field; valid for n in [-126, 127].
+    return ((n + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2(n):
+    """Exact ``2.0**n`` for int32 ``n`` in [-252, 254] (a product of two normal powers)."""
+    first = tl.minimum(tl.maximum(n, -126), 127)
+    return _pow2_normal(first) * _pow2_normal(n - first)
+
+
+@triton.jit
+def frexp_exponent(v):
+    """Exponent ``E`` with ``v = m * 2**E``, ``0.5 <= |m| < 1``, for normal fp32 ``v`` (as
+    ``torch.frexp``); 0 for ``v == 0``. Subnormal ``v`` give -126."""
+    field = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.where(v == 0.0, 0, field - 126)
+
+
+@triton.jit
+def round_half_even(v):
+    """``torch.round`` (half to even) for fp32 ``|v| < 2**22``: adding 1.5 * 2**23 leaves no
+    fraction bits, so the fp32 add rounds to an integer with the hardware's ties-to-even."""
+    magic = 12582912.0
+    return (v + magic) - magic
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """Round fp32 ``x`` (|x| <= 448) to the nearest float8_e4m3fn value, ties to even.
+
+    The result converts to ``tl.float8e4nv`` exactly on every backend (the interpreter's own
+    conversion rounds wrongly where the mantissa carries into the exponent)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    # e4m3 keeps 3 mantissa bits; below 2**-6 the grid is the fixed subnormal step 2**-9.
+    ulp_exp = tl.maximum(exponent, -6) - 3
+    return round_half_even(x * pow2(-ulp_exp)) * pow2(ulp_exp)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bfloat16 value (ties to even), still as fp32, so the
+    later cast is exact everywhere (the interpreter's own cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` with round-to-nearest-even on every backend (dtype fp32/fp16/bf16)."""
+    if dtype == tl.bfloat16:
+        return round_to_bf16(x).to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def hadamard_signs(N: tl.constexpr):
+    """``[N, N]`` fp32 Sylvester signs ``(-1)**popcount(i & j)`` (not normalized)."""
+    i = tl.arange(0, N)
+    v = i[:, None] & i[None, :]
+    # Parity of the popcount by folding (indices have at most 9 bits).
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return 1.0 - 2.0 * (v & 1).to(tl.float32)
+
+
+@triton.jit
+def rotate_rows(x, M: tl.constexpr, D: tl.constexpr, EXACT_TF32: tl.constexpr):
+    """``x [M, D] @ H_D`` (normalized Sylvester Hadamard), fp32 in and out, ``M >= 16``.
+
+    ``EXACT_TF32``: every value of ``x`` has at most 11 significant bits (it was loaded from
+    fp16, bf16 or fp8), so a single-pass tf32 product with the +-1 signs is exact and the
+    tensor cores lose nothing; otherwise the 3-pass tf32 split keeps fp32 accuracy.
+    D = 64, 128: one ``[D, D]`` product. D = 256, 512: ``H_D = H_{D/16} (x) H_16`` applied as two
+    small products (16 and D/16 deep) with a transpose between, ~10x fewer FLOPs.
+    """
+    if D <= 128:
+        if EXACT_TF32:
+            y = tl.dot(x, hadamard_signs(D), input_precision="tf32")
+        else:
+            y = tl.dot(x, hadamard_signs(D), input_precision="tf32x3")
+    else:
+        OUTER: tl.constexpr = D // 16
+        # index i = i_outer * 16 + i_inner; H_D[i, j] = H_OUTER[i_o, j_o] * H_16[i_i, j_i].
+        flat = tl.reshape(x, [M * OUTER, 16])
+        if EXACT_TF32:
+            y = tl.dot(flat, hadamard_signs(16), input_precision="tf32")
+        else:
+            y = tl.dot(flat, hadamard_signs(16), input_precision="tf32x3")
+        y = tl.permute(tl.reshape(y, [M, OUTER, 16]), (0, 2, 1))
+        y = tl.dot(tl.reshape(y, [M * 16, OUTER]), hadamard_signs(OUTER),
+                   input_precision="tf32x3")
+        y = tl.reshape(tl.permute(tl.reshape(y, [M, 16, OUTER]), (0, 2, 1)), [M, D])
+    # fp32(1/sqrt(D)), the constant the reference multiplies by.
+    if D == 64:
+        y = y * 0.125
+    elif D == 128:
+        y = y * 0.08838834764831845
+    elif D == 256:
+        y = y * 0.0625
+    else:
+        y = y * 0.044194173824159216
+    return y
+
+
+@triton.jit
+def pack_codes_store(ptr, codes, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr,
+                     L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+    """Bit-pack int32 ``codes [R, C]`` (values in [0, 2**BITS)) as stream ``r*C + c`` and store
+    the ``R*C*BITS/8`` bytes at uint8 ``ptr``. ``(L, NB, NBP) = pack_geometry(BITS)``."""
+    CHUNKS: tl.constexpr = R * C // L
+    if BITS == 8:
+        tl.store(ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :],
+                 codes.to(tl.uint8))
+    else:
+        groups = tl.reshape(codes, [CHUNKS, L])
+        shifts = tl.arange(0, L) * BITS
+        # The L codes of a chunk hold disjoint bits, so their sum is their bitwise OR.
+        if L * BITS > 32:
+            word = tl.sum(groups.to(tl.int64) << shifts.to(tl.int64)[None, :], axis=1)
+        else:
+            word = tl.sum(groups << shifts[None, :], axis=1)
+        k = tl.arange(0, NBP)
+        out = ((word[:, None] >> (k * 8)[None, :]) & 0xFF).to(tl.uint8)
+        offs = tl.arange(0, CHUNKS)[:, None] * NB + k[None, :]
+        if NBP == NB:
+            tl.store(ptr + offs, out)
+        else:
+            tl.store(ptr + offs, out, mask=(k < NB)[None, :])
+
+
+@triton.jit
+def unpack_codes_load(ptr, R: tl.constexpr, C: tl.constexpr, ROW_STRIDE: tl.constexpr,
+                      BITS: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
+                      NBP: tl.constexpr):
+    """Load int32 codes ``[R, C]``: code ``(r, c)`` is stream index ``r*ROW_STRIDE + c`` of the
+    packed field starting at uint8 ``ptr``. ``C`` and ``ROW_STRIDE`` are multiples of ``L``."""
+    CHUNKS: tl.constexpr = R * C // L
+    m = tl.arange(0, CHUNKS)
+    # First byte of chunk m: its first code's stream index times BITS / 8.
+    base = ((m // (C // L)) * (ROW_STRIDE // L) + m % (C // L)) * NB
+    if BITS == 8:
+        codes = tl.load(ptr + base).to(tl.int32)
+    else:
+        k = tl.arange(0, NBP)
+        if NBP == NB:
+            raw = tl.load(ptr + base[:, None] + k[None, :])
+        else:
+            raw = tl.load(ptr + base[:, None] + k[None, :], mask=(k < NB)[None, :], other=0)
+        shifts = tl.arange(0, L) * BITS
+        if L * BITS > 32:
+            word = tl.sum(raw.to(tl.int64) << (k * 8).to(tl.int64)[None, :], axis=1)
+            codes = ((word[:, None] >> shifts.to(tl.int64)[None, :]) & ((1 << BITS) - 1))
+            codes = codes.to(tl.int32)
+        else:
+            word = tl.sum(raw.to(tl.int32) << (k * 8)[None, :], axis=1)
+            codes = (word[:, None] >> shifts[None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, [R, C])

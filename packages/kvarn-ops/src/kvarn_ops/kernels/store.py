@@ -1,0 +1,134 @@
+"""store: rotate new K/V tokens and scatter them into the exact pool by slot.
+
+Memory traffic (E = pool element bytes, s = 4 if fp8 else 0): read
+``T*Hkv*D*(itemsize(k) + itemsize(v)) + 8T``; write ``2*T'*Hkv*(D*E + s)`` for the T' tokens
+with a slot (docs/contracts.md; the same formula as ``kvarn_ops.reference.store``).
+
+One program per (``BLOCK_T`` tokens, KV head) does K then V, so the Hadamard signs are built
+once for both. Slot -1 skips a token; a slot outside the pool is also skipped in the kernel
+(on the CPU the launcher rejects it first), so no input writes outside the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvarn_ops._validate import MODEL_DTYPES, check_index_range, check_pool, check_tensor
+from kvarn_ops.kernels._common import cast_rne, check_device, exact_in_tf32, rotate_rows, round_to_e4m3
+
+__all__ = ["store"]
+
+
+def tokens_per_program(head_dim: int) -> int:
+    """16 (the smallest ``tl.dot`` M) up to 4096 fp32 values per operand tile. Not tuned on
+    hardware yet."""
+    return max(16, 4096 // head_dim)
+
+
+@triton.jit
+def _store_one(src_ptr, pool_ptr, scale_ptr, tok, slot, ok, head, H: tl.constexpr,
+               D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT_TF32: tl.constexpr,
+               FP8: tl.constexpr):
+    d = tl.arange(0, D)
+    src = (tok[:, None] * H + head) * D + d[None, :]
+    x = tl.load(src_ptr + src, mask=ok[:, None], other=0.0).to(tl.float32)
+    y = rotate_rows(x, BLOCK_T, D, EXACT_TF32)
+    row = slot * H + head
+    dst = row[:, None] * D + d[None, :]
+    if FP8:
+        amax = tl.max(tl.abs(y), axis=1)
+        # amax / 448 (FP8_MAX, the largest e4m3 value), IEEE-rounded like torch.
+        scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
+                         1.0)
+        q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
+        q = round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+        tl.store(pool_ptr + dst, q.to(tl.float8e4nv), mask=ok[:, None])
+        tl.store(scale_ptr + row, scale, mask=ok)
+    else:
+        tl.store(pool_ptr + dst, cast_rne(y, pool_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, slots_ptr, exact_k_ptr, exact_v_ptr, k_scale_ptr, v_scale_ptr,
+                  T, num_slots, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                  EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, FP8: tl.constexpr):
+    head = tl.program_id(1)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = tok < T
+    slot = tl.load(slots_ptr + tok, mask=in_range, other=-1)
+    ok = in_range & (slot >= 0) & (slot < num_slots)
+    # Masked-off lanes still form addresses: keep them inside the tensors.
+    tok = tl.where(in_range, tok, 0)
+    slot = tl.where(ok, slot, 0)
+    _store_one(k_ptr, exact_k_ptr, k_scale_ptr, tok, slot, ok, head, H, D, BLOCK_T, EXACT_K, FP8)
+    _store_one(v_ptr, exact_v_ptr, v_scale_ptr, tok, slot, ok, head, H, D, BLOCK_T, EXACT_V, FP8)
+
+
+def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    p, g = exact_k.shape[:2]
+    fp8 = exact_k.dtype == torch.float8_e4m3fn
+    block_t = tokens_per_program(d)
+    grid = (triton.cdiv(t, block_t), hkv)
+    # Without an fp8 pool the scale pointers are never dereferenced (FP8 is a constexpr).
+    ks = k_scale if fp8 else exact_k
+    vs = v_scale if fp8 else exact_v
+    _store_kernel[grid](k, v, pool_slots, exact_k, exact_v, ks, vs, t, p * g, H=hkv, D=d,
+                        BLOCK_T=block_t, EXACT_K=exact_in_tf32(k.dtype),
+                        EXACT_V=exact_in_tf32(v.dtype), FP8=fp8, num_warps=4)
+
+
+@torch.library.custom_op("kvarn::store", mutates_args=("exact_k", "exact_v", "k_scale", "v_scale"))
+def _store_op(k: torch.Tensor, v: torch.Tensor, pool_slots: torch.Tensor,
+              exact_k: torch.Tensor, exact_v: torch.Tensor, k_scale: torch.Tensor | None,
+              v_scale: torch.Tensor | None) -> None:
+    _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
+
+
+@_store_op.register_fake
+def _store_fake(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
+    return None
+
+
+def store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool_slots: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Rotate new tokens by ``H_D`` and write them into the exact pool (Triton).
+
+    Parameters
+    ----------
+    k, v : Tensor [T, Hkv, D], float16/bfloat16/float32, model frame, contiguous.
+    pool_slots : int64 [T]; token i goes to pool block ``slot // G``, offset ``slot % G``;
+        -1 skips the token. Duplicate slots: which token lands is unspecified.
+    exact_k, exact_v : [P, G, Hkv, D] float16/bfloat16/float8_e4m3fn pool (written).
+    k_scale, v_scale : float32 [P, G, Hkv] for an fp8 pool (written), else None.
+        fp8: ``scale = amax/448`` per token (1.0 when amax is 0), values
+        ``clamp(x/scale, -448, 448)`` rounded to nearest even e4m3.
+
+    Raises
+    ------
+    ValueError
+        Naming the bad argument; slots outside ``[-1, P*G)`` are reported for CPU tensors (on a
+        GPU the kernel skips them instead of syncing to check).
+    """
+    p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
+    dev = exact_k.device
+    check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev)
+    t = k.shape[0]
+    check_tensor("k", k, shape=(t, hkv, d))
+    check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev)
+    check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
+    check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
+    check_device(exact_k)
+    torch.ops.kvarn.store(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
+
