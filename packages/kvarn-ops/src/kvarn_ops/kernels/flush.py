@@ -1,0 +1,333 @@
+"""flush: pack N full exact-pool blocks into dense KVarN records, in place in the paged cache.
+
+Memory traffic (E = pool element bytes, s = 4 if fp8 else 0): read
+``2*N*G*Hkv*(D*E + s) + 8N``; write ``N*Hkv*R`` (R = layout.record_bytes).
+
+One launch, one program per (block, KV head, K or V): the program loads its tile, normalizes,
+quantizes, folds and bit-packs it, and writes its half of the record, padding bytes included
+(zeros, as the reference writer). The numerical algorithm is that of
+``kvarn_ops.reference.quantize`` (module docstring, steps 1-6), step for step and in the same
+order of operations, so codes differ from the reference only where a float reduction order or
+an exp/log ulp flips a rounding (measured in tests/test_flush.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import kvarn_formats as kf
+from kvarn_ops._validate import (
+    check_dense_layout,
+    check_index_range,
+    check_pool,
+    check_tensor,
+)
+from kvarn_ops.kernels._common import (
+    check_device,
+    frexp_exponent,
+    pack_codes_store,
+    pack_geometry,
+    pow2,
+    round_half_even,
+)
+from kvarn_ops.reference.quantize import DEFAULT_CONFIG
+
+__all__ = ["flush"]
+
+_ALIGN = 16
+_FP16_EXP_MIN = -13  # frexp exponent of the smallest normal fp16 (reference step 6)
+_FP16_EXP_MAX = 15
+
+
+@triton.jit
+def _spread(y, AXIS: tl.constexpr, N: tl.constexpr, STD_FLOOR: tl.constexpr):
+    """Reference ``_spread``: max(std, floor * rms) of every line along AXIS (N values), zero
+    lines filled with the geometric mean of the positive spreads (1 if none)."""
+    mean = tl.sum(y, axis=AXIS) / N
+    if AXIS == 0:
+        dev = y - mean[None, :]
+    else:
+        dev = y - mean[:, None]
+    std = tl.sqrt_rn(tl.sum(dev * dev, axis=AXIS) / N)
+    rms = tl.sqrt_rn(tl.sum(y * y, axis=AXIS) / N)
+    s = tl.maximum(std, STD_FLOOR * rms)
+    pos = s > 0.0
+    logs = tl.where(pos, tl.log(tl.maximum(s, 1.1754943508222875e-38)), 0.0)
+    count = tl.sum(pos.to(tl.int32), axis=0)
+    mean_log = tl.sum(logs, axis=0) / tl.maximum(count, 1).to(tl.float32)
+    fill = tl.where(count > 0, tl.exp(mean_log), 1.0)
+    return tl.where(pos, s, fill)
+
+
+@triton.jit
+def _apply(xp, lr, lc):
+    """Reference ``_apply``: ``(xp * exp(-lr)[:, None]) * exp(-lc)[None, :]``."""
+    return (xp * tl.exp(-lr)[:, None]) * tl.exp(-lc)[None, :]
+
+
+@triton.jit
+def _balance(col_s, row_s):
+    """Reference ``_imbalance`` from the two spreads."""
+    return (tl.div_rn(tl.max(col_s, axis=0), tl.min(col_s, axis=0))
+            + tl.div_rn(tl.max(row_s, axis=0), tl.min(row_s, axis=0)))
+
+
+@triton.jit
+def _store_fp16(ptr, values, N: tl.constexpr):
+    tl.store(ptr.to(tl.pointer_type(tl.float16)) + tl.arange(0, N), values.to(tl.float16))
+
+
+@triton.jit
+def _zero_pad(ptr, PAD: tl.constexpr):
+    # Alignment padding after a field (at most 15 bytes): zeros, like the reference writer.
+    if PAD > 0:
+        k = tl.arange(0, 16)
+        tl.store(ptr + k, tl.zeros([16], dtype=tl.uint8), mask=k < PAD)
+
+
+@triton.jit
+def _flush_tile(pool_ptr, scale_ptr, src, head, rec_ptr,
+                R: tl.constexpr, C: tl.constexpr, TOKENS_ON_ROWS: tl.constexpr,
+                G: tl.constexpr, H: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
+                BITS: tl.constexpr, L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+                CODES_OFF: tl.constexpr, CODES_PAD: tl.constexpr,
+                ROW_SCALE_OFF: tl.constexpr, ROW_SCALE_PAD: tl.constexpr,
+                ROW_ZP_OFF: tl.constexpr, ROW_ZP_PAD: tl.constexpr,
+                COL_SCALE_OFF: tl.constexpr, COL_SCALE_PAD: tl.constexpr,
+                ITERS: tl.constexpr, STD_FLOOR: tl.constexpr):
+    """Quantize one tile ``X [R, C]`` (K: R = D channels, C = G tokens; V: R = G tokens,
+    C = D) into its record fields: codes ``[R, C]``, row-side scale and zero point ``[R]``,
+    column-side scale ``[C]``."""
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    if TOKENS_ON_ROWS:
+        tok = r[:, None]
+        dim = c[None, :]
+    else:
+        tok = c[None, :]
+        dim = r[:, None]
+    row = (src * G + tok) * H + head
+    x = tl.load(pool_ptr + row * D + dim).to(tl.float32)
+    if FP8:
+        x = x * tl.load(scale_ptr + row)
+
+    # Step 1: a token holding any NaN/Inf becomes zeros.
+    finite = ((x == x) & (tl.abs(x) < float("inf"))).to(tl.int32)
+    if TOKENS_ON_ROWS:
+        x = tl.where((tl.min(finite, axis=1) > 0)[:, None], x, 0.0)
+    else:
+        x = tl.where((tl.min(finite, axis=0) > 0)[None, :], x, 0.0)
+
+    # Step 2: prescale by 2**-e, e = floor(log2(max|x|)) (0 for an all-zero tile).
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    e = tl.where(amax > 0.0, frexp_exponent(amax) - 1, 0)
+    xp = x * pow2(-e)
+
+    # Step 3: alternate column / row division by the spread; keep the best-balanced iterate.
+    lr = tl.zeros([R], dtype=tl.float32)
+    lc = tl.zeros([C], dtype=tl.float32)
+    col_s = _spread(xp, 0, R, STD_FLOOR)
+    row_s = _spread(xp, 1, C, STD_FLOOR)
+    best = _balance(col_s, row_s)
+    best_lr = lr
+    best_lc = lc
+    for _ in range(ITERS):
+        # col_s is the column spread of apply(xp, lr, lc), as the reference recomputes it.
+        lc = lc + tl.log(col_s)
+        lr = lr + tl.log(_spread(_apply(xp, lr, lc), 1, C, STD_FLOOR))
+        y = _apply(xp, lr, lc)
+        col_s = _spread(y, 0, R, STD_FLOOR)
+        row_s = _spread(y, 1, C, STD_FLOOR)
+        imb = _balance(col_s, row_s)
+        better = imb < best
+        best = tl.where(better, imb, best)
+        best_lr = tl.where(better, lr, best_lr)
+        best_lc = tl.where(better, lc, best_lc)
+    balanced = _apply(xp, best_lr, best_lc)
+
+    # Step 4: asymmetric RTN over each row, ties to even.
+    levels: tl.constexpr = (1 << BITS) - 1
+    lo = tl.min(balanced, axis=1)
+    hi = tl.max(balanced, axis=1)
+    rng = hi - lo
+    lv = tl.full([R], levels, tl.float32)
+    inv = tl.where(rng > 0.0, tl.div_rn(lv, tl.where(rng > 0.0, rng, 1.0)), 0.0)
+    codes = round_half_even((balanced - lo[:, None]) * inv[:, None])
+    codes = tl.minimum(tl.maximum(codes, 0.0), levels * 1.0).to(tl.int32)
+    step = tl.div_rn(rng, lv)
+
+    # Step 5: fold the RTN step and offset into the normalization scales.
+    row_mult = tl.exp(best_lr)
+    s = row_mult * step
+    z = row_mult * lo
+    w = tl.exp(best_lc)
+
+    # Step 6: move 2**j between the sides so every fp16 field is normal where possible.
+    mag = tl.maximum(tl.abs(s), tl.abs(z))
+    nz = mag > 0.0
+    ea = frexp_exponent(mag) + e
+    big = 536870911  # int32 max // 4, as the reference
+    a_lo = tl.min(tl.where(nz, ea, big), axis=0)
+    a_hi = tl.max(tl.where(nz, ea, -big), axis=0)
+    eb = frexp_exponent(w)
+    b_lo = tl.min(eb, axis=0)
+    b_hi = tl.max(eb, axis=0)
+    has_a = tl.max(nz.to(tl.int32), axis=0) > 0
+    lower = tl.where(has_a, tl.maximum(-13 - a_lo, b_hi - 15), b_hi - 15)
+    upper = tl.where(has_a, tl.minimum(15 - a_hi, b_lo + 13), b_lo + 13)
+    j = (lower + upper) >> 1  # arithmetic shift: floor division by 2
+    shift_a = pow2(e + j)
+    shift_b = pow2(-j)
+
+    pack_codes_store(rec_ptr + CODES_OFF, codes, R, C, BITS, L, NB, NBP)
+    _zero_pad(rec_ptr + CODES_OFF + R * C * BITS // 8, CODES_PAD)
+    _store_fp16(rec_ptr + ROW_SCALE_OFF, s * shift_a, R)
+    _zero_pad(rec_ptr + ROW_SCALE_OFF + 2 * R, ROW_SCALE_PAD)
+    _store_fp16(rec_ptr + ROW_ZP_OFF, z * shift_a, R)
+    _zero_pad(rec_ptr + ROW_ZP_OFF + 2 * R, ROW_ZP_PAD)
+    _store_fp16(rec_ptr + COL_SCALE_OFF, w * shift_b, C)
+    _zero_pad(rec_ptr + COL_SCALE_OFF + 2 * C, COL_SCALE_PAD)
+
+
+@triton.jit
+def _flush_kernel(exact_k_ptr, exact_v_ptr, k_scale_ptr, v_scale_ptr, src_ptr, dst_ptr,
+                  packed_ptr, num_pool_blocks, num_blocks,
+                  G: tl.constexpr, H: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
+                  RECORD_BYTES: tl.constexpr,
+                  K_BITS: tl.constexpr, K_L: tl.constexpr, K_NB: tl.constexpr,
+                  K_NBP: tl.constexpr,
+                  V_BITS: tl.constexpr, V_L: tl.constexpr, V_NB: tl.constexpr,
+                  V_NBP: tl.constexpr,
+                  KC_OFF: tl.constexpr, KC_PAD: tl.constexpr, KS_OFF: tl.constexpr,
+                  KS_PAD: tl.constexpr, KZ_OFF: tl.constexpr, KZ_PAD: tl.constexpr,
+                  KR_OFF: tl.constexpr, KR_PAD: tl.constexpr,
+                  VC_OFF: tl.constexpr, VC_PAD: tl.constexpr, VS_OFF: tl.constexpr,
+                  VS_PAD: tl.constexpr, VR_OFF: tl.constexpr, VR_PAD: tl.constexpr,
+                  VZ_OFF: tl.constexpr, VZ_PAD: tl.constexpr,
+                  ITERS: tl.constexpr, STD_FLOOR: tl.constexpr):
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    which = tl.program_id(2)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    # Out-of-range indices (rejected on the CPU by the launcher) write nothing on a GPU.
+    if (src >= 0) & (src < num_pool_blocks) & (dst >= 0) & (dst < num_blocks):
+        rec_ptr = packed_ptr + (dst * H + head) * RECORD_BYTES
+        if which == 0:
+            # K tile [D, G]: rows = channels (col_scale/zero_point), columns = tokens.
+            _flush_tile(exact_k_ptr, k_scale_ptr, src, head, rec_ptr, D, G, False, G, H, D,
+                        FP8, K_BITS, K_L, K_NB, K_NBP, KC_OFF, KC_PAD, KS_OFF, KS_PAD,
+                        KZ_OFF, KZ_PAD, KR_OFF, KR_PAD, ITERS, STD_FLOOR)
+        else:
+            # V tile [G, D]: rows = tokens (row_scale/zero_point), columns = channels.
+            _flush_tile(exact_v_ptr, v_scale_ptr, src, head, rec_ptr, G, D, True, G, H, D,
+                        FP8, V_BITS, V_L, V_NB, V_NBP, VC_OFF, VC_PAD, VR_OFF, VR_PAD,
+                        VZ_OFF, VZ_PAD, VS_OFF, VS_PAD, ITERS, STD_FLOOR)
+
+
+_FIELD_KEYS = {
+    "k_codes": "KC", "k_col_scale": "KS", "k_zero_point": "KZ", "k_row_scale": "KR",
+    "v_codes": "VC", "v_col_scale": "VS", "v_row_scale": "VR", "v_zero_point": "VZ",
+}
+
+
+def record_constants(layout) -> dict:
+    """Constexpr arguments of ``_flush_kernel`` for a dense layout: field offsets, the padding
+    bytes after each field (up to the next field or the record end) and the pack geometry."""
+    fields = sorted(layout.fields, key=lambda f: f.offset)
+    out = {"RECORD_BYTES": layout.record_bytes}
+    for f, nxt in zip(fields, fields[1:] + [None]):
+        end = layout.record_bytes if nxt is None else nxt.offset
+        key = _FIELD_KEYS[f.name]
+        out[f"{key}_OFF"] = f.offset
+        out[f"{key}_PAD"] = end - f.end
+    for prefix, name in (("K", "k_codes"), ("V", "v_codes")):
+        bits = layout.field(name).bits
+        group, nb, nbp = pack_geometry(bits)
+        out.update({f"{prefix}_BITS": bits, f"{prefix}_L": group, f"{prefix}_NB": nb,
+                    f"{prefix}_NBP": nbp})
+    return out
+
+
+def warps_for(head_dim: int, group: int) -> int:
+    """4 warps per 8192-value tile (64 fp32 values per thread), up to 16. Not tuned yet."""
+    return max(4, min(16, head_dim * group // 2048))
+
+
+def _launch(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed,
+            format_name: str) -> None:
+    n = src_pool_blocks.shape[0]
+    if n == 0:
+        return
+    p, g, hkv, d = exact_k.shape
+    layout = kf.dense_layout(format_name, d)
+    fp8 = exact_k.dtype == torch.float8_e4m3fn
+    ks = k_scale if fp8 else exact_k
+    vs = v_scale if fp8 else exact_v
+    _flush_kernel[(n, hkv, 2)](
+        exact_k, exact_v, ks, vs, src_pool_blocks, dst_blocks, packed, p, packed.shape[0],
+        G=g, H=hkv, D=d, FP8=fp8, ITERS=DEFAULT_CONFIG.iters,
+        STD_FLOOR=DEFAULT_CONFIG.std_floor, num_warps=warps_for(d, g),
+        **record_constants(layout))
+
+
+@torch.library.custom_op("kvarn::flush", mutates_args=("packed",))
+def _flush_op(exact_k: torch.Tensor, exact_v: torch.Tensor, k_scale: torch.Tensor | None,
+              v_scale: torch.Tensor | None, src_pool_blocks: torch.Tensor,
+              dst_blocks: torch.Tensor, packed: torch.Tensor, format_name: str) -> None:
+    _launch(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed,
+            format_name)
+
+
+@_flush_op.register_fake
+def _flush_fake(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed,
+                format_name) -> None:
+    return None
+
+
+def flush(
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    src_pool_blocks: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    packed: torch.Tensor,
+    layout,
+) -> None:
+    """Pack N full pool blocks into records, every KV head, one launch (Triton).
+
+    ``packed[dst_blocks[i], h]`` becomes the record of pool block ``src_pool_blocks[i]``, KV
+    head ``h`` (normalize + quantize + fold + bit-pack, as ``kvarn_ops.reference.flush``).
+
+    Parameters
+    ----------
+    exact_k, exact_v : [P, G, Hkv, D] float16/bfloat16/float8_e4m3fn pool, rotated frame (read).
+    k_scale, v_scale : float32 [P, G, Hkv] for an fp8 pool, else None (read).
+    src_pool_blocks, dst_blocks : int32 [N].
+    packed : uint8 [num_blocks, Hkv, R], contiguous (written at ``dst_blocks`` only, every byte
+        of those records).
+    layout : dense ``kvarn_formats.RecordLayout`` with the pool's G and D.
+
+    Raises
+    ------
+    ValueError
+        Naming the bad argument. Out-of-range block indices are reported for CPU tensors; on a
+        GPU a program with an out-of-range index writes nothing.
+    """
+    check_dense_layout("layout", layout)
+    p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale, layout=layout)
+    dev = exact_k.device
+    check_tensor("packed", packed, dtypes=torch.uint8, ndim=3, device=dev)
+    nb = packed.shape[0]
+    check_tensor("packed", packed, shape=(nb, hkv, layout.record_bytes))
+    check_tensor("src_pool_blocks", src_pool_blocks, dtypes=torch.int32, ndim=1, device=dev)
+    n = src_pool_blocks.shape[0]
+    check_tensor("dst_blocks", dst_blocks, dtypes=torch.int32, shape=(n,), device=dev)
+    check_index_range("src_pool_blocks", src_pool_blocks, p)
+    check_index_range("dst_blocks", dst_blocks, nb)
+    check_device(exact_k)
+    torch.ops.kvarn.flush(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks,
+                          packed, layout.format_name)
