@@ -6,17 +6,11 @@ so they are opaque to torch.compile. Each launcher validates its arguments (Valu
 the argument) and has the signature of the matching ``kvarn_ops.reference`` op.
 """
 
+from kvarn_ops.kernels.flush import flush
+from kvarn_ops.kernels.materialize import materialize
 from kvarn_ops.kernels.rotate import rotate
 from kvarn_ops.kernels.store import store
 
-try:
-    from kvarn_ops.kernels.flush import flush
-except ImportError:  # pragma: no cover - module not written yet
-    pass
-try:
-    from kvarn_ops.kernels.materialize import materialize
-except ImportError:  # pragma: no cover - module not written yet
-    pass
 try:
     from kvarn_ops.kernels.decode import decode, decode_workspace
 except ImportError as _decode_error:  # decode.py is developed separately; report at use

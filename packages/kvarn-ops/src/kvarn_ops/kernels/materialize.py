@@ -1,0 +1,287 @@
+"""materialize: dequantize the cached context of B requests into K/V in the model frame.
+
+Memory traffic (E = pool element bytes, s = 4 if fp8 else 0, L_b = seq_lens[b]): read
+``sum_b(floor(L_b/G))*Hkv*R + sum_b(L_b mod G)*2*Hkv*(D*E + s)`` plus the used block-table
+entries; write ``2*sum_b(L_b)*Hkv*D*itemsize(k_out)``.
+
+Grid: one program per (request, logical block, KV head, K or V); programs past a request's
+length exit at once, so the grid is fixed by the shapes and the call never syncs with the host.
+A full block is read from its record, the partial newest block from the exact pool.
+
+The inverse rotation is folded into the dequantization (D <= 128): with ``S = diag(s_col)`` and
+``P`` the +-1 Sylvester signs, ``K[t, :] H = s_row[t] * (code[:, t]^T (S P) + zp^T P) / sqrt(D)``
+and ``V[t, :] H = (s_row[t] * code[t, :] (S P) + zp[t] * s_col^T P) / sqrt(D)``. Codes (< 256) and
+``S P`` (fp16 values times +-1) are exact in tf32, so one tensor-core pass is exact up to fp32
+accumulation. D = 256, 512 dequantize in fp32 first and rotate with the 3-pass product.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import kvarn_formats as kf
+from kvarn_ops.kernels._common import (
+    cast_rne,
+    check_device,
+    hadamard_signs,
+    pack_geometry,
+    rotate_rows,
+    unpack_codes_load,
+)
+from kvarn_ops._validate import check_tensor
+from kvarn_ops.reference.cache import check_context_args
+
+__all__ = ["materialize"]
+
+
+def tokens_per_chunk(head_dim: int, group: int) -> int:
+    """Tokens dequantized at once: at most 8192 values of a tile (32 KiB fp32) per chunk."""
+    return min(group, max(16, 8192 // head_dim))
+
+
+@triton.jit
+def _inv_sqrt(x, D: tl.constexpr):
+    # fp32(1/sqrt(D)), the constant the reference multiplies by.
+    if D == 64:
+        return x * 0.125
+    elif D == 128:
+        return x * 0.08838834764831845
+    elif D == 256:
+        return x * 0.0625
+    else:
+        return x * 0.044194173824159216
+
+
+@triton.jit
+def _load_fp16(ptr, offs):
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)) + offs).to(tl.float32)
+
+
+@triton.jit
+def _packed_chunk(rec_ptr, t0, IS_K: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  BT: tl.constexpr, BITS: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
+                  NBP: tl.constexpr, CODES_OFF: tl.constexpr, COL_OFF: tl.constexpr,
+                  ZP_OFF: tl.constexpr, ROW_OFF: tl.constexpr):
+    """Tokens ``t0 .. t0 + BT`` of one record, dequantized and rotated back: fp32 [BT, D].
+
+    ``COL_OFF``: the per-channel scale field (s_col); ``ZP_OFF``, ``ROW_OFF``: zero point and
+    the per-token scale field. For K the zero point is per channel, for V per token."""
+    t = t0 + tl.arange(0, BT)
+    dim = tl.arange(0, D)
+    s_col = _load_fp16(rec_ptr + COL_OFF, dim)
+    s_row = _load_fp16(rec_ptr + ROW_OFF, t)
+    if IS_K:
+        zp = _load_fp16(rec_ptr + ZP_OFF, dim)
+        # K codes [D, G] (index d*G + t): window of BT tokens of every channel row.
+        codes = unpack_codes_load(rec_ptr + CODES_OFF + t0 * BITS // 8, D, BT, G, BITS, L, NB,
+                                  NBP)
+        codes = tl.trans(codes).to(tl.float32)  # [BT, D]
+    else:
+        zp = _load_fp16(rec_ptr + ZP_OFF, t)
+        # V codes [G, D] (index t*D + d): BT whole token rows.
+        codes = unpack_codes_load(rec_ptr + CODES_OFF + t0 * D * BITS // 8, BT, D, D, BITS, L,
+                                  NB, NBP).to(tl.float32)
+    if D <= 128:
+        signs = hadamard_signs(D)
+        m = s_col[:, None] * signs
+        acc = tl.dot(codes, m, input_precision="tf32")
+        if IS_K:
+            zp_h = tl.sum(zp[:, None] * signs, axis=0)
+            y = s_row[:, None] * (acc + zp_h[None, :])
+        else:
+            col_h = tl.sum(s_col[:, None] * signs, axis=0)
+            y = s_row[:, None] * acc + zp[:, None] * col_h[None, :]
+        y = _inv_sqrt(y, D)
+    else:
+        # Dequantize as the reference does, then rotate with the fp32-accurate product.
+        if IS_K:
+            x = (codes * s_col[None, :] + zp[None, :]) * s_row[:, None]
+        else:
+            x = (codes * s_row[:, None] + zp[:, None]) * s_col[None, :]
+        y = rotate_rows(x, BT, D, False)
+    return y
+
+
+@triton.jit
+def _materialize_kernel(packed_ptr, block_table_ptr, seq_lens_ptr, exact_k_ptr, exact_v_ptr,
+                        k_scale_ptr, v_scale_ptr, tail_ptr, cu_ptr, k_out_ptr, v_out_ptr,
+                        num_blocks, num_pool_blocks, total_rows, max_blocks, cols,
+                        G: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                        FP8: tl.constexpr, RECORD_BYTES: tl.constexpr,
+                        K_BITS: tl.constexpr, K_L: tl.constexpr, K_NB: tl.constexpr,
+                        K_NBP: tl.constexpr,
+                        V_BITS: tl.constexpr, V_L: tl.constexpr, V_NB: tl.constexpr,
+                        V_NBP: tl.constexpr,
+                        KC_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
+                        KR_OFF: tl.constexpr, VC_OFF: tl.constexpr, VS_OFF: tl.constexpr,
+                        VR_OFF: tl.constexpr, VZ_OFF: tl.constexpr):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    is_k = tl.program_id(2) == 0
+    req = pid // cols
+    blk = pid % cols
+    seq_len = tl.load(seq_lens_ptr + req)
+    n_full = seq_len // G
+    rem = seq_len % G
+    start = tl.load(cu_ptr + req).to(tl.int64) + blk * G
+    dim = tl.arange(0, D)
+    if (blk < n_full) & (blk < max_blocks):
+        phys = tl.load(block_table_ptr + req.to(tl.int64) * max_blocks + blk).to(tl.int64)
+        # Out-of-range entries (rejected on the CPU by the launcher) write nothing on a GPU.
+        if (phys >= 0) & (phys < num_blocks):
+            rec_ptr = packed_ptr + (phys * H + head) * RECORD_BYTES
+            for t0 in tl.static_range(0, G, BT):
+                row = start + t0 + tl.arange(0, BT)
+                ok = (row >= 0) & (row < total_rows)
+                row = tl.where(ok, row, 0)
+                offs = (row[:, None] * H + head) * D + dim[None, :]
+                if is_k:
+                    y = _packed_chunk(rec_ptr, t0, True, G, D, BT, K_BITS, K_L, K_NB, K_NBP,
+                                      KC_OFF, KS_OFF, KZ_OFF, KR_OFF)
+                    tl.store(k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty),
+                             mask=ok[:, None])
+                else:
+                    y = _packed_chunk(rec_ptr, t0, False, G, D, BT, V_BITS, V_L, V_NB, V_NBP,
+                                      VC_OFF, VS_OFF, VZ_OFF, VR_OFF)
+                    tl.store(v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty),
+                             mask=ok[:, None])
+    elif (blk == n_full) & (rem > 0):
+        pool_blk = tl.load(tail_ptr + req).to(tl.int64)
+        if (pool_blk >= 0) & (pool_blk < num_pool_blocks):
+            for t0 in tl.static_range(0, G, BT):
+                t = t0 + tl.arange(0, BT)
+                row = start + t
+                ok = (t < rem) & (row >= 0) & (row < total_rows)
+                row = tl.where(ok, row, 0)
+                src = (pool_blk * G + t) * H + head
+                offs = (row[:, None] * H + head) * D + dim[None, :]
+                if is_k:
+                    x = tl.load(exact_k_ptr + src[:, None] * D + dim[None, :],
+                                mask=ok[:, None], other=0.0).to(tl.float32)
+                    y = rotate_rows(x, BT, D, True)
+                    if FP8:
+                        y = y * tl.load(k_scale_ptr + src, mask=ok, other=1.0)[:, None]
+                    tl.store(k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty),
+                             mask=ok[:, None])
+                else:
+                    x = tl.load(exact_v_ptr + src[:, None] * D + dim[None, :],
+                                mask=ok[:, None], other=0.0).to(tl.float32)
+                    y = rotate_rows(x, BT, D, True)
+                    if FP8:
+                        y = y * tl.load(v_scale_ptr + src, mask=ok, other=1.0)[:, None]
+                    tl.store(v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty),
+                             mask=ok[:, None])
+
+
+_FIELD_KEYS = {
+    "k_codes": "KC", "k_col_scale": "KS", "k_zero_point": "KZ", "k_row_scale": "KR",
+    "v_codes": "VC", "v_col_scale": "VS", "v_row_scale": "VR", "v_zero_point": "VZ",
+}
+
+
+def record_offsets(layout) -> dict:
+    """Constexpr arguments of ``_materialize_kernel``: field offsets and pack geometry."""
+    out = {"RECORD_BYTES": layout.record_bytes}
+    for name, key in _FIELD_KEYS.items():
+        out[f"{key}_OFF"] = layout.field(name).offset
+    for prefix, name in (("K", "k_codes"), ("V", "v_codes")):
+        bits = layout.field(name).bits
+        group, nb, nbp = pack_geometry(bits)
+        out.update({f"{prefix}_BITS": bits, f"{prefix}_L": group, f"{prefix}_NB": nb,
+                    f"{prefix}_NBP": nbp})
+    return out
+
+
+def _launch(packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block,
+            format_name: str, k_out, v_out, cu_seqlens) -> None:
+    b, max_blocks = block_table.shape
+    p, g, hkv, d = exact_k.shape
+    # Programs for block index max_blocks hold a tail after max_blocks full blocks.
+    cols = max_blocks + 1
+    if b == 0 or k_out.shape[0] == 0:
+        return
+    layout = kf.dense_layout(format_name, d)
+    fp8 = exact_k.dtype == torch.float8_e4m3fn
+    ks = k_scale if fp8 else exact_k
+    vs = v_scale if fp8 else exact_v
+    bt = tokens_per_chunk(d, g)
+    _materialize_kernel[(b * cols, hkv, 2)](
+        packed, block_table, seq_lens, exact_k, exact_v, ks, vs, tail_pool_block, cu_seqlens,
+        k_out, v_out, packed.shape[0], p, k_out.shape[0], max_blocks, cols,
+        G=g, H=hkv, D=d, BT=bt, FP8=fp8, num_warps=4, **record_offsets(layout))
+
+
+@torch.library.custom_op("kvarn::materialize", mutates_args=("k_out", "v_out"))
+def _materialize_op(packed: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    exact_k: torch.Tensor, exact_v: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None, tail_pool_block: torch.Tensor,
+                    format_name: str, k_out: torch.Tensor, v_out: torch.Tensor,
+                    cu_seqlens: torch.Tensor) -> None:
+    _launch(packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block,
+            format_name, k_out, v_out, cu_seqlens)
+
+
+@_materialize_op.register_fake
+def _materialize_fake(packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
+                      tail_pool_block, format_name, k_out, v_out, cu_seqlens) -> None:
+    return None
+
+
+def materialize(
+    packed: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    tail_pool_block: torch.Tensor,
+    layout,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> None:
+    """Write every cached token of each request, dequantized, model frame (Triton).
+
+    Rows ``cu_seqlens[b] .. cu_seqlens[b] + seq_lens[b]`` of ``k_out``/``v_out`` receive request
+    ``b``: logical block ``i < seq_lens[b] // G`` from ``packed[block_table[b, i]]``, the
+    ``seq_lens[b] % G`` newest tokens from exact-pool block ``tail_pool_block[b]``.
+
+    Parameters
+    ----------
+    packed : uint8 [num_blocks, Hkv, R]; block_table : int32 [B, max_blocks];
+    seq_lens : int32 [B] (may be 0); exact_k, exact_v : [P, G, Hkv, D] pool;
+    k_scale, v_scale : float32 [P, G, Hkv] for an fp8 pool, else None;
+    tail_pool_block : int32 [B]; layout : dense kvarn_formats.RecordLayout;
+    k_out, v_out : [total_tokens, Hkv, D] bfloat16 or float16, contiguous (written at those
+        rows only); cu_seqlens : int32 [B + 1] (entry B is not read).
+
+    Raises
+    ------
+    ValueError
+        Naming the bad argument. Index ranges (block table, tail blocks, output rows) are
+        checked for CPU tensors; on a GPU an out-of-range entry makes its program write
+        nothing.
+    """
+    b, g, hkv, d = check_context_args(packed, block_table, seq_lens, exact_k, exact_v, k_scale,
+                                      v_scale, tail_pool_block, layout)
+    dev = exact_k.device
+    check_tensor("k_out", k_out, dtypes=(torch.bfloat16, torch.float16), ndim=3, device=dev)
+    total = k_out.shape[0]
+    check_tensor("k_out", k_out, shape=(total, hkv, d))
+    check_tensor("v_out", v_out, dtypes=(k_out.dtype,), shape=(total, hkv, d), device=dev)
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=torch.int32, shape=(b + 1,), device=dev)
+    if cu_seqlens.device.type == "cpu" and b:
+        start = cu_seqlens[:b].to(torch.int64)
+        end = start + seq_lens
+        if bool((start < 0).any()) or bool((end > total).any()):
+            raise ValueError(
+                f"cu_seqlens: rows cu_seqlens[b] .. cu_seqlens[b] + seq_lens[b] must lie in "
+                f"[0, {total}) of k_out"
+            )
+    check_device(exact_k)
+    torch.ops.kvarn.materialize(packed, block_table, seq_lens, exact_k, exact_v, k_scale,
+                                v_scale, tail_pool_block, layout.format_name, k_out, v_out,
+                                cu_seqlens)
