@@ -166,16 +166,19 @@ def build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype=torch.flo
 
 
 def run_and_check(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, out_dtype=torch.float32,
-                  num_splits=None):
-    args, (kq, vq, pk, pv) = build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype)
+                  num_splits=None, device="cpu", q_dtype=torch.float32):
+    args, (kq, vq, pk, pv) = build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype,
+                                        q_dtype)
     q = args["q"]
     b = q.shape[0]
     g = args["layout"].block_size
-    out = torch.full(q.shape, float("nan"), dtype=out_dtype)
-    ws = kd.decode_workspace(b, t, q.shape[2], hkv, d, max(seq_lens), g, device="cpu",
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
+    ws = kd.decode_workspace(b, t, q.shape[2], hkv, d, max(seq_lens), g, device=device,
                              num_splits=num_splits)
     ws.fill_(float("nan"))
-    kd.decode(**args, out=out, workspace=ws)
+    dev_args = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    kd.decode(**dev_args, out=out, workspace=ws)
+    out = out.cpu()
     assert torch.isfinite(out).all(), "decode left unwritten (NaN) or non-finite elements"
     ref = oracle(q, kq, vq, pk, pv, args["block_table"], args["seq_lens"],
                  args["tail_pool_block"], g, args["softmax_scale"])

@@ -230,9 +230,9 @@ def _decode_split_kernel(
             c0 = c * TC
             if K_GENERIC:
                 tok = c0 + jk
-                kc = _load_codes(rec + K_OFF, dcol[:, None] * G + tok[None, :], KB)
+                kcodes = _load_codes(rec + K_OFF, dcol[:, None] * G + tok[None, :], KB)
                 srow = tl.load(rec16 + KRS_OFF // 2 + tok).to(tl.float32)
-                s0 = (tl.dot(qs, kc.to(tl.float16)) + qz[:, None]) * srow[None, :]
+                s0 = (tl.dot(qs, kcodes.to(tl.float16)) + qz[:, None]) * srow[None, :]
                 s0 = tl.where(u * G + tok[None, :] <= q_pos[:, None], s0, float("-inf"))
                 m_new, l, alpha, p0 = _online_update(m_tile, l, s0)
                 va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)

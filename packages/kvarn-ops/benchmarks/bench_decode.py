@@ -1,0 +1,212 @@
+"""Decode benchmark on a CUDA GPU: KVarN Triton decode vs copy bandwidth vs bf16 SDPA.
+
+Bytes read per step (the roofline): for each request and KV head, ``seq_len // G`` records of
+``record_bytes`` plus the ``seq_len % G`` exact tail tokens (K and V, pool element size), plus
+q and out (``B * T * Hq * D`` elements each). The workspace round trip is not counted (it is
+overhead of split-K, not data the step needs). SDPA reads ``2 * B * Hkv * seq_len * D`` bf16
+elements plus q and out. Copy bandwidth: a device-to-device ``copy_`` of 1 GiB, (read +
+write) bytes / time, measured in the same run. Times are medians of
+``triton.testing.do_bench``.
+
+    python bench_decode.py --out results/decode.json [--check] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+import kvarn_formats as kf
+from kvarn_ops.kernels import decode as kd
+
+GEOMS = [  # (batch, context, Hq, Hkv, D, format)
+    (1, 32768, 32, 8, 128, "kvarn_k4v2_g64"),
+    (8, 32768, 32, 8, 128, "kvarn_k4v2_g64"),
+    (32, 16384, 32, 8, 128, "kvarn_k4v2_g64"),
+    (64, 32768, 32, 8, 128, "kvarn_k4v2_g64"),
+    (1, 131072, 32, 8, 128, "kvarn_k4v2_g64"),
+    (16, 131072, 32, 8, 128, "kvarn_k4v2_g64"),
+    (64, 4096, 32, 8, 128, "kvarn_k4v2_g64"),
+    (32, 16384, 32, 8, 128, "kvarn_k4v4_g64"),
+    (32, 16384, 32, 8, 128, "kvarn_k4v2_g128"),
+    (32, 16384, 32, 8, 128, "kvarn_k5v5_g64"),
+    (32, 16384, 16, 8, 64, "kvarn_k4v2_g64"),
+    (32, 16384, 32, 8, 256, "kvarn_k4v2_g64"),
+]
+QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x))
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def make_inputs(b, ctx, hq, hkv, d, fmt, pool_dtype=torch.bfloat16, tail=0):
+    lay = kf.dense_layout(fmt, d)
+    g = lay.block_size
+    seq = ctx + tail
+    nfull = seq // g
+    nblocks = b * nfull + 1
+    packed = torch.randint(0, 256, (nblocks, hkv, lay.record_bytes), dtype=torch.uint8,
+                           device="cuda")
+    h16 = packed.view(torch.float16)
+    for name, lo, hi in (("k_col_scale", 0.05, 0.15), ("k_zero_point", -1.2, -0.8),
+                         ("k_row_scale", 0.5, 1.5), ("v_col_scale", 0.5, 1.5),
+                         ("v_row_scale", 0.2, 0.6), ("v_zero_point", -1.2, -0.8)):
+        f = lay.field(name)
+        sl = h16[:, :, f.offset // 2: f.offset // 2 + f.count]
+        sl.uniform_(lo, hi)
+    bt = torch.randperm(b * nfull, device="cuda", dtype=torch.int64).to(torch.int32)
+    bt = bt.view(b, nfull) if nfull else torch.zeros(b, 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((b,), seq, dtype=torch.int32, device="cuda")
+    ek = torch.randn(b + 1, g, hkv, d, device="cuda").to(pool_dtype)
+    ev = torch.randn(b + 1, g, hkv, d, device="cuda").to(pool_dtype)
+    tailb = torch.arange(b, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ws = kd.decode_workspace(b, 1, hq, hkv, d, seq, g, device="cuda")
+    args = (q, packed, bt, seq_lens, ek, ev, None, None, tailb, lay, 1 / math.sqrt(d), out, ws)
+    nbytes = (b * hkv * (nfull * lay.record_bytes + (seq % g) * d * 2 * ek.element_size())
+              + 2 * q.numel() * q.element_size())
+    return args, nbytes
+
+
+def sdpa_time(b, ctx, hq, hkv, d):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    f = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            f(q, k, v, enable_gqa=True)
+            ms = triton.testing.do_bench(lambda: f(q, k, v, enable_gqa=True))
+        backend = "flash"
+    except RuntimeError:
+        ms = triton.testing.do_bench(lambda: f(q, k, v, enable_gqa=True))
+        backend = "default"
+    nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+    del q, k, v
+    return ms, nbytes, backend
+
+
+def check_gpu() -> list[dict]:
+    """Kernel vs the fp64 oracle of the CPU tests, on the GPU, plus CUDA-graph replay."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import os
+
+    import numpy as np
+    os.environ["TRITON_INTERPRET"] = "0"  # the test module defaults it to 1 for CPU runs
+    import test_decode as td
+    rng = np.random.default_rng(int(time.time()))
+    cases = [
+        ("kvarn_k4v2_g64", 128, 2, 4, 1, [1, 63, 64, 65, 130, 700], torch.bfloat16),
+        ("kvarn_k4v2_g64", 128, 2, 4, 3, [3, 65, 700, 5000], torch.float8_e4m3fn),
+        ("kvarn_k5v5_g64", 128, 2, 4, 1, [70, 700], torch.float16),
+        ("kvarn_k3v6_g32", 64, 3, 3, 2, [2, 63, 130], torch.bfloat16),
+        ("kvarn_k2v2_g128", 256, 1, 8, 1, [300, 1000], torch.bfloat16),
+        ("kvarn_k4v4_g64", 512, 1, 1, 8, [520, 64], torch.float16),
+        ("kvarn_k8v8_g64", 64, 4, 1, 1, [4000, 17], torch.float16),
+    ]
+    res = []
+    for c in cases:
+        try:
+            td.run_and_check(rng, *c, device="cuda")
+            res.append({"case": str(c[:5]), "ok": True})
+        except Exception as e:  # report and keep going
+            res.append({"case": str(c[:5]), "ok": False, "error": repr(e)[:400]})
+        print("check", res[-1], flush=True)
+    # CUDA graph capture + replay
+    try:
+        args, _ = make_inputs(4, 4096, 32, 8, 128, "kvarn_k4v2_g64", tail=37)
+        out = args[11]
+        kd.decode(*args)
+        torch.cuda.synchronize()
+        want = out.clone()
+        out.fill_(float("nan"))
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            kd.decode(*args)
+        gr.replay()
+        torch.cuda.synchronize()
+        ok = bool(torch.equal(out, want))
+        res.append({"case": "cuda_graph_replay", "ok": ok})
+    except Exception as e:
+        res.append({"case": "cuda_graph_replay", "ok": False, "error": repr(e)[:400]})
+    print("check", res[-1], flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", default="", help="comma list of num_warps=N,rpad=N to try")
+    a = ap.parse_args()
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d")}
+    checks = check_gpu() if a.check else []
+    bw = copy_bandwidth()
+    rows = []
+    base_cfg = kd.kernel_config
+    variants = [("default", None)] + [(v, v) for v in a.variants.split(",") if v]
+    for geom in (QUICK if a.quick else GEOMS):
+        b, ctx, hq, hkv, d, fmt = geom
+        args, nbytes = make_inputs(*geom)
+        sd_ms, sd_bytes, backend = sdpa_time(b, ctx, hq, hkv, d)
+        for vname, v in variants:
+            def cfg(*xs, _v=v, **kw):
+                consts, opts = base_cfg(*xs, **kw)
+                if _v:
+                    k, val = _v.split("=")
+                    if k == "num_warps":
+                        opts["num_warps"] = int(val)
+                    elif k == "rpad":
+                        consts["R_PAD"] = max(int(val), consts["T"] * consts["GQA"])
+                    elif k == "stages":
+                        opts["num_stages"] = int(val)
+                return consts, opts
+            kd.kernel_config = cfg
+            try:
+                ms = triton.testing.do_bench(lambda: kd.decode(*args))
+            except Exception as e:
+                print("variant", vname, "failed", repr(e)[:300])
+                continue
+            finally:
+                kd.kernel_config = base_cfg
+            rows.append(dict(batch=b, context=ctx, hq=hq, hkv=hkv, head_dim=d, format=fmt,
+                             variant=vname, ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6,
+                             frac_copy=nbytes / (ms * 1e-3) / bw, sdpa_ms=sd_ms,
+                             sdpa_backend=backend, sdpa_frac_copy=sd_bytes / (sd_ms * 1e-3) / bw,
+                             speedup_vs_sdpa=sd_ms / ms,
+                             splits=args[12].numel() // (b * hq * (d + 1))))
+        del args
+        torch.cuda.empty_cache()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"info": info, "copy_bw": bw, "checks": checks,
+                                       "rows": rows}, indent=1))
+    print(f"{info}  copy BW {bw / 1e12:.2f} TB/s")
+    print(f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} ok")
+    print("B     ctx  Hq Hkv   D format           variant      ms   %copy  sdpa_ms sdpa% x_sdpa S")
+    for r in rows:
+        print(f"{r['batch']:<3} {r['context']:>6} {r['hq']:>3} {r['hkv']:>3} {r['head_dim']:>3} "
+              f"{r['format']:<16} {r['variant']:<10} {r['ms']:7.3f} {100 * r['frac_copy']:6.1f} "
+              f"{r['sdpa_ms']:7.3f} {100 * r['sdpa_frac_copy']:5.1f} {r['speedup_vs_sdpa']:5.2f} "
+              f"{r['splits']}")
+
+
+if __name__ == "__main__":
+    main()
