@@ -1,0 +1,259 @@
+"""mla_pack (normalize + RTN + fold + bit-pack full latent tiles from the exact pool into the
+paged cache) and mla_rehydrate (its inverse: a record back into exact-pool rows).
+
+The latent tile is the dense K orientation ``[512 channels, 64 tokens]``; the kernel follows
+``kvarn_ops.reference.quantize.quantize_tiles`` step by step (prescale, 8 column/row
+iterations with best-iterate tracking, RTN per channel, fold, fp16 rebalance), in fp32 with FMA
+contraction off. Codes can still differ from the reference where exp/log or a reduction order
+changes the last bit of a value that sits on a rounding boundary (measured in
+tests/test_mla_pack.py).
+
+Memory traffic: pack reads ``N*64*(512*E + s + 128) + 8N`` and writes ``N*R``; rehydrate reads
+``N*R + 8N`` and writes ``N*64*(512*E + s + 128)`` (E, s of the pool as in the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvarn_ops.kernels._common import (
+    check_device,
+    frexp_exponent,
+    pack_codes_store,
+    pack_geometry,
+    pow2,
+    round_half_even,
+    unpack_codes_load,
+)
+from kvarn_ops.kernels.mla_common import field_offsets, pool_round, pool_views
+from kvarn_ops.reference.mla import GROUP, _check_block_pairs, check_mla_pool, check_packed
+from kvarn_ops.reference.quantize import DEFAULT_CONFIG
+
+__all__ = ["mla_pack", "mla_rehydrate"]
+
+REHYDRATE_T = 16
+"""Tokens per rehydrate program (a [512, 16] code window; 4 programs per tile)."""
+
+
+@triton.jit
+def _spread(y, AXIS: tl.constexpr, N: tl.constexpr, STD_FLOOR: tl.constexpr):
+    """max(std, floor*rms) of every line of ``y`` along AXIS; zero lines take the geometric mean
+    of the positive spreads (1 if none), as the reference."""
+    mean = tl.sum(y, axis=AXIS) / N
+    if AXIS == 0:
+        dev = y - mean[None, :]
+    else:
+        dev = y - mean[:, None]
+    std = tl.sqrt_rn(tl.sum(dev * dev, axis=AXIS) / N)
+    rms = tl.sqrt_rn(tl.sum(y * y, axis=AXIS) / N)
+    s = tl.maximum(std, STD_FLOOR * rms)
+    pos = s > 0.0
+    logs = tl.where(pos, tl.log(tl.maximum(s, 1.1754943508222875e-38)), 0.0)
+    count = tl.sum(pos.to(tl.int32), axis=0)
+    mean_log = tl.sum(logs, axis=0) / tl.maximum(count, 1).to(tl.float32)
+    fill = tl.where(count > 0, tl.exp(mean_log), 1.0)
+    return tl.where(pos, s, fill)
+
+
+@triton.jit
+def _apply(xp, lr, lc):
+    return (xp * tl.exp(-lr)[:, None]) * tl.exp(-lc)[None, :]
+
+
+@triton.jit
+def _imbalance(y, R: tl.constexpr, C: tl.constexpr, STD_FLOOR: tl.constexpr):
+    col = _spread(y, 0, R, STD_FLOOR)
+    row = _spread(y, 1, C, STD_FLOOR)
+    return tl.div_rn(tl.max(col, axis=0), tl.min(col, axis=0)) + \
+        tl.div_rn(tl.max(row, axis=0), tl.min(row, axis=0))
+
+
+@triton.jit
+def _mla_pack_kernel(pool_ptr, pscale_ptr, prope_ptr, src_ptr, dst_ptr, rec_ptr, rec16_ptr,
+                     ITERS: tl.constexpr, STD_FLOOR: tl.constexpr, BITS: tl.constexpr,
+                     CS_OFF: tl.constexpr, ZP_OFF: tl.constexpr, RS_OFF: tl.constexpr,
+                     ROPE_OFF: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr,
+                     L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+    pid = tl.program_id(0)
+    src = tl.load(src_ptr + pid).to(tl.int64)
+    dst = tl.load(dst_ptr + pid).to(tl.int64)
+    d = tl.arange(0, 512)
+    t = tl.arange(0, 64)
+    # K-orientation tile x[d, t] (rows = channels).
+    x = tl.load(pool_ptr + (src * 64 + t[None, :]) * 512 + d[:, None]).to(tl.float32)
+    if FP8:
+        x = x * tl.load(pscale_ptr + src * 64 + t)[None, :]
+    # A token (column) holding NaN/Inf is quantized as zeros.
+    finite = tl.min((tl.abs(x) < float("inf")).to(tl.int32), axis=0) > 0
+    x = tl.where(finite[None, :], x, 0.0)
+    # Prescale by 2**-floor(log2(max|x|)) (exact): the method becomes scale invariant.
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    e = tl.where(amax > 0.0, frexp_exponent(amax) - 1, 0)
+    xp = x * pow2(-e)
+    lr = tl.zeros([512], tl.float32)
+    lc = tl.zeros([64], tl.float32)
+    best_lr = lr
+    best_lc = lc
+    best = _imbalance(xp, 512, 64, STD_FLOOR)
+    for _ in range(ITERS):
+        lc = lc + tl.log(_spread(_apply(xp, lr, lc), 0, 512, STD_FLOOR))
+        lr = lr + tl.log(_spread(_apply(xp, lr, lc), 1, 64, STD_FLOOR))
+        imb = _imbalance(_apply(xp, lr, lc), 512, 64, STD_FLOOR)
+        better = imb < best
+        best = tl.where(better, imb, best)
+        best_lr = tl.where(better, lr, best_lr)
+        best_lc = tl.where(better, lc, best_lc)
+    b = _apply(xp, best_lr, best_lc)
+    # RTN over each channel (row).
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    lo = tl.min(b, axis=1)
+    rng = tl.max(b, axis=1) - lo
+    inv = tl.where(rng > 0.0, tl.div_rn(tl.full([512], LEVELS, tl.float32),
+                                        tl.where(rng > 0.0, rng, 1.0)), 0.0)
+    q = round_half_even((b - lo[:, None]) * inv[:, None])
+    codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
+    step = tl.div_rn(rng, tl.full([512], LEVELS, tl.float32))
+    # Fold the RTN step and zero point into the channel scale.
+    row_mult = tl.exp(best_lr)
+    s = row_mult * step
+    z = row_mult * lo
+    w = tl.exp(best_lc)
+    # Move a power of two between the sides so every fp16 field stays normal.
+    mag = tl.maximum(tl.abs(s), tl.abs(z))
+    nz = mag > 0.0
+    big = 536870911
+    ea = frexp_exponent(mag) + e
+    a_lo = tl.min(tl.where(nz, ea, big), axis=0)
+    a_hi = tl.max(tl.where(nz, ea, -big), axis=0)
+    eb = frexp_exponent(w)
+    b_lo = tl.min(eb, axis=0)
+    b_hi = tl.max(eb, axis=0)
+    has_a = tl.max(nz.to(tl.int32), axis=0) > 0
+    lower = tl.where(has_a, tl.maximum(-13 - a_lo, b_hi - 15), b_hi - 15)
+    upper = tl.where(has_a, tl.minimum(15 - a_hi, b_lo + 13), b_lo + 13)
+    j = (lower + upper) >> 1
+    base = dst * REC
+    pack_codes_store(rec_ptr + base, codes, 512, 64, BITS, L, NB, NBP)
+    b16 = dst * (REC // 2)
+    tl.store(rec16_ptr + b16 + CS_OFF // 2 + d,
+             (s * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True))
+    tl.store(rec16_ptr + b16 + ZP_OFF // 2 + d,
+             (z * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True))
+    tl.store(rec16_ptr + b16 + RS_OFF // 2 + t,
+             (w * pow2(-j)).to(tl.float16).to(tl.int16, bitcast=True))
+    # RoPE: bit copy of the pool rows.
+    rr = tl.arange(0, 64)
+    rope = tl.load(prope_ptr + (src * 64 + t[:, None]) * 64 + rr[None, :])
+    tl.store(rec16_ptr + b16 + ROPE_OFF // 2 + t[:, None] * 64 + rr[None, :], rope)
+
+
+@triton.jit
+def _mla_rehydrate_kernel(rec_ptr, rec16_ptr, src_ptr, dst_ptr, pool_ptr, pscale_ptr,
+                          prope_ptr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
+                          CS_OFF: tl.constexpr, ZP_OFF: tl.constexpr, RS_OFF: tl.constexpr,
+                          ROPE_OFF: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr,
+                          L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+    pid = tl.program_id(0)
+    t0 = tl.program_id(1) * BLOCK_T
+    src = tl.load(src_ptr + pid).to(tl.int64)
+    dst = tl.load(dst_ptr + pid).to(tl.int64)
+    d = tl.arange(0, 512)
+    t = t0 + tl.arange(0, BLOCK_T)
+    base = src * REC
+    b16 = src * (REC // 2)
+    # codes [512, BLOCK_T] for tokens t0..t0+BLOCK_T (stream index d*64 + t).
+    codes = unpack_codes_load(rec_ptr + base + (t0 * BITS) // 8, 512, BLOCK_T, 64, BITS, L, NB,
+                              NBP)
+    cs = tl.load(rec16_ptr + b16 + CS_OFF // 2 + d).to(tl.float16, bitcast=True).to(tl.float32)
+    zp = tl.load(rec16_ptr + b16 + ZP_OFF // 2 + d).to(tl.float16, bitcast=True).to(tl.float32)
+    rs = tl.load(rec16_ptr + b16 + RS_OFF // 2 + t).to(tl.float16, bitcast=True).to(tl.float32)
+    x = (codes.to(tl.float32) * cs[:, None] + zp[:, None]) * rs[None, :]
+    vals, scale = pool_round(tl.trans(x), FP8)
+    rows = dst * 64 + t
+    tl.store(pool_ptr + rows[:, None] * 512 + d[None, :], vals.to(pool_ptr.dtype.element_ty))
+    if FP8:
+        tl.store(pscale_ptr + rows, scale)
+    rr = tl.arange(0, 64)
+    rope = tl.load(rec16_ptr + b16 + ROPE_OFF // 2 + t[:, None] * 64 + rr[None, :])
+    tl.store(prope_ptr + rows[:, None] * 64 + rr[None, :], rope)
+
+
+def _geometry(format_name: str):
+    import kvarn_formats as kf
+
+    offs = field_offsets(kf.mla_layout(format_name))
+    lg, nbytes, nbp = pack_geometry(offs["BITS"])
+    return offs, {"L": lg, "NB": nbytes, "NBP": nbp}
+
+
+@torch.library.custom_op("kvarn::mla_pack", mutates_args=("packed",))
+def _pack_op(pool_latent: torch.Tensor, pool_scale: torch.Tensor | None,
+             pool_rope: torch.Tensor, src_pool_blocks: torch.Tensor, dst_blocks: torch.Tensor,
+             packed: torch.Tensor, format_name: str) -> None:
+    n = src_pool_blocks.shape[0]
+    if n == 0:
+        return
+    offs, geo = _geometry(format_name)
+    pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
+    cfg = DEFAULT_CONFIG
+    # FMA contraction off: the reference rounds every product and sum separately.
+    _mla_pack_kernel[(n,)](pl, ps, pr, src_pool_blocks, dst_blocks, packed,
+                           packed.view(torch.int16), ITERS=cfg.iters, STD_FLOOR=cfg.std_floor,
+                           FP8=fp8, num_warps=16, enable_fp_fusion=False, **offs, **geo)
+
+
+@_pack_op.register_fake
+def _pack_fake(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed,
+               format_name) -> None:
+    return None
+
+
+@torch.library.custom_op("kvarn::mla_rehydrate",
+                         mutates_args=("pool_latent", "pool_scale", "pool_rope"))
+def _rehydrate_op(packed: torch.Tensor, src_blocks: torch.Tensor, dst_pool_blocks: torch.Tensor,
+                  pool_latent: torch.Tensor, pool_scale: torch.Tensor | None,
+                  pool_rope: torch.Tensor, format_name: str) -> None:
+    n = src_blocks.shape[0]
+    if n == 0:
+        return
+    offs, geo = _geometry(format_name)
+    pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
+    _mla_rehydrate_kernel[(n, GROUP // REHYDRATE_T)](
+        packed, packed.view(torch.int16), src_blocks, dst_pool_blocks, pl, ps, pr,
+        BLOCK_T=REHYDRATE_T, FP8=fp8, num_warps=4, **offs, **geo)
+
+
+@_rehydrate_op.register_fake
+def _rehydrate_fake(packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope,
+                    format_name) -> None:
+    return None
+
+
+def mla_pack(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed,
+             layout) -> None:
+    """Triton ``mla_pack`` (contract of :func:`kvarn_ops.reference.mla.mla_pack`, without the
+    reference-only refit). On a GPU, out-of-range block ids are not checked (no host sync)."""
+    p = check_mla_pool(pool_latent, pool_scale, pool_rope)
+    dev = pool_latent.device
+    nb = check_packed(packed, layout, device=dev)
+    _check_block_pairs(src_pool_blocks, dst_blocks, p, nb, "src_pool_blocks", "dst_blocks", dev)
+    check_device(pool_latent)
+    if DEFAULT_CONFIG.log_scale_clip is not None or not DEFAULT_CONFIG.prescale or \
+            not DEFAULT_CONFIG.rebalance_fp16:  # pragma: no cover - guards a config change
+        raise NotImplementedError("the MLA pack kernel implements only the default config")
+    torch.ops.kvarn.mla_pack(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks,
+                             packed, layout.format_name)
+
+
+def mla_rehydrate(packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope,
+                  layout) -> None:
+    """Triton ``mla_rehydrate`` (contract of :func:`kvarn_ops.reference.mla.mla_rehydrate`)."""
+    p = check_mla_pool(pool_latent, pool_scale, pool_rope)
+    dev = pool_latent.device
+    nb = check_packed(packed, layout, device=dev)
+    _check_block_pairs(src_blocks, dst_pool_blocks, nb, p, "src_blocks", "dst_pool_blocks", dev)
+    check_device(pool_latent)
+    torch.ops.kvarn.mla_rehydrate(packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale,
+                                  pool_rope, layout.format_name)
