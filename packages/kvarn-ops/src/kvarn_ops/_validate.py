@@ -1,0 +1,187 @@
+"""Argument checks shared by the reference ops and the Triton launchers.
+
+Every check raises ``ValueError`` whose message starts with the argument's name, says what was
+expected and what was given. Checks that need the values of a tensor (index ranges) run only
+for CPU tensors: on a GPU they would force a host synchronization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+DENSE_HEAD_DIMS = (64, 128, 256, 512)
+"""head_dim values the Hadamard rotation and the dense layouts support."""
+POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+"""Element types of the exact pool."""
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Element types of K, V and queries in the model frame."""
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn value."""
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def _shape_text(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Sequence[torch.dtype] | torch.dtype | None = None,
+    shape: Sequence[int | None] | None = None,
+    ndim: int | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Check one tensor argument and return it.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, used in the message.
+    dtypes : dtype or sequence of dtype, optional
+        Allowed element types.
+    shape : sequence of int or None, optional
+        Expected shape; ``None`` entries match any size.
+    ndim : int, optional
+        Expected number of dimensions (implied by ``shape``).
+    device : torch.device, optional
+        Required device (type and index).
+    contiguous : bool
+        Require a contiguous (row-major) tensor.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        allowed = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
+        if t.dtype not in allowed:
+            raise ValueError(
+                f"{name}: dtype must be {_dtype_names(allowed)}, got "
+                f"{str(t.dtype).removeprefix('torch.')}"
+            )
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        want = _shape_text(shape) if shape is not None else f"{ndim} dimensions"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    pairs = zip(shape or (), t.shape, strict=False)
+    if shape is not None and any(s is not None and s != ts for s, ts in pairs):
+        raise ValueError(f"{name}: expected shape {_shape_text(shape)}, got {list(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(
+            f"{name}: must be on {device} like the other arguments, got {t.device}; move it with "
+            f".to({str(device)!r})"
+        )
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
+    return t
+
+
+def check_head_dim(name: str, head_dim: int) -> None:
+    """``head_dim`` must be one of :data:`DENSE_HEAD_DIMS`."""
+    if head_dim not in DENSE_HEAD_DIMS:
+        allowed = ", ".join(map(str, DENSE_HEAD_DIMS))
+        raise ValueError(f"{name}: head_dim must be one of {allowed}, got {head_dim}")
+
+
+def check_dense_layout(name: str, layout: object, head_dim: int | None = None) -> None:
+    """``layout`` must be a dense ``kvarn_formats.RecordLayout`` (matching ``head_dim``)."""
+    kind = getattr(layout, "kind", None)
+    if kind is None or not hasattr(layout, "field") or not hasattr(layout, "record_bytes"):
+        raise ValueError(
+            f"{name}: expected a kvarn_formats.RecordLayout (kvarn_formats.dense_layout(...)), "
+            f"got {type(layout).__name__}"
+        )
+    if kind != "dense":
+        raise ValueError(
+            f"{name}: format {layout.format_name!r} is a {kind} layout; these ops need a dense "
+            "layout from kvarn_formats.dense_layout(name, head_dim)"
+        )
+    check_head_dim(name, layout.head_dim)
+    if head_dim is not None and layout.head_dim != head_dim:
+        raise ValueError(
+            f"{name}: layout {layout.format_name!r} has head_dim {layout.head_dim}, but the "
+            f"tensors have head_dim {head_dim}"
+        )
+
+
+def check_index_range(
+    name: str,
+    t: torch.Tensor,
+    high: int,
+    *,
+    low: int = 0,
+    sentinel: int | None = None,
+    used: torch.Tensor | None = None,
+) -> None:
+    """Every used entry of ``t`` must be in ``[low, high)`` (or equal ``sentinel``).
+
+    Only checked for CPU tensors (on a GPU the check would need a host sync). ``used`` is an
+    optional bool mask of the entries that are read; the others may hold anything.
+    """
+    if t.device.type != "cpu" or t.numel() == 0:
+        return
+    vals = t if used is None else t[used]
+    bad = (vals < low) | (vals >= high)
+    if sentinel is not None:
+        bad &= vals != sentinel
+    if bool(bad.any()):
+        first = int(vals[bad][0])
+        extra = f" or {sentinel}" if sentinel is not None else ""
+        raise ValueError(
+            f"{name}: entries must be in [{low}, {high}){extra}, found {first} "
+            f"({int(bad.sum())} entries out of range)"
+        )
+
+
+def check_pool(
+    exact_k: object,
+    exact_v: object,
+    k_scale: object,
+    v_scale: object,
+    *,
+    device: torch.device | None = None,
+    layout: object | None = None,
+) -> tuple[int, int, int, int]:
+    """Check the exact pool and return ``(num_pool_blocks, G, num_kv_heads, D)``.
+
+    ``exact_k``/``exact_v``: ``[P, G, Hkv, D]`` float16, bfloat16 or float8_e4m3fn (same dtype);
+    ``k_scale``/``v_scale``: float32 ``[P, G, Hkv]`` when the pool is fp8, else ``None``.
+    """
+    check_tensor("exact_k", exact_k, dtypes=POOL_DTYPES, ndim=4, device=device)
+    p, g, hkv, d = exact_k.shape
+    check_tensor("exact_v", exact_v, dtypes=(exact_k.dtype,), shape=(p, g, hkv, d),
+                 device=exact_k.device)
+    check_head_dim("exact_k", d)
+    if layout is not None:
+        if g != layout.block_size:
+            raise ValueError(
+                f"exact_k: pool block of {g} tokens, but layout {layout.format_name!r} has "
+                f"{layout.block_size} tokens per block"
+            )
+        if d != layout.head_dim:
+            raise ValueError(
+                f"exact_k: head_dim {d}, but layout {layout.format_name!r} has head_dim "
+                f"{layout.head_dim}"
+            )
+    fp8 = exact_k.dtype == torch.float8_e4m3fn
+    for sname, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if fp8:
+            if s is None:
+                raise ValueError(
+                    f"{sname}: the pool is float8_e4m3fn, so a float32 [{p}, {g}, {hkv}] "
+                    "per-token scale tensor is required"
+                )
+            check_tensor(sname, s, dtypes=torch.float32, shape=(p, g, hkv), device=exact_k.device)
+        elif s is not None:
+            raise ValueError(
+                f"{sname}: must be None for a {str(exact_k.dtype).removeprefix('torch.')} pool "
+                "(scales exist only for float8_e4m3fn pools)"
+            )
+    return p, g, hkv, d

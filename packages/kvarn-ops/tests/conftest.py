@@ -1,0 +1,120 @@
+"""Shared fixtures: a fresh random seed per test (printed, so a failure can be replayed with
+KVARN_TEST_SEED=<seed>), and a builder of random paged caches through the reference ops."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import kvarn_formats as kf
+import pytest
+import torch
+
+from kvarn_ops import reference as ref
+
+
+@pytest.fixture
+def seed(request) -> int:
+    env = os.environ.get("KVARN_TEST_SEED")
+    value = int(env) if env else int.from_bytes(os.urandom(4), "little")
+    # Captured output is shown for failing tests only.
+    print(f"\n[{request.node.name}] seed={value} (replay: KVARN_TEST_SEED={value})")
+    torch.manual_seed(value)
+    return value
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    """A torch.Generator seeded from os.urandom (or KVARN_TEST_SEED)."""
+    return torch.Generator().manual_seed(seed)
+
+
+def realistic_kv(gen: torch.Generator, *shape_and_d: int) -> torch.Tensor:
+    """Random K/V-like values ``[..., D]``: gaussian with log-normal per-channel scales, a few
+    channel offsets and occasional large tokens (what keys and values look like before the
+    rotation), float32."""
+    *lead, d = shape_and_d
+    x = torch.randn(*lead, d, generator=gen)
+    chan = torch.exp(0.7 * torch.randn(d, generator=gen))
+    offset = torch.where(torch.rand(d, generator=gen) < 0.05,
+                         3.0 * torch.randn(d, generator=gen), torch.zeros(d))
+    tok = torch.exp(0.3 * torch.randn(*lead, 1, generator=gen))
+    return (x * chan + offset) * tok
+
+
+@dataclass
+class PagedCache:
+    layout: object
+    k: list  # per request, model frame float32 [L, Hkv, D]
+    v: list
+    packed: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    exact_k: torch.Tensor
+    exact_v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    tail_pool_block: torch.Tensor
+
+    def context_args(self):
+        return (self.packed, self.block_table, self.seq_lens, self.exact_k, self.exact_v,
+                self.k_scale, self.v_scale, self.tail_pool_block, self.layout)
+
+
+def build_cache(gen, fmt: str, head_dim: int, seq_lens, num_kv_heads: int,
+                pool_dtype=torch.float16, spare_blocks: int = 3) -> PagedCache:
+    """Store every token of each request in the exact pool (reference.store), flush the full
+    blocks into randomly chosen physical blocks (reference.flush) and keep the tail in the
+    pool. Unused packed bytes and block-table entries are poison (0xFF, -7)."""
+    lay = kf.dense_layout(fmt, head_dim)
+    g, d, hkv = lay.block_size, head_dim, num_kv_heads
+    blocks_per = [-(-n // g) for n in seq_lens]
+    p = sum(blocks_per) + 1
+    exact_k = torch.empty(p, g, hkv, d, dtype=pool_dtype)
+    exact_v = torch.empty_like(exact_k)
+    fp8 = pool_dtype == torch.float8_e4m3fn
+    k_scale = torch.full((p, g, hkv), float("nan")) if fp8 else None
+    v_scale = torch.full((p, g, hkv), float("nan")) if fp8 else None
+    n_full_total = sum(n // g for n in seq_lens)
+    nb = n_full_total + spare_blocks
+    packed = torch.full((nb, hkv, lay.record_bytes), 0xFF, dtype=torch.uint8)
+    phys = torch.randperm(nb, generator=gen)
+    max_blocks = max(max(n // g for n in seq_lens), 1) + 1
+    block_table = torch.full((len(seq_lens), max_blocks), -7, dtype=torch.int32)
+    tail = torch.full((len(seq_lens),), -7, dtype=torch.int32)
+    ks, vs = [], []
+    pool_next, phys_next = 0, 0
+    src, dst = [], []
+    for r, n in enumerate(seq_lens):
+        k = realistic_kv(gen, n, hkv, d)
+        v = realistic_kv(gen, n, hkv, d)
+        ks.append(k)
+        vs.append(v)
+        nblk = -(-n // g)
+        pool_blocks = torch.arange(pool_next, pool_next + nblk)
+        pool_next += nblk
+        tok = torch.arange(n)
+        slots = (pool_blocks[tok // g] * g + tok % g).to(torch.int64)
+        ref.store(k, v, slots, exact_k, exact_v, k_scale, v_scale)
+        for i in range(n // g):
+            block_table[r, i] = int(phys[phys_next])
+            src.append(int(pool_blocks[i]))
+            dst.append(int(phys[phys_next]))
+            phys_next += 1
+        if n % g:
+            tail[r] = int(pool_blocks[-1])
+    ref.flush(exact_k, exact_v, k_scale, v_scale, torch.tensor(src, dtype=torch.int32),
+              torch.tensor(dst, dtype=torch.int32), packed, lay)
+    return PagedCache(lay, ks, vs, packed, block_table,
+                      torch.tensor(seq_lens, dtype=torch.int32), exact_k, exact_v, k_scale,
+                      v_scale, tail)
+
+
+@pytest.fixture
+def make_cache(gen):
+    """``make_cache(fmt, head_dim, seq_lens, num_kv_heads, pool_dtype)`` -> PagedCache."""
+
+    def make(fmt, head_dim, seq_lens, num_kv_heads, pool_dtype=torch.float16, spare_blocks=3):
+        return build_cache(gen, fmt, head_dim, seq_lens, num_kv_heads, pool_dtype, spare_blocks)
+
+    return make
