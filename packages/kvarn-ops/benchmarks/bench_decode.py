@@ -14,6 +14,7 @@ write) bytes / time, measured in the same run. Times are medians of
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import platform
@@ -26,7 +27,7 @@ import triton
 import triton.testing
 
 import kvarn_formats as kf
-from kvarn_ops.kernels import decode as kd
+kd = importlib.import_module("kvarn_ops.kernels.decode")  # the package exports a function "decode"
 
 GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     (1, 32768, 32, 8, 128, "kvarn_k4v2_g64"),
@@ -195,9 +196,11 @@ def main() -> None:
                              splits=args[12].numel() // (b * hq * (d + 1))))
         del args
         torch.cuda.empty_cache()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"info": info, "copy_bw": bw, "checks": checks,
-                                       "rows": rows}, indent=1))
+        print("row", rows[-len(variants):], flush=True)
+        # written after every geometry so a run cut short still leaves its numbers
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"info": info, "copy_bw": bw, "checks": checks,
+                                           "rows": rows}, indent=1))
     print(f"{info}  copy BW {bw / 1e12:.2f} TB/s")
     print(f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} ok")
     print("B     ctx  Hq Hkv   D format           variant      ms   %copy  sdpa_ms sdpa% x_sdpa S")
