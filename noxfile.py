@@ -35,6 +35,7 @@ multi-GB CUDA build.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -121,7 +122,7 @@ def _uv() -> str | None:
     if found:
         return found
     try:
-        from uv import find_uv_bin  # type: ignore[import-not-found]
+        from uv import find_uv_bin  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return None
     return str(find_uv_bin())
@@ -189,14 +190,9 @@ class Venv:
         if self.path is not None and cmd[0] in ("python", "pytest"):
             cmd = [self.python] + (["-m", "pytest"] if cmd[0] == "pytest" else [])
             cmd += list(args[1:])
-        kwargs: dict[str, object] = {"env": env or {}}
-        if self.path is not None:
-            kwargs["external"] = True
-        if cwd is None:
-            self.session.run(*cmd, **kwargs)  # type: ignore[arg-type]
-        else:
-            with self.session.chdir(cwd):
-                self.session.run(*cmd, **kwargs)  # type: ignore[arg-type]
+        where = self.session.chdir(cwd) if cwd is not None else contextlib.nullcontext()
+        with where:
+            self.session.run(*cmd, env=env or {}, external=self.path is not None)
 
 
 def _with_test_extra(target: str, pkg: kvrepo.Package) -> str:
@@ -353,11 +349,9 @@ def typecheck(session: nox.Session) -> None:
     venv.install(MYPY, "packaging", "nox")
     src_dirs = [str(ROOT / p.rel / "src") for p in PACKAGES.values()]
     mypy_path = os.pathsep.join([*src_dirs, str(ROOT / "tools")])
-    targets = [arg for p in PACKAGES.values() for arg in ("-p", p.module)]
-    session.run(
-        "mypy", *targets, "tools/kvrepo.py", "tools/release.py", "noxfile.py",
-        env={"MYPYPATH": mypy_path},
-    )  # fmt: skip
+    env = {"MYPYPATH": mypy_path}
+    session.run("mypy", *[arg for p in PACKAGES.values() for arg in ("-p", p.module)], env=env)
+    session.run("mypy", "tools/kvrepo.py", "tools/release.py", "noxfile.py", env=env)
 
 
 # --------------------------------------------------------------------------- wheels
