@@ -37,7 +37,10 @@ Algorithm (fp32; every step is what a kernel must reproduce):
    ``B_hi`` of ``w``: ``L = max(-13 - A_lo, B_hi - 15)``, ``U = min(15 - A_hi, B_lo + 13)``,
    ``j = floor((L + U) / 2)`` (integer maths; ``A`` terms dropped when every row is zero). Then
    every stored scale is a normal fp16 number (``2**-14 <= |v| < 2**15``) whenever the tile's
-   dynamic range allows it (tiles of magnitude 1e-4..1e4 are tested). A zero-range row decodes
+   dynamic range allows it (tiles of magnitude 1e-4..1e4 are tested); values beyond fp16 are
+   saturated to +-65504 (never Inf) and values below it round to subnormals or zero. This
+   step runs also without rebalancing (the published variant), where small tiles do get
+   subnormal scales. A zero-range row decodes
    to ``z * w`` exactly (no code term); a constant tile decodes exactly to its value when that
    value is an fp16 number.
 """
@@ -47,6 +50,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvarn_ops.reference.rounding import ROUNDING_MODES, round_rows
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -82,6 +87,9 @@ class NormalizeConfig:
         Move a power of two between row and column scales so the fp16 fields stay normal.
     std_floor : float
         Spread of a line = ``max(std, std_floor * rms)``.
+    rounding : str
+        How codes and per-row (step, zero point) are chosen (``reference/rounding.py``):
+        ``"rtn"`` (default) is min/max RTN (step 4); ``"mse_clip"`` minimizes the error.
     """
 
     iters: int = 8
@@ -89,12 +97,15 @@ class NormalizeConfig:
     prescale: bool = True
     rebalance_fp16: bool = True
     std_floor: float = 1e-3
+    rounding: str = "rtn"
 
     def __post_init__(self) -> None:
         if not isinstance(self.iters, int) or self.iters < 0:
             raise ValueError(f"iters: must be an integer >= 0, got {self.iters!r}")
         if not self.std_floor > 0:
             raise ValueError(f"std_floor: must be > 0, got {self.std_floor!r}")
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"rounding: must be one of {ROUNDING_MODES}, got {self.rounding!r}")
 
 
 DEFAULT_CONFIG = NormalizeConfig()
@@ -107,6 +118,7 @@ for comparisons; not scale invariant."""
 
 _FP16_EXP_MIN = -13  # frexp exponent of the smallest normal fp16 (2**-14 = 0.5 * 2**-13)
 _FP16_EXP_MAX = 15  # values below 2**15 cannot round up to inf
+_FP16_MAX = 65504.0
 
 
 @dataclass
@@ -217,6 +229,11 @@ def quantize_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return codes.to(torch.uint8), rng / levels, lo
 
 
+def _to_fp16(v: torch.Tensor) -> torch.Tensor:
+    # Saturate: a tile whose dynamic range does not fit fp16 stays finite (never Inf).
+    return v.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+
+
 def _exponent(v: torch.Tensor) -> torch.Tensor:
     return torch.frexp(v)[1].to(torch.int32)
 
@@ -235,7 +252,10 @@ def quantize_tiles(
     if not 2 <= bits <= 8:
         raise ValueError(f"bits: must be from 2 to 8, got {bits}")
     balanced, lr, lc, e = normalize_tiles(x, config)
-    codes, step, lo = quantize_rows(balanced, bits)
+    if config.rounding == "rtn":
+        codes, step, lo = quantize_rows(balanced, bits)
+    else:
+        codes, step, lo = round_rows(balanced, lc, bits, config.rounding)
     row_mult = torch.exp(lr)
     s = row_mult * step
     z = row_mult * lo
@@ -261,9 +281,9 @@ def quantize_tiles(
     shift_b = (-j).to(torch.float32)[:, None]
     return QuantizedTiles(
         codes=codes,
-        row_scale=torch.ldexp(s, shift_a).to(torch.float16),
-        zero_point=torch.ldexp(z, shift_a).to(torch.float16),
-        col_scale=torch.ldexp(w, shift_b).to(torch.float16),
+        row_scale=_to_fp16(torch.ldexp(s, shift_a)),
+        zero_point=_to_fp16(torch.ldexp(z, shift_a)),
+        col_scale=_to_fp16(torch.ldexp(w, shift_b)),
     )
 
 
