@@ -176,7 +176,16 @@ DECODE_CASES = [
 
 def _run_decode(cache, q, scale):
     b, t, hq, d = q.shape
-    ws = kernels.decode_workspace(b, t, hq, 64, d, device=DEVICE)
+    ws = kernels.decode_workspace(
+        b,
+        t,
+        hq,
+        cache.exact_k.shape[2],
+        d,
+        int(cache.seq_lens.max()),
+        cache.layout.block_size,
+        device=DEVICE,
+    )
     out = poison_(torch.empty_like(q))
     kernels.decode(q, *cache.args(), scale, out, ws)
     return out
@@ -207,7 +216,7 @@ def test_decode_cuda_graph_replay(gen):
     cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, [n + 40 for n in lens])
     cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     q = torch.randn(len(lens), 1, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
-    ws = kernels.decode_workspace(len(lens), 1, hq, 64, d, device=DEVICE)
+    ws = kernels.decode_workspace(len(lens), 1, hq, hkv, d, 20000 + 40, 64, device=DEVICE)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(d)
     stream = torch.cuda.Stream()
