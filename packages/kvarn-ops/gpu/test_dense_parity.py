@@ -213,10 +213,10 @@ def test_decode_cuda_graph_replay(gen):
     split count read from the device, results equal to eager calls."""
     hq, hkv, d = 32, 8, 128
     lens = [5000, 70, 20000, 640]
-    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, [n + 40 for n in lens])
+    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, [n + 80 for n in lens])
     cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     q = torch.randn(len(lens), 1, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
-    ws = kernels.decode_workspace(len(lens), 1, hq, hkv, d, 20000 + 40, 64, device=DEVICE)
+    ws = kernels.decode_workspace(len(lens), 1, hq, hkv, d, 20000 + 80, 64, device=DEVICE)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(d)
     stream = torch.cuda.Stream()
