@@ -95,8 +95,8 @@ def test_split_kernel_compiles(case, target):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize("d", [64, 128, 256, 512])
-@pytest.mark.parametrize("out", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("d,out", [(64, "bfloat16"), (128, "bfloat16"), (128, "float32"),
+                                   (256, "float16"), (512, "bfloat16")])
 def test_combine_kernel_compiles(d, out, target):
     consts = dict(D=d, G=64, S=16, S_P2=16, MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT,
                   JC=max(1, min(d, 4096 // d)))

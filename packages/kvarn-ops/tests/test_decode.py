@@ -191,3 +191,99 @@ def run_and_check(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, out_dtype=torc
     tol = ERR_FACTOR * base + ATOL[out_dtype] * scale
     assert err <= tol, f"{fmt} d{d} gqa{gqa} T{t} {pool_dtype}: err {err:.3e} > tol {tol:.3e}"
     return out, args
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+# --------------------------------------------------------------------------------------------
+SEQS = [1, 63, 64, 65, 130, 700]
+CASES = [
+    # (format, D, Hkv, GQA, T, pool dtype, out dtype)
+    ("kvarn_k4v2_g64", 64, 1, 4, 1, torch.bfloat16, torch.float32),
+    ("kvarn_k4v2_g64", 128, 2, 4, 3, torch.float8_e4m3fn, torch.bfloat16),
+    ("kvarn_k3v5_g64", 64, 1, 3, 1, torch.float16, torch.float32),
+    ("kvarn_k5v3_g32", 64, 2, 1, 3, torch.bfloat16, torch.float16),
+    ("kvarn_k2v4_g64", 64, 1, 3, 3, torch.float8_e4m3fn, torch.float32),
+    ("kvarn_k8v8_g64", 64, 1, 1, 1, torch.float16, torch.float32),
+    ("kvarn_k4v4_g128", 128, 1, 2, 1, torch.float16, torch.float32),
+    ("kvarn_k6v7_g64", 64, 1, 2, 2, torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-d{c[1]}-h{c[2]}x{c[3]}-T{c[4]}-"
+                         f"{str(c[5])[6:]}-{str(c[6])[6:]}")
+def test_decode_matches_oracle(case):
+    fmt, d, hkv, gqa, t, pool, out_dtype = case
+    rng = np.random.default_rng([SEED, CASES.index(case)])
+    seqs = [max(s, t) for s in SEQS[:3]] + SEQS[3:] if d <= 64 else [max(3, t), 65, 700]
+    run_and_check(rng, fmt, d, hkv, gqa, t, seqs, pool, out_dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_split_counts_agree(num_splits):
+    """One split, an odd split count and more splits than blocks give the same answer."""
+    rng = np.random.default_rng([SEED, 100 + num_splits])
+    run_and_check(rng, "kvarn_k4v2_g64", 64, 1, 2, 2, [2, 200, 700], torch.bfloat16,
+                  num_splits=num_splits)
+
+
+def test_large_head_dims_and_bf16_query():
+    rng = np.random.default_rng([SEED, 7])
+    run_and_check(rng, "kvarn_k4v2_g64", 256, 1, 2, 1, [70, 129], torch.float16,
+                  q_dtype=torch.bfloat16)
+    run_and_check(rng, "kvarn_k2v2_g64", 512, 1, 1, 2, [130], torch.bfloat16)
+
+
+def test_matches_package_reference():
+    """Same answer as kvarn_ops.reference.decode (the package's oracle) on records from the
+    test's own writer."""
+    reference = pytest.importorskip("kvarn_ops.reference")
+    rng = np.random.default_rng([SEED, 11])
+    # every request has a full block: the reference fails on seq_len < G (reported)
+    args, _ = build_case(rng, "kvarn_k4v2_g64", 64, 2, 2, 2, [70, 65, 300], torch.bfloat16)
+    out = torch.full(args["q"].shape, float("nan"))
+    ws = kd.decode_workspace(3, 2, 4, 2, 64, 300, 64, device="cpu")
+    kd.decode(**args, out=out, workspace=ws)
+    ref = torch.full_like(out, float("nan"))
+    reference.decode(**args, out=ref, workspace=ws)
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 4e-3 * scale
+
+
+def _good_args():
+    rng = np.random.default_rng([SEED, 13])
+    args, _ = build_case(rng, "kvarn_k4v2_g64", 64, 2, 2, 1, [3, 130], torch.float16)
+    args["out"] = torch.empty(args["q"].shape)
+    args["workspace"] = kd.decode_workspace(2, 1, 4, 2, 64, 130, 64, device="cpu")
+    return args
+
+
+BAD = [
+    ("q", lambda a: a.update(q=a["q"].to(torch.int32))),
+    ("q", lambda a: a.update(q=a["q"][:, :, :3])),
+    ("q", lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3))),
+    ("packed", lambda a: a.update(packed=a["packed"][..., :-16].contiguous())),
+    ("packed", lambda a: a.update(packed=a["packed"].to(torch.int16))),
+    ("block_table", lambda a: a.update(block_table=a["block_table"].long())),
+    ("block_table", lambda a: a["block_table"].__setitem__((1, 0), 10_000)),
+    ("seq_lens", lambda a: a.update(seq_lens=a["seq_lens"][:1])),
+    ("seq_lens", lambda a: a["seq_lens"].__setitem__(0, 0)),
+    ("tail_pool_block", lambda a: a["tail_pool_block"].__setitem__(0, 99)),
+    ("exact_k", lambda a: a.update(exact_k=a["exact_k"].float())),
+    ("k_scale", lambda a: a.update(k_scale=torch.ones(1))),
+    ("layout", lambda a: a.update(layout=kf.dense_layout("kvarn_k4v2_g64", 128))),
+    ("layout", lambda a: a.update(layout="kvarn_k4v2_g64")),
+    ("softmax_scale", lambda a: a.update(softmax_scale=float("nan"))),
+    ("out", lambda a: a.update(out=a["out"][:1])),
+    ("out", lambda a: a.update(out=a["out"].to(torch.int32))),
+    ("workspace", lambda a: a.update(workspace=a["workspace"][:10])),
+    ("workspace", lambda a: a.update(workspace=a["workspace"].double())),
+]
+
+
+@pytest.mark.parametrize("name,mutate", BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD)])
+def test_bad_input_raises_value_error_naming_argument(name, mutate):
+    args = _good_args()
+    mutate(args)
+    with pytest.raises(ValueError, match=name):
+        kd.decode(**args)
