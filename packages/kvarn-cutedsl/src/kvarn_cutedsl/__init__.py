@@ -29,9 +29,9 @@ except PackageNotFoundError:  # pragma: no cover - running from an uninstalled t
 def __getattr__(name: str):
     # The launcher imports torch: load it on first use.
     if name in ("decode", "decode_workspace", "decode_num_splits"):
-        from kvarn_cutedsl import decode as _decode_mod
+        from kvarn_cutedsl import launcher as _launcher
 
-        return getattr(_decode_mod, name)
+        return getattr(_launcher, name)
     raise AttributeError(f"module 'kvarn_cutedsl' has no attribute {name!r}")
 
 

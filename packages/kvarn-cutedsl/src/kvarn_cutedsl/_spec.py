@@ -83,3 +83,19 @@ def make_spec(format_name: str, head_dim: int, gqa: int, query_len: int, q_dtype
         v_col_scale=f("v_col_scale").offset, v_row_scale=f("v_row_scale").offset,
         v_zero_point=f("v_zero_point").offset,
     )
+
+
+MIN_UNITS_PER_SPLIT = 2
+"""A split gets at least this many work units when the context allows (as kvarn-ops)."""
+
+
+def split_plan(length: int, group: int, num_splits: int) -> list[tuple[int, int]]:
+    """Work units ``[u0, u1)`` of each live split of a request of ``length`` tokens: the host
+    mirror of the device formula in kernel.py (units = full blocks + 1 for a partial tail;
+    ``per = cdiv(n, min(S, cdiv(n, MIN_UNITS)))``; ``cdiv(n, per)`` live splits)."""
+    n_full, tail = divmod(length, group)
+    units = max(1, n_full + (1 if tail else 0))
+    live = min(num_splits, -(-units // MIN_UNITS_PER_SPLIT))
+    per = -(-units // live)
+    live = -(-units // per)
+    return [(s * per, min(units, (s + 1) * per)) for s in range(live)]
