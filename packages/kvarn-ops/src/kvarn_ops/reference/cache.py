@@ -150,7 +150,8 @@ def flush(
         return
     kt = read_pool_blocks(exact_k, k_scale, src_pool_blocks).permute(0, 2, 1, 3)
     vt = read_pool_blocks(exact_v, v_scale, src_pool_blocks).permute(0, 2, 1, 3)
-    rec = encode_records(kt.reshape(n * hkv, g, d), vt.reshape(n * hkv, g, d), layout)
+    rec = encode_records(kt.reshape(n * hkv, g, d).contiguous(),
+                         vt.reshape(n * hkv, g, d).contiguous(), layout)
     packed[dst_blocks.to(torch.long)] = rec.view(n, hkv, -1)
 
 
@@ -195,7 +196,8 @@ def gather_context(
     length = int(seq_lens[request])
     n_full, tail = divmod(length, g)
     blocks = block_table[request, :n_full].to(torch.long)
-    k_full, v_full = decode_records(packed[blocks].reshape(n_full * hkv, -1), layout)
+    records = packed[blocks].reshape(n_full * hkv, layout.record_bytes)
+    k_full, v_full = decode_records(records, layout)
     k_ctx = k_full.view(n_full, hkv, g, d).permute(0, 2, 1, 3).reshape(n_full * g, hkv, d)
     v_ctx = v_full.view(n_full, hkv, g, d).permute(0, 2, 1, 3).reshape(n_full * g, hkv, d)
     if tail:

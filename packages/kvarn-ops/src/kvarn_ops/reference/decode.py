@@ -42,7 +42,7 @@ def _attend_request(qr, packed, blocks, tail_k, tail_v, layout, length, scale, c
     t_q, hkv, grp, d = qr.shape
     g = layout.block_size
     n_full = blocks.shape[0]
-    f = record_fields(packed[blocks].reshape(n_full * hkv, -1), layout)
+    f = record_fields(packed[blocks].reshape(n_full * hkv, layout.record_bytes), layout)
     view = {k: v.view(n_full, hkv, *v.shape[1:]).to(cd) for k, v in f.items()}
     # Packed keys, folded: [n, Hkv, D] query-side scales, codes fed raw.
     q_scaled = torch.einsum("tkgd,nkd->ntkgd", qr, view["k_col_scale"])

@@ -62,7 +62,7 @@ def _fp16_to_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def _bytes_to_fp16(b: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., 2n]`` little-endian -> float16 ``[..., n]``."""
-    pairs = b.reshape(*b.shape[:-1], -1, 2).to(torch.int32)
+    pairs = b.reshape(*b.shape[:-1], b.shape[-1] // 2, 2).to(torch.int32)
     bits = pairs[..., 0] | (pairs[..., 1] << 8)
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.float16)
 
