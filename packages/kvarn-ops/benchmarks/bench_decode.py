@@ -27,7 +27,9 @@ import triton
 import triton.testing
 
 import kvarn_formats as kf
-kd = importlib.import_module("kvarn_ops.kernels.decode")  # the package exports a function "decode"
+
+# the kernels package exports a function named "decode": import the module by name
+kd = importlib.import_module("kvarn_ops.kernels.decode")
 
 GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     (1, 32768, 32, 8, 128, "kvarn_k4v2_g64"),
@@ -98,7 +100,6 @@ def sdpa_time(b, ctx, hq, hkv, d):
         ms = triton.testing.do_bench(lambda: f(q, k, v, enable_gqa=True))
         backend = "default"
     nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
-    del q, k, v
     return ms, nbytes, backend
 
 
@@ -182,7 +183,7 @@ def main() -> None:
                 return consts, opts
             kd.kernel_config = cfg
             try:
-                ms = triton.testing.do_bench(lambda: kd.decode(*args))
+                ms = triton.testing.do_bench(lambda a=args: kd.decode(*a))
             except Exception as e:
                 print("variant", vname, "failed", repr(e)[:300])
                 continue
@@ -194,7 +195,6 @@ def main() -> None:
                              sdpa_backend=backend, sdpa_frac_copy=sd_bytes / (sd_ms * 1e-3) / bw,
                              speedup_vs_sdpa=sd_ms / ms,
                              splits=args[12].numel() // (b * hq * (d + 1))))
-        del args
         torch.cuda.empty_cache()
         print("row", rows[-len(variants):], flush=True)
         # written after every geometry so a run cut short still leaves its numbers

@@ -101,7 +101,7 @@ def test_combine_kernel_compiles(d, out, target):
     consts = dict(D=d, G=64, S=16, S_P2=16, MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT,
                   JC=max(1, min(d, 4096 // d)))
     sig = {"ws_ptr": "*fp32", "seq_ptr": "*i32", "out_ptr": Q[out], "lse_numel": "i32",
-           "rows_per_request": "i32", **{k: "constexpr" for k in consts}}
+           "rows_per_request": "i32", **dict.fromkeys(consts, "constexpr")}
     src = triton.compiler.ASTSource(fn=KD._decode_combine_kernel, signature=sig,
                                     constexprs=consts)
     k = triton.compile(src, target=target, options=dict(num_warps=4))

@@ -21,7 +21,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kvarn_formats as kf  # noqa: E402
-kd = importlib.import_module("kvarn_ops.kernels.decode")  # the package exports a function "decode"
+
+# the kernels package exports a function named "decode": import the module by name
+kd = importlib.import_module("kvarn_ops.kernels.decode")
 
 ERR_FACTOR = 2.0
 """Kernel error vs fp64 may be at most twice the error of the fp16-rounded emulation."""

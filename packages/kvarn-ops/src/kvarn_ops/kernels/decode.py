@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 
 import kvarn_formats as kf
-
 from kvarn_ops import _validate as V
 
 __all__ = [
@@ -382,7 +381,7 @@ def _decode_combine_kernel(
     inv_w = 1.0 / tl.sum(w, axis=0)
     d = tl.arange(0, D)
     o = tl.zeros([D], dtype=tl.float32)
-    for s in range(0, n_live):
+    for s in range(n_live):
         ws_s = tl.exp2(tl.load(ws_ptr + row * S + s) - lse_max)
         o += ws_s * tl.load(ws_ptr + lse_numel + (row * S + s) * D + d)
     o = o * (inv_w / tl.sqrt(D * 1.0))
@@ -401,7 +400,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layout_consts(format_name: str, head_dim: int) -> dict:
     lay = kf.dense_layout(format_name, head_dim)
     fmt = kf.parse_format(format_name)
