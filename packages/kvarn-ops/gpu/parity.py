@@ -32,6 +32,8 @@ class _Collector:
     def pytest_runtest_logreport(self, report: Any) -> None:
         entry = self.results.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
         entry["seconds"] += report.duration
+        for key, value in getattr(report, "user_properties", []):
+            entry[str(key)] = value
         if report.skipped:
             entry["outcome"] = "skipped"
             entry["detail"] = str(report.longrepr)[-2000:]
