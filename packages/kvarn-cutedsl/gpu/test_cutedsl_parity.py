@@ -93,44 +93,39 @@ def realistic_kv(gen, shape):
 
 
 def build_cache(gen, fmt, d, hkv, lens, pool_dtype):
-    """Full blocks packed by the reference flush, partial block in the exact pool; physical
-    and pool blocks shuffled; unused table entries point at a real block."""
+    """Random records (random codes, valid random fp16 scale fields: decode must compute the
+    record formula for any record), the partial block of each request in the exact pool;
+    physical and pool blocks shuffled; unused table entries point at a real block."""
     layout = kf.dense_layout(fmt, d)
     g = layout.block_size
     b = len(lens)
     n_full = [n // g for n in lens]
     max_blocks = max(1, max(-(-n // g) for n in lens))
     num_blocks = sum(n_full) + 3
-    pool_blocks = b + 3 + max(n_full)
     perm = torch.randperm(num_blocks, generator=gen, device=DEVICE).to(torch.int32)
     packed = torch.randint(0, 256, (num_blocks, hkv, layout.record_bytes), generator=gen,
                            device=DEVICE, dtype=torch.uint8)
-    shape = (pool_blocks, g, hkv, d)
-    ek = torch.empty(shape, dtype=pool_dtype, device=DEVICE)
-    ev = torch.empty(shape, dtype=pool_dtype, device=DEVICE)
+    half = packed.view(torch.float16)
+    ranges = {"k_col_scale": (0.02, 0.3), "k_row_scale": (0.5, 2.0), "v_col_scale": (0.02, 0.3),
+              "v_row_scale": (0.5, 2.0), "k_zero_point": (-1.0, 1.0),
+              "v_zero_point": (-1.0, 1.0)}
+    for name, (lo, hi) in ranges.items():
+        f = layout.field(name)
+        n = f.size // 2
+        vals = lo + (hi - lo) * torch.rand(num_blocks, hkv, n, generator=gen, device=DEVICE)
+        half[..., f.offset // 2 : f.offset // 2 + n] = vals.half()
+    shape = (b + 3, g, hkv, d)
+    ek = realistic_kv(gen, shape).to(pool_dtype)
+    ev = realistic_kv(gen, shape).to(pool_dtype)
     fp8 = pool_dtype == torch.float8_e4m3fn
     ks = torch.ones(shape[:3], device=DEVICE) if fp8 else None
     vs = torch.ones(shape[:3], device=DEVICE) if fp8 else None
     table = torch.full((b, max_blocks), int(perm[0]), dtype=torch.int32, device=DEVICE)
     tail = torch.randperm(b + 3, generator=gen, device=DEVICE).to(torch.int32)[:b].contiguous()
     used = 0
-    for r, length in enumerate(lens):
-        k = realistic_kv(gen, (length, hkv, d))
-        v = realistic_kv(gen, (length, hkv, d))
-        nf = n_full[r]
-        if nf:
-            src = torch.arange(b + 3, b + 3 + nf, dtype=torch.int32, device=DEVICE)
-            dst = perm[used : used + nf].contiguous()
-            used += nf
-            table[r, :nf] = dst
-            slots = (src.long().repeat_interleave(g) * g
-                     + torch.arange(g, device=DEVICE).repeat(nf))
-            reference.store(k[: nf * g], v[: nf * g], slots, ek, ev, ks, vs)
-            reference.flush(ek, ev, ks, vs, src, dst, packed, layout)
-        rest = length - nf * g
-        if rest:
-            slots = tail[r].long() * g + torch.arange(rest, device=DEVICE)
-            reference.store(k[nf * g :], v[nf * g :], slots, ek, ev, ks, vs)
+    for r, nf in enumerate(n_full):
+        table[r, :nf] = perm[used : used + nf]
+        used += nf
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return (packed, table, seq, ek, ev, ks, vs, tail, layout)
 
