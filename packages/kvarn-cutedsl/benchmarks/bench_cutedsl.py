@@ -20,10 +20,9 @@ import math
 import torch
 import triton
 
+import kvarn_cutedsl
 import kvarn_formats as kf
 from kvarn_ops import kernels
-
-import kvarn_cutedsl
 
 SHAPES = [  # (format, batch, context); Llama-3.1-8B attention: Hq 32, Hkv 8, D 128
     ("kvarn_k4v2_g64", 1, 32768),
@@ -50,18 +49,26 @@ def make_case(fmt: str, batch: int, ctx: int):
     n_full = ctx // g
     tail = ctx - n_full * g
     nb = batch * n_full + 1
-    packed = torch.randint(0, 256, (nb, HKV, layout.record_bytes), dtype=torch.uint8,
-                           device="cuda")
+    packed = torch.randint(0, 256, (nb, HKV, layout.record_bytes), dtype=torch.uint8, device="cuda")
     half = packed.view(torch.float16)
-    for name in ("k_col_scale", "k_zero_point", "k_row_scale", "v_col_scale", "v_row_scale",
-                 "v_zero_point"):
+    for name in (
+        "k_col_scale",
+        "k_zero_point",
+        "k_row_scale",
+        "v_col_scale",
+        "v_row_scale",
+        "v_zero_point",
+    ):
         f = layout.field(name)
         half[..., f.offset // 2 : (f.offset + f.size) // 2] = (
-            torch.rand(nb, HKV, f.size // 2, device="cuda") + 0.5).half()
+            torch.rand(nb, HKV, f.size // 2, device="cuda") + 0.5
+        ).half()
     table = torch.randperm(nb - 1, device="cuda").to(torch.int32)[: batch * n_full]
-    table = table.view(batch, max(n_full, 1)) if n_full else torch.zeros(batch, 1,
-                                                                           dtype=torch.int32,
-                                                                           device="cuda")
+    table = (
+        table.view(batch, max(n_full, 1))
+        if n_full
+        else torch.zeros(batch, 1, dtype=torch.int32, device="cuda")
+    )
     pool = torch.randn(batch + 1, g, HKV, D, device="cuda").to(torch.bfloat16)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     tpb = torch.arange(batch, dtype=torch.int32, device="cuda")
@@ -84,30 +91,44 @@ def main() -> None:
         out_t = torch.empty_like(q)
         ws_c = kvarn_cutedsl.decode_workspace(batch, 1, HQ, HKV, D, ctx, 64, device="cuda")
         ws_t = kernels.decode_workspace(batch, 1, HQ, HKV, D, ctx, 64, device="cuda")
-        ms_c = triton.testing.do_bench(
-            lambda: kvarn_cutedsl.decode(q, *args, scale, out_c, ws_c))  # noqa: B023
-        ms_t = triton.testing.do_bench(
-            lambda: kernels.decode(q, *args, scale, out_t, ws_t))  # noqa: B023
+        ms_c = triton.testing.do_bench(lambda: kvarn_cutedsl.decode(q, *args, scale, out_c, ws_c))  # noqa: B023
+        ms_t = triton.testing.do_bench(lambda: kernels.decode(q, *args, scale, out_t, ws_t))  # noqa: B023
         diff = float((out_c.float() - out_t.float()).norm() / out_t.float().norm())
-        rows.append(dict(format=fmt, batch=batch, context=ctx, bytes=nbytes,
-                         cutedsl_ms=ms_c, triton_ms=ms_t,
-                         cutedsl_frac_copy_bw=nbytes / (ms_c * 1e-3) / bw,
-                         triton_frac_copy_bw=nbytes / (ms_t * 1e-3) / bw,
-                         speedup_vs_triton=ms_t / ms_c, rel_diff_vs_triton=diff))
-        del q, args
+        rows.append(
+            dict(
+                format=fmt,
+                batch=batch,
+                context=ctx,
+                bytes=nbytes,
+                cutedsl_ms=ms_c,
+                triton_ms=ms_t,
+                cutedsl_frac_copy_bw=nbytes / (ms_c * 1e-3) / bw,
+                triton_frac_copy_bw=nbytes / (ms_t * 1e-3) / bw,
+                speedup_vs_triton=ms_t / ms_c,
+                rel_diff_vs_triton=diff,
+            )
+        )
         torch.cuda.empty_cache()
-    result = dict(device=torch.cuda.get_device_name(), copy_bw_bytes_per_s=bw,
-                  geometry=dict(hq=HQ, hkv=HKV, head_dim=D, query_len=1), rows=rows)
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        copy_bw_bytes_per_s=bw,
+        geometry=dict(hq=HQ, hkv=HKV, head_dim=D, query_len=1),
+        rows=rows,
+    )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"device {result['device']}, copy bandwidth {bw / 1e12:.2f} TB/s; wrote {a.out}")
-    print(f"{'format':16} {'B':>3} {'ctx':>7} {'cutedsl ms':>10} {'%bw':>5} {'triton ms':>10} "
-          f"{'%bw':>5} {'speedup':>7} {'diff':>8}")
+    print(
+        f"{'format':16} {'B':>3} {'ctx':>7} {'cutedsl ms':>10} {'%bw':>5} {'triton ms':>10} "
+        f"{'%bw':>5} {'speedup':>7} {'diff':>8}"
+    )
     for r in rows:
-        print(f"{r['format']:16} {r['batch']:>3} {r['context']:>7} {r['cutedsl_ms']:>10.3f} "
-              f"{100 * r['cutedsl_frac_copy_bw']:>5.1f} {r['triton_ms']:>10.3f} "
-              f"{100 * r['triton_frac_copy_bw']:>5.1f} {r['speedup_vs_triton']:>7.2f} "
-              f"{r['rel_diff_vs_triton']:>8.1e}")
+        print(
+            f"{r['format']:16} {r['batch']:>3} {r['context']:>7} {r['cutedsl_ms']:>10.3f} "
+            f"{100 * r['cutedsl_frac_copy_bw']:>5.1f} {r['triton_ms']:>10.3f} "
+            f"{100 * r['triton_frac_copy_bw']:>5.1f} {r['speedup_vs_triton']:>7.2f} "
+            f"{r['rel_diff_vs_triton']:>8.1e}"
+        )
 
 
 if __name__ == "__main__":

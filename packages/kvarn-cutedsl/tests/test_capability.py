@@ -15,8 +15,9 @@ def _mock_device(monkeypatch, major, minor):
     cap.clear_cache()
 
 
-@pytest.mark.parametrize(("cc", "arch"), [((8, 0), "sm_80a"), ((10, 0), "sm_100a"),
-                                           ((12, 1), "sm_121a")])
+@pytest.mark.parametrize(
+    ("cc", "arch"), [((8, 0), "sm_80a"), ((10, 0), "sm_100a"), ((12, 1), "sm_121a")]
+)
 def test_unsupported_devices_are_refused(monkeypatch, cc, arch):
     _mock_device(monkeypatch, *cc)
     assert cap.device_arch() == arch
@@ -78,8 +79,14 @@ def test_device_arch_is_cached(monkeypatch):
 
 @pytest.mark.parametrize(
     ("kb", "vb", "g", "d", "what"),
-    [(5, 5, 64, 128, "K bits 5"), (2, 2, 128, 128, "K bits 2"), (4, 3, 64, 128, "V bits 3"),
-     (4, 8, 64, 128, "V bits 8"), (4, 2, 32, 128, "group 32"), (4, 2, 64, 256, "head_dim 256")],
+    [
+        (5, 5, 64, 128, "K bits 5"),
+        (2, 2, 128, 128, "K bits 2"),
+        (4, 3, 64, 128, "V bits 3"),
+        (4, 8, 64, 128, "V bits 8"),
+        (4, 2, 32, 128, "group 32"),
+        (4, 2, 64, 256, "head_dim 256"),
+    ],
 )
 def test_unimplemented_formats_are_refused(kb, vb, g, d, what):
     with pytest.raises(NotImplementedError, match=what):

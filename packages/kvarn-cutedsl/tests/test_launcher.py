@@ -15,8 +15,16 @@ from kvarn_cutedsl import launcher as dec
 from kvarn_cutedsl._spec import make_spec, split_plan
 
 
-def _case(fmt="kvarn_k4v2_g64", d=128, hq=8, hkv=2, lens=(70, 200), t=1,
-          qd=torch.bfloat16, pd=torch.bfloat16):
+def _case(
+    fmt="kvarn_k4v2_g64",
+    d=128,
+    hq=8,
+    hkv=2,
+    lens=(70, 200),
+    t=1,
+    qd=torch.bfloat16,
+    pd=torch.bfloat16,
+):
     layout = kf.dense_layout(fmt, d)
     g = layout.block_size
     b = len(lens)
@@ -31,8 +39,21 @@ def _case(fmt="kvarn_k4v2_g64", d=128, hq=8, hkv=2, lens=(70, 200), t=1,
     q = torch.randn(b, t, hq, d).to(qd)
     out = torch.empty_like(q)
     ws = dec.decode_workspace(b, t, hq, hkv, d, max(lens), g, device="cpu")
-    return [q, packed, table, seq, pool, pool.clone(), sc, None if sc is None else sc.clone(),
-            tail, layout, 1 / math.sqrt(d), out, ws]
+    return [
+        q,
+        packed,
+        table,
+        seq,
+        pool,
+        pool.clone(),
+        sc,
+        None if sc is None else sc.clone(),
+        tail,
+        layout,
+        1 / math.sqrt(d),
+        out,
+        ws,
+    ]
 
 
 @pytest.fixture
@@ -46,14 +67,16 @@ def no_compile(monkeypatch):
 
 @pytest.mark.parametrize(
     ("index", "bad", "match"),
-    [(0, torch.zeros(2, 1, 8, 128, dtype=torch.int32), "q: dtype"),
-     (1, torch.zeros(3, 2, 100, dtype=torch.uint8), "record_bytes"),
-     (2, torch.zeros(3, 4, dtype=torch.int32), "block_table"),
-     (3, torch.tensor([70, 200], dtype=torch.int64), "seq_lens: dtype"),
-     (8, torch.zeros(3, dtype=torch.int32), "tail_pool_block"),
-     (10, float("nan"), "softmax_scale"),
-     (11, torch.empty(2, 1, 8, 64, dtype=torch.bfloat16), "out: expected shape"),
-     (12, torch.empty(10), "workspace: too small")],
+    [
+        (0, torch.zeros(2, 1, 8, 128, dtype=torch.int32), "q: dtype"),
+        (1, torch.zeros(3, 2, 100, dtype=torch.uint8), "record_bytes"),
+        (2, torch.zeros(3, 4, dtype=torch.int32), "block_table"),
+        (3, torch.tensor([70, 200], dtype=torch.int64), "seq_lens: dtype"),
+        (8, torch.zeros(3, dtype=torch.int32), "tail_pool_block"),
+        (10, float("nan"), "softmax_scale"),
+        (11, torch.empty(2, 1, 8, 64, dtype=torch.bfloat16), "out: expected shape"),
+        (12, torch.empty(10), "workspace: too small"),
+    ],
 )
 def test_bad_arguments_raise_value_error(no_compile, index, bad, match):
     args = _case()
@@ -77,10 +100,14 @@ def test_unvalidated_arch_refused_before_compile(no_compile, monkeypatch, arch):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [(dict(fmt="kvarn_k5v5_g64"), "K bits 5"), (dict(fmt="kvarn_k2v2_g128"), "K bits 2"),
-     (dict(fmt="kvarn_k4v2_g64", d=256), "head_dim 256"),
-     (dict(pd=torch.float8_e4m3fn), "float8_e4m3fn"), (dict(t=4, hq=8, hkv=2), "T=4, GQA=4"),
-     (dict(qd=torch.float32), "q of float32")],
+    [
+        (dict(fmt="kvarn_k5v5_g64"), "K bits 5"),
+        (dict(fmt="kvarn_k2v2_g128"), "K bits 2"),
+        (dict(fmt="kvarn_k4v2_g64", d=256), "head_dim 256"),
+        (dict(pd=torch.float8_e4m3fn), "float8_e4m3fn"),
+        (dict(t=4, hq=8, hkv=2), "T=4, GQA=4"),
+        (dict(qd=torch.float32), "q of float32"),
+    ],
 )
 def test_unimplemented_refused_before_compile(no_compile, monkeypatch, kwargs, match):
     monkeypatch.setenv(cap.ARCH_ENV, "sm_90a")
@@ -95,8 +122,16 @@ def test_spec_matches_layout_fields():
             lay = kf.dense_layout(fmt, d)
             s = make_spec(fmt, d, 4, 1, torch.bfloat16, torch.float16)
             assert s.record_bytes == lay.record_bytes
-            for name in ("k_codes", "k_col_scale", "k_zero_point", "k_row_scale", "v_codes",
-                         "v_col_scale", "v_row_scale", "v_zero_point"):
+            for name in (
+                "k_codes",
+                "k_col_scale",
+                "k_zero_point",
+                "k_row_scale",
+                "v_codes",
+                "v_col_scale",
+                "v_row_scale",
+                "v_zero_point",
+            ):
                 assert getattr(s, name) == lay.field(name).offset
                 # fp16 fields are read through a half view of the record
                 assert name.endswith("codes") or lay.field(name).offset % 2 == 0

@@ -40,8 +40,10 @@ def test_dsl_pin_admits_4_8_0():
 
 def test_no_runtime_dependency_on_kvarn_ops():
     assert not any(d.startswith("kvarn-ops") for d in _deps())
-    code = ("import sys, kvarn_cutedsl, kvarn_cutedsl.launcher, kvarn_cutedsl.aot; "
-            "assert 'kvarn_ops' not in sys.modules; assert 'cutlass' not in sys.modules")
+    code = (
+        "import sys, kvarn_cutedsl, kvarn_cutedsl.launcher, kvarn_cutedsl.aot; "
+        "assert 'kvarn_ops' not in sys.modules; assert 'cutlass' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

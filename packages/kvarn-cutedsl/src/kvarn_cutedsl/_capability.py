@@ -39,7 +39,7 @@ def arch_of(major: int, minor: int) -> str:
     return f"sm_{major}{minor}a"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_arch(index: int) -> str:
     import torch
 
@@ -105,8 +105,7 @@ def check_format(k_bits: int, v_bits: int, group: int, head_dim: int, name: str 
         )
 
 
-def check_geometry(gqa: int, query_len: int, q_dtype: str, pool_dtype: str,
-                   out_dtype: str) -> None:
+def check_geometry(gqa: int, query_len: int, q_dtype: str, pool_dtype: str, out_dtype: str) -> None:
     """Refuse query geometry or dtypes the kernel does not implement."""
     if gqa * query_len > SUPPORTED_MAX_ROWS:
         raise NotImplementedError(
@@ -126,21 +125,42 @@ def check_geometry(gqa: int, query_len: int, q_dtype: str, pool_dtype: str,
             )
 
 
-def is_supported(arch: str, k_bits: int, v_bits: int, group: int, head_dim: int,
-                 gqa: int = 1, query_len: int = 1, q_dtype: str = "bfloat16",
-                 pool_dtype: str = "bfloat16", out_dtype: str | None = None) -> bool:
+def is_supported(
+    arch: str,
+    k_bits: int,
+    v_bits: int,
+    group: int,
+    head_dim: int,
+    gqa: int = 1,
+    query_len: int = 1,
+    q_dtype: str = "bfloat16",
+    pool_dtype: str = "bfloat16",
+    out_dtype: str | None = None,
+) -> bool:
     """True when :func:`require` would pass (the predicate tests skip with)."""
     try:
-        require(arch, k_bits, v_bits, group, head_dim, gqa, query_len, q_dtype, pool_dtype,
-                out_dtype)
+        require(
+            arch, k_bits, v_bits, group, head_dim, gqa, query_len, q_dtype, pool_dtype, out_dtype
+        )
     except NotImplementedError:
         return False
     return True
 
 
-def require(arch: str, k_bits: int, v_bits: int, group: int, head_dim: int, gqa: int = 1,
-            query_len: int = 1, q_dtype: str = "bfloat16", pool_dtype: str = "bfloat16",
-            out_dtype: str | None = None, *, for_build: bool = False) -> None:
+def require(
+    arch: str,
+    k_bits: int,
+    v_bits: int,
+    group: int,
+    head_dim: int,
+    gqa: int = 1,
+    query_len: int = 1,
+    q_dtype: str = "bfloat16",
+    pool_dtype: str = "bfloat16",
+    out_dtype: str | None = None,
+    *,
+    for_build: bool = False,
+) -> None:
     """Every refusal, in order: arch, format, geometry and dtypes."""
     check_arch(arch, for_build=for_build)
     check_format(k_bits, v_bits, group, head_dim)

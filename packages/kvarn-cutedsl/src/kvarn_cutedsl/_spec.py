@@ -7,8 +7,12 @@ from dataclasses import asdict, dataclass
 
 import kvarn_formats as kf
 
-_TORCH_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16",
-                "torch.float32": "float32", "torch.float8_e4m3fn": "float8_e4m3fn"}
+_TORCH_NAMES = {
+    "torch.bfloat16": "bfloat16",
+    "torch.float16": "float16",
+    "torch.float32": "float32",
+    "torch.float8_e4m3fn": "float8_e4m3fn",
+}
 
 
 def dtype_name(dtype) -> str:
@@ -66,21 +70,32 @@ class KernelSpec:
         return asdict(self)
 
 
-def make_spec(format_name: str, head_dim: int, gqa: int, query_len: int, q_dtype,
-              pool_dtype, out_dtype=None) -> KernelSpec:
+def make_spec(
+    format_name: str, head_dim: int, gqa: int, query_len: int, q_dtype, pool_dtype, out_dtype=None
+) -> KernelSpec:
     """The specialization serving ``format_name`` at ``head_dim`` for ``gqa`` query heads per
     KV head and ``query_len`` query tokens."""
     lay = kf.dense_layout(format_name, head_dim)
     fmt = kf.parse_format(format_name)
     f = lay.field
     return KernelSpec(
-        k_bits=fmt.k_bits, v_bits=fmt.v_bits, group=lay.block_size, head_dim=head_dim,
-        gqa=gqa, query_len=query_len, q_dtype=dtype_name(q_dtype),
-        pool_dtype=dtype_name(pool_dtype), out_dtype=dtype_name(out_dtype or q_dtype),
-        record_bytes=lay.record_bytes, k_codes=f("k_codes").offset,
-        k_col_scale=f("k_col_scale").offset, k_zero_point=f("k_zero_point").offset,
-        k_row_scale=f("k_row_scale").offset, v_codes=f("v_codes").offset,
-        v_col_scale=f("v_col_scale").offset, v_row_scale=f("v_row_scale").offset,
+        k_bits=fmt.k_bits,
+        v_bits=fmt.v_bits,
+        group=lay.block_size,
+        head_dim=head_dim,
+        gqa=gqa,
+        query_len=query_len,
+        q_dtype=dtype_name(q_dtype),
+        pool_dtype=dtype_name(pool_dtype),
+        out_dtype=dtype_name(out_dtype or q_dtype),
+        record_bytes=lay.record_bytes,
+        k_codes=f("k_codes").offset,
+        k_col_scale=f("k_col_scale").offset,
+        k_zero_point=f("k_zero_point").offset,
+        k_row_scale=f("k_row_scale").offset,
+        v_codes=f("v_codes").offset,
+        v_col_scale=f("v_col_scale").offset,
+        v_row_scale=f("v_row_scale").offset,
         v_zero_point=f("v_zero_point").offset,
     )
 

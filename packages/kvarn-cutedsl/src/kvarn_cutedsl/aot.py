@@ -89,13 +89,25 @@ def _link(objects: list[Path], out: Path) -> None:
     subprocess.run(cmd, check=True, capture_output=True)
 
 
-def build(specs: list[KernelSpec], arch: str, out_dir: Path, *, copy_runtime: bool = False,
-          log=print) -> Path:
+def build(
+    specs: list[KernelSpec], arch: str, out_dir: Path, *, copy_runtime: bool = False, log=print
+) -> Path:
     """Compile ``specs`` for ``arch`` into ``out_dir``; returns the linked module's path."""
     cap.check_arch(arch, for_build=True)
     for s in specs:
-        cap.require(arch, s.k_bits, s.v_bits, s.group, s.head_dim, s.gqa, s.query_len,
-                    s.q_dtype, s.pool_dtype, s.out_dtype, for_build=True)
+        cap.require(
+            arch,
+            s.k_bits,
+            s.v_bits,
+            s.group,
+            s.head_dim,
+            s.gqa,
+            s.query_len,
+            s.q_dtype,
+            s.pool_dtype,
+            s.out_dtype,
+            for_build=True,
+        )
     from kvarn_cutedsl.compile import compile_spec
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,15 +146,26 @@ def _parse_spec(text: str) -> KernelSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvarn_cutedsl.aot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m kvarn_cutedsl.aot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--arch", required=True, help=f"one of {sorted(cap.BUILDABLE_ARCHS)}")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    p.add_argument("--spec", action="append", default=[], type=_parse_spec,
-                   help="FORMAT:HEAD_DIM:GQA:T:QDTYPE:POOLDTYPE (repeatable)")
-    p.add_argument("--copy-runtime", action="store_true",
-                   help=f"copy {RUNTIME_LIB} next to the module (for a machine without the DSL)")
+    p.add_argument(
+        "--spec",
+        action="append",
+        default=[],
+        type=_parse_spec,
+        help="FORMAT:HEAD_DIM:GQA:T:QDTYPE:POOLDTYPE (repeatable)",
+    )
+    p.add_argument(
+        "--copy-runtime",
+        action="store_true",
+        help=f"copy {RUNTIME_LIB} next to the module (for a machine without the DSL)",
+    )
     a = p.parse_args(argv)
     specs = list(a.spec)
     if a.preset or not specs:
@@ -195,8 +218,9 @@ def _load_runtime(search: list[Path]) -> None:
 def _unpack_runtime(packed: Path) -> Path:
     import gzip
 
-    digest = hashlib.sha256(f"{packed.resolve()}:{packed.stat().st_size}:"
-                            f"{packed.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(
+        f"{packed.resolve()}:{packed.stat().st_size}:{packed.stat().st_mtime_ns}".encode()
+    ).hexdigest()[:16]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvarn-cutedsl")
     dest = root / "runtime" / digest / RUNTIME_LIB
     if not dest.is_file():
@@ -226,8 +250,10 @@ def read_manifest(directory: Path) -> dict:
     """The manifest of an AOT directory, checked; raises ArtifactError naming the problem."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
-        raise ArtifactError(f"{path} does not exist: build it with "
-                            f"`python -m kvarn_cutedsl.aot --arch ARCH --out {directory}`")
+        raise ArtifactError(
+            f"{path} does not exist: build it with "
+            f"`python -m kvarn_cutedsl.aot --arch ARCH --out {directory}`"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -236,8 +262,10 @@ def read_manifest(directory: Path) -> dict:
         if key not in data:
             raise ArtifactError(f"{path}: missing key {key!r}")
     if data["manifest_version"] != MANIFEST_VERSION:
-        raise ArtifactError(f"{path}: manifest_version {data['manifest_version']}, this "
-                            f"kvarn-cutedsl reads {MANIFEST_VERSION}; rebuild the artifacts")
+        raise ArtifactError(
+            f"{path}: manifest_version {data['manifest_version']}, this "
+            f"kvarn-cutedsl reads {MANIFEST_VERSION}; rebuild the artifacts"
+        )
     return data
 
 
@@ -250,8 +278,10 @@ def load_artifacts(directory: str | os.PathLike, arch: str) -> dict[KernelSpec, 
     directory = Path(directory)
     data = read_manifest(directory)
     if data["arch"] != arch:
-        raise ArtifactError(f"{directory} holds kernels for {data['arch']}, but the device "
-                            f"is {arch}; rebuild with --arch {arch}")
+        raise ArtifactError(
+            f"{directory} holds kernels for {data['arch']}, but the device "
+            f"is {arch}; rebuild with --arch {arch}"
+        )
     lib = directory / data["library"]
     if not lib.is_file():
         raise ArtifactError(f"{lib} (named by {directory / MANIFEST}) does not exist")
@@ -276,8 +306,9 @@ def jit_function(spec: KernelSpec, arch: str):
     digest = hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()
     out = _cache_dir(arch) / digest[:16]
     if not (out / MANIFEST).is_file():
-        tmp = Path(tempfile.mkdtemp(prefix="build-", dir=out.parent if out.parent.exists()
-                                    else None))
+        tmp = Path(
+            tempfile.mkdtemp(prefix="build-", dir=out.parent if out.parent.exists() else None)
+        )
         build([spec], arch, tmp, log=lambda *_: None)
         out.parent.mkdir(parents=True, exist_ok=True)
         try:

@@ -32,6 +32,7 @@ outputs ``[S, NR, D]`` then log-sum-exps ``[S, NR]``, ``NR = B * T * Hq``.
 from __future__ import annotations
 
 import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -102,10 +103,23 @@ class DenseDecode:
     ):
         hq = num_kv_heads * self.spec.gqa
         self.split_kernel(
-            q, packed_u8, packed_f16, block_table, seq_lens, tail_pool_block, exact_k,
-            exact_v, workspace, batch, num_kv_heads, bt_stride, num_splits, scale_log2,
-        ).launch(grid=[num_splits, batch * num_kv_heads, 1], block=[NUM_THREADS, 1, 1],
-                 stream=stream)
+            q,
+            packed_u8,
+            packed_f16,
+            block_table,
+            seq_lens,
+            tail_pool_block,
+            exact_k,
+            exact_v,
+            workspace,
+            batch,
+            num_kv_heads,
+            bt_stride,
+            num_splits,
+            scale_log2,
+        ).launch(
+            grid=[num_splits, batch * num_kv_heads, 1], block=[NUM_THREADS, 1, 1], stream=stream
+        )
         self.combine_kernel(workspace, seq_lens, out, batch, hq, num_splits).launch(
             grid=[batch * self.spec.query_len * hq, 1, 1], block=[self.D, 1, 1], stream=stream
         )
@@ -126,8 +140,9 @@ class DenseDecode:
         return live, per, units, n_full
 
     @cute.jit
-    def _fwht(self, buf: cute.Tensor, nrows: cutlass.Constexpr, tid: Int32,
-              nthreads: cutlass.Constexpr):
+    def _fwht(
+        self, buf: cute.Tensor, nrows: cutlass.Constexpr, tid: Int32, nthreads: cutlass.Constexpr
+    ):
         """In-place unnormalized Sylvester Hadamard of each row of ``buf`` [nrows, D]."""
         half = self.D // 2
         h = 1
@@ -178,11 +193,9 @@ class DenseDecode:
         smem = cutlass.utils.SmemAllocator()
         sq = smem.allocate_tensor(Float32, cute.make_layout((R, D), stride=(D, 1)), 16)
         sqs = smem.allocate_tensor(Float32, cute.make_layout((R, D), stride=(D, 1)), 16)
-        ssc = smem.allocate_tensor(Float32, cute.make_layout((P, R, G), stride=(R * G, G, 1)),
-                                   16)
+        ssc = smem.allocate_tensor(Float32, cute.make_layout((P, R, G), stride=(R * G, G, 1)), 16)
         sp = smem.allocate_tensor(Float32, cute.make_layout((R, G), stride=(G, 1)), 16)
-        sout = smem.allocate_tensor(Float32, cute.make_layout((P2, R, D), stride=(R * D, D, 1)),
-                                    16)
+        sout = smem.allocate_tensor(Float32, cute.make_layout((P2, R, D), stride=(R * D, D, 1)), 16)
         # per-tile scale vectors: k_col, k_zp, v_col [D]; k_row, v_row, v_zp [G]
         sdv = smem.allocate_tensor(Float32, cute.make_layout((3, D), stride=(D, 1)), 16)
         sgv = smem.allocate_tensor(Float32, cute.make_layout((3, G), stride=(G, 1)), 16)

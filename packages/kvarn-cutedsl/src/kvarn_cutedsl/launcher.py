@@ -17,7 +17,6 @@ import math
 import torch
 
 import kvarn_formats as kf
-
 from kvarn_cutedsl import _capability as cap
 from kvarn_cutedsl._spec import KernelSpec, dtype_name, make_spec
 
@@ -30,8 +29,13 @@ _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_size: int,
-                      device: torch.device | str | None = None) -> int:
+def decode_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    block_size: int,
+    device: torch.device | str | None = None,
+) -> int:
     """Split count a workspace is sized for: about 4 CTAs per SM, no more than the longest
     context can use (the same rule as kvarn-ops, so one workspace serves both)."""
     sms = 132
@@ -44,10 +48,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_siz
     return max(1, min(MAX_SPLITS, want, by_ctx))
 
 
-def decode_workspace(batch: int, query_len: int, num_q_heads: int, num_kv_heads: int,
-                     head_dim: int, max_seq_len: int, block_size: int,
-                     device: torch.device | str = "cuda", num_splits: int | None = None
-                     ) -> torch.Tensor:
+def decode_workspace(
+    batch: int,
+    query_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    block_size: int,
+    device: torch.device | str = "cuda",
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Scratch for :func:`decode`: float32 ``[S * B * T * Hq * (D + 1)]`` (same as kvarn-ops)."""
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_seq_len, block_size, device)
@@ -61,8 +72,7 @@ def _check_tensor(name, t, dtypes, ndim=None, shape=None, device=None):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise ValueError(f"{name}: dtype must be one of {[str(d) for d in dtypes]}, got "
-                         f"{t.dtype}")
+        raise ValueError(f"{name}: dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dims, got shape {list(t.shape)}")
     if shape is not None and tuple(t.shape) != tuple(shape):
@@ -76,8 +86,21 @@ def _check_contiguous(name, t):
         raise ValueError(f"{name}: must be contiguous (call .contiguous())")
 
 
-def check_arguments(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
-                    tail_pool_block, layout, softmax_scale, out, workspace) -> int:
+def check_arguments(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    layout,
+    softmax_scale,
+    out,
+    workspace,
+) -> int:
     """Shape / dtype / device checks of :func:`decode`; returns the workspace's split count."""
     _check_tensor("q", q, _MODEL_DTYPES, ndim=4)
     dev = q.device
@@ -91,50 +114,65 @@ def check_arguments(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale,
     _check_tensor("packed", packed, (torch.uint8,), ndim=3, device=dev)
     nb, hkv, rb = packed.shape
     if rb != layout.record_bytes:
-        raise ValueError(f"packed: last dim must be record_bytes={layout.record_bytes} of "
-                         f"{layout.format_name!r} at head_dim {d}, got {rb}")
+        raise ValueError(
+            f"packed: last dim must be record_bytes={layout.record_bytes} of "
+            f"{layout.format_name!r} at head_dim {d}, got {rb}"
+        )
     if hkv < 1 or hq % hkv:
-        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads "
-                         "(packed dim 1)")
+        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads (packed dim 1)")
     _check_tensor("block_table", block_table, (torch.int32,), ndim=2, device=dev)
     if block_table.shape[0] != b or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
-        raise ValueError(f"block_table: expected {b} rows with unit column stride, got shape "
-                         f"{list(block_table.shape)} strides {block_table.stride()}")
+        raise ValueError(
+            f"block_table: expected {b} rows with unit column stride, got shape "
+            f"{list(block_table.shape)} strides {block_table.stride()}"
+        )
     _check_tensor("seq_lens", seq_lens, (torch.int32,), shape=(b,), device=dev)
     _check_tensor("tail_pool_block", tail_pool_block, (torch.int32,), shape=(b,), device=dev)
     _check_tensor("exact_k", exact_k, _POOL_DTYPES, ndim=4, device=dev)
     _check_tensor("exact_v", exact_v, (exact_k.dtype,), shape=tuple(exact_k.shape), device=dev)
     g = layout.block_size
     if tuple(exact_k.shape[1:]) != (g, hkv, d):
-        raise ValueError(f"exact_k: expected shape [P, {g}, {hkv}, {d}], got "
-                         f"{list(exact_k.shape)}")
+        raise ValueError(f"exact_k: expected shape [P, {g}, {hkv}, {d}], got {list(exact_k.shape)}")
     if exact_k.dtype == torch.float8_e4m3fn:
         for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-            _check_tensor(name, sc, (torch.float32,), shape=tuple(exact_k.shape[:3]),
-                          device=dev)
+            _check_tensor(name, sc, (torch.float32,), shape=tuple(exact_k.shape[:3]), device=dev)
     elif k_scale is not None or v_scale is not None:
         raise ValueError("k_scale, v_scale: must be None for a float16/bfloat16 pool")
-    if (not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
-            or not math.isfinite(softmax_scale)):
+    if (
+        not isinstance(softmax_scale, (int, float))
+        or isinstance(softmax_scale, bool)
+        or not math.isfinite(softmax_scale)
+    ):
         raise ValueError(f"softmax_scale: must be a finite float, got {softmax_scale!r}")
     _check_tensor("out", out, _MODEL_DTYPES, shape=(b, t, hq, d), device=dev)
     _check_tensor("workspace", workspace, (torch.float32,), ndim=1, device=dev)
-    for name, x in (("q", q), ("packed", packed), ("seq_lens", seq_lens),
-                    ("tail_pool_block", tail_pool_block), ("exact_k", exact_k),
-                    ("exact_v", exact_v), ("out", out), ("workspace", workspace)):
+    for name, x in (
+        ("q", q),
+        ("packed", packed),
+        ("seq_lens", seq_lens),
+        ("tail_pool_block", tail_pool_block),
+        ("exact_k", exact_k),
+        ("exact_v", exact_v),
+        ("out", out),
+        ("workspace", workspace),
+    ):
         _check_contiguous(name, x)
     splits = workspace.numel() // max(1, b * t * hq * (d + 1))
     if splits < 1:
-        raise ValueError(f"workspace: too small, {workspace.numel()} float32 elements; at least "
-                         f"{b * t * hq * (d + 1)} needed (use decode_workspace(...))")
+        raise ValueError(
+            f"workspace: too small, {workspace.numel()} float32 elements; at least "
+            f"{b * t * hq * (d + 1)} needed (use decode_workspace(...))"
+        )
     if dev.type == "cpu" and b:
         # value checks only where they cost no device sync
         if bool((seq_lens < t).any()):
             raise ValueError(f"seq_lens: every entry must be >= T={t}, got {seq_lens.tolist()}")
         full = seq_lens.to(torch.int64) // g
         if int(full.max()) > block_table.shape[1]:
-            raise ValueError(f"block_table: {block_table.shape[1]} columns, but a request has "
-                             f"{int(full.max())} full blocks")
+            raise ValueError(
+                f"block_table: {block_table.shape[1]} columns, but a request has "
+                f"{int(full.max())} full blocks"
+            )
     return min(splits, MAX_SPLITS)
 
 
@@ -144,13 +182,27 @@ def kernel_spec(q, packed, exact_k, layout, out) -> KernelSpec:
     hkv = packed.shape[1]
     fmt = kf.parse_format(layout.format_name)
     cap.check_format(fmt.k_bits, fmt.v_bits, layout.block_size, d, layout.format_name)
-    cap.check_geometry(hq // hkv, t, dtype_name(q.dtype), dtype_name(exact_k.dtype),
-                       dtype_name(out.dtype))
+    cap.check_geometry(
+        hq // hkv, t, dtype_name(q.dtype), dtype_name(exact_k.dtype), dtype_name(out.dtype)
+    )
     return make_spec(layout.format_name, d, hq // hkv, t, q.dtype, exact_k.dtype, out.dtype)
 
 
-def decode(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
-           tail_pool_block, layout, softmax_scale, out, workspace) -> None:
+def decode(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    layout,
+    softmax_scale,
+    out,
+    workspace,
+) -> None:
     """Attention of T query tokens per request over a KVarN paged cache (CuTe DSL kernel).
 
     Parameters
@@ -172,8 +224,21 @@ def decode(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
     ValueError : bad arguments. NotImplementedError : unvalidated GPU arch, or a format,
     geometry or dtype the kernel does not implement (checked before any compile).
     """
-    splits = check_arguments(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale,
-                             v_scale, tail_pool_block, layout, softmax_scale, out, workspace)
+    splits = check_arguments(
+        q,
+        packed,
+        block_table,
+        seq_lens,
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        tail_pool_block,
+        layout,
+        softmax_scale,
+        out,
+        workspace,
+    )
     arch = cap.device_arch(q.device.index if q.device.type == "cuda" else None)
     cap.check_arch(arch)
     spec = kernel_spec(q, packed, exact_k, layout, out)
@@ -190,7 +255,21 @@ def decode(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
     span = (b - 1) * bt_stride + max(1, block_table.shape[1])
     bt_flat = block_table.as_strided((span,), (1,))
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    fn(q.view(-1), packed.view(-1), packed.view(torch.float16).view(-1), bt_flat,
-       seq_lens, tail_pool_block, exact_k.view(-1), exact_v.view(-1), workspace,
-       out.view(-1), b, hkv, bt_stride, splits, float(softmax_scale) * math.log2(math.e),
-       stream)
+    fn(
+        q.view(-1),
+        packed.view(-1),
+        packed.view(torch.float16).view(-1),
+        bt_flat,
+        seq_lens,
+        tail_pool_block,
+        exact_k.view(-1),
+        exact_v.view(-1),
+        workspace,
+        out.view(-1),
+        b,
+        hkv,
+        bt_stride,
+        splits,
+        float(softmax_scale) * math.log2(math.e),
+        stream,
+    )
