@@ -71,7 +71,7 @@ MYPY = "mypy==2.4.1"
 # TRITON_INTERPRET is left to the tests: the interpreter tests set TRITON_INTERPRET=1
 # themselves, and the offline-compile tests need it unset when triton is first imported.
 TEST_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
-PYTEST = ("pytest", "-ra", "-p", "no:cacheprovider")
+PYTEST = ("pytest", "-ra", "-p", "no:cacheprovider", "--durations=5")
 DIST = ROOT / "dist"
 
 
@@ -260,13 +260,21 @@ def pytest_config_args(pkg_dir: Path, work: Path | None = None) -> list[str]:
 
 
 def run_package_tests(
-    venv: Venv, pkg: kvrepo.Package, tests_dir: Path | None = None, *, copy: bool = False
+    venv: Venv,
+    pkg: kvrepo.Package,
+    tests_dir: Path | None = None,
+    *,
+    copy: bool = False,
+    pytest_args: Sequence[str] | None = None,
 ) -> None:
-    """pytest on a package's tests/; with copy=True from a temporary copy (no src/ beside)."""
+    """pytest on a package's tests/; with copy=True from a temporary copy (no src/ beside).
+
+    Extra pytest arguments are the session's positional arguments unless given.
+    """
     tests = tests_dir or ROOT / pkg.rel / "tests"
     if not tests.is_dir() or not any(tests.rglob("test_*.py")):
         venv.session.error(f"{pkg.name}: no tests in {tests} (every package ships tests/)")
-    posargs = list(venv.session.posargs)
+    posargs = list(venv.session.posargs if pytest_args is None else pytest_args)
     if not copy:
         venv.run(*PYTEST, *pytest_config_args(tests.parent), str(tests), *posargs, env=TEST_ENV)
         return
@@ -382,7 +390,13 @@ def _install_build_tool(session: nox.Session) -> None:
     session.install("build[uv]" if _uv() else "build")
 
 
-def test_wheel(session: nox.Session, short: str, wheels: dict[str, Path], tmp: Path) -> None:
+def install_and_test_wheel(
+    session: nox.Session,
+    short: str,
+    wheels: dict[str, Path],
+    tmp: Path,
+    pytest_args: Sequence[str] | None = None,
+) -> None:
     """Install one wheel (+ the wheels of its providers) alone in a clean venv; run its tests."""
     pkg = PACKAGES[short]
     venv = Venv(session, tmp / f"venv-{short}")
@@ -394,7 +408,7 @@ def test_wheel(session: nox.Session, short: str, wheels: dict[str, Path], tmp: P
     reqs += _warn_missing_test_extra(session, pkg)
     venv.install(*reqs)
     assert_installed(venv, pkg)
-    run_package_tests(venv, pkg, copy=True)
+    run_package_tests(venv, pkg, copy=True, pytest_args=pytest_args)
 
 
 @nox.session
@@ -412,7 +426,7 @@ def wheels(session: nox.Session) -> None:
         built[short] = wheel
     tmp = Path(session.create_tmp())
     for short in PACKAGES:
-        test_wheel(session, short, built, tmp)
+        install_and_test_wheel(session, short, built, tmp)
 
 
 # --------------------------------------------------------------------------- release tooling
@@ -461,7 +475,7 @@ def release(session: nox.Session) -> None:
     for dep in [*kvrepo.providers_closure(GRAPH, short), short]:
         out = DIST / PACKAGES[dep].name if dep == short else Path(session.create_tmp()) / dep
         _, built[dep] = build_dists(session, ROOT / PACKAGES[dep].rel, out)
-    test_wheel(session, short, built, Path(session.create_tmp()))
+    install_and_test_wheel(session, short, built, Path(session.create_tmp()), pytest_args=[])
     session.log(
         f"{pkg.name} {pkg.version} is ready; artifacts in {(DIST / pkg.name).relative_to(ROOT)}/.\n"
         f"Create and push the tag (nothing was uploaded):\n"
