@@ -17,9 +17,9 @@ from kvarn_ops.kernels._common import round_to_bf16, round_to_e4m3
 
 __all__ = ["field_offsets", "load_tokens", "pool_round", "token_mask_rows"]
 
-LATENT: tl.constexpr = 512
-ROPE: tl.constexpr = 64
-GROUP: tl.constexpr = 64
+LATENT = tl.constexpr(512)
+ROPE = tl.constexpr(64)
+GROUP = tl.constexpr(64)
 
 
 def field_offsets(layout) -> dict:
