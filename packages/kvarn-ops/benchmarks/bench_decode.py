@@ -155,7 +155,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--variants", default="", help="comma list of num_warps=N,rpad=N to try")
+    ap.add_argument("--variants", default="",
+                    help="comma list of num_warps=N, rpad=N, stages=N, fast=0 (the byte-load "
+                         "loop), splits=N (workspace split count; batch-1 geometries only)")
+    ap.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
     a = ap.parse_args()
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version(),
@@ -165,11 +168,22 @@ def main() -> None:
     rows = []
     base_cfg = kd.kernel_config
     variants = [("default", None)] + [(v, v) for v in a.variants.split(",") if v]
-    for geom in (QUICK if a.quick else GEOMS):
+    todo = QUICK if a.quick else GEOMS
+    if a.geoms:
+        todo = [GEOMS[int(i)] for i in a.geoms.split(",")]
+    for geom in todo:
         b, ctx, hq, hkv, d, fmt = geom
         args, nbytes = make_inputs(*geom)
         sd_ms, sd_bytes, backend = sdpa_time(b, ctx, hq, hkv, d)
         for vname, v in variants:
+            vargs = args
+            if v and v.startswith("splits="):
+                if b != 1:
+                    continue
+                ws = kd.decode_workspace(b, 1, hq, hkv, d, ctx, args[9].block_size,
+                                         device="cuda", num_splits=int(v.split("=")[1]))
+                vargs = args[:12] + (ws,)
+
             def cfg(*xs, _v=v, **kw):
                 consts, opts = base_cfg(*xs, **kw)
                 if _v:
@@ -180,10 +194,12 @@ def main() -> None:
                         consts["R_PAD"] = max(int(val), consts["T"] * consts["GQA"])
                     elif k == "stages":
                         opts["num_stages"] = int(val)
+                    elif k == "fast":
+                        consts["FAST"] = consts["FAST"] and bool(int(val))
                 return consts, opts
             kd.kernel_config = cfg
             try:
-                ms = triton.testing.do_bench(lambda a=args: kd.decode(*a))
+                ms = triton.testing.do_bench(lambda a=vargs: kd.decode(*a))
             except Exception as e:
                 print("variant", vname, "failed", repr(e)[:300])
                 continue
@@ -194,9 +210,9 @@ def main() -> None:
                              frac_copy=nbytes / (ms * 1e-3) / bw, sdpa_ms=sd_ms,
                              sdpa_backend=backend, sdpa_frac_copy=sd_bytes / (sd_ms * 1e-3) / bw,
                              speedup_vs_sdpa=sd_ms / ms,
-                             splits=args[12].numel() // (b * hq * (d + 1))))
+                             splits=vargs[12].numel() // (b * hq * (d + 1))))
+            print("row", rows[-1], flush=True)
         torch.cuda.empty_cache()
-        print("row", rows[-len(variants):], flush=True)
         # written after every geometry so a run cut short still leaves its numbers
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"info": info, "copy_bw": bw, "checks": checks,

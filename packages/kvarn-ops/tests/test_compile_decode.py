@@ -39,7 +39,8 @@ def _load_compiled_module():
 KD = _load_compiled_module()
 
 SPLIT_PTRS = {
-    "q_ptr": None, "rec_ptr": "*u8", "rec16_ptr": "*fp16", "bt_ptr": "*i32", "seq_ptr": "*i32",
+    "q_ptr": None, "rec_ptr": "*u8", "rec16_ptr": "*fp16", "rec32_ptr": "*i32",
+    "bt_ptr": "*i32", "seq_ptr": "*i32",
     "ek_ptr": None, "ev_ptr": None, "ks_ptr": None, "vs_ptr": None, "tail_ptr": "*i32",
     "ws_ptr": "*fp32", "qk_scale": "fp32", "bt_stride": "i32", "num_kv_heads": "i32",
     "num_q_heads": "i32", "lse_numel": "i32",

@@ -132,6 +132,22 @@ def _pv_phase(p, srow_v, zp_v, v_rows_ptr, va0, va1, va2, va3, pz,
 
 
 @triton.jit
+def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """Codes of a [M, W] tile of little-endian int32 words as fp16 ``1024 + code``: element
+    ``[m, 4 * j + i]`` of the [M, 4 * W] result is the ``BITS``-bit field at bit
+    ``8 * i + SHIFT`` of word ``[m, j]`` (byte ``i`` of the word, code ``SHIFT / BITS`` of that
+    byte). OR-ing the code into the mantissa of fp16 1024.0 (bits 0x6400) replaces the
+    int-to-float convert (a quarter-rate instruction) by one logic op; the 1024 offset folds
+    into the zero-point terms of the caller."""
+    M: tl.constexpr = w.shape[0]
+    W: tl.constexpr = w.shape[1]
+    sh = tl.arange(0, 4) * 8 + SHIFT
+    x = ((w[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)) | 0x6400
+    x = tl.reshape(x, [M, 4 * W])
+    return x.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _k_phase_scores(qs, qz, kb, srow_k_ptr, tok, key_pos, q_pos,
                     KB: tl.constexpr, SHIFT: tl.constexpr):
     """Scores of one K phase: ``s_row_K[t] * (qs @ cK[:, tok] + qz)`` with the causal mask."""
@@ -147,14 +163,14 @@ def _k_phase_scores(qs, qz, kb, srow_k_ptr, tok, key_pos, q_pos,
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, rec_ptr, rec16_ptr, bt_ptr, seq_ptr, ek_ptr, ev_ptr, ks_ptr, vs_ptr, tail_ptr,
+    q_ptr, rec_ptr, rec16_ptr, rec32_ptr, bt_ptr, seq_ptr, ek_ptr, ev_ptr, ks_ptr, vs_ptr, tail_ptr,
     ws_ptr, qk_scale, bt_stride, num_kv_heads, num_q_heads, lse_numel,
     T: tl.constexpr, GQA: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     KB: tl.constexpr, VB: tl.constexpr, REC: tl.constexpr,
     K_OFF: tl.constexpr, KCS_OFF: tl.constexpr, KZP_OFF: tl.constexpr, KRS_OFF: tl.constexpr,
     V_OFF: tl.constexpr, VCS_OFF: tl.constexpr, VRS_OFF: tl.constexpr, VZP_OFF: tl.constexpr,
     S: tl.constexpr, MIN_UNITS: tl.constexpr, TC: tl.constexpr, QC: tl.constexpr,
-    POOL_FP8: tl.constexpr,
+    POOL_FP8: tl.constexpr, FAST: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -209,100 +225,219 @@ def _decode_split_kernel(
     acc3 = tl.zeros([R_PAD, DV], dtype=tl.float32)
 
     jk = tl.arange(0, JK)
-    for u in range(u0, tl.minimum(u1, n_full)):
-        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + u).to(tl.int64)
-        rec = rec_ptr + (blk * num_kv_heads + h) * REC
-        rec16 = rec16_ptr + (blk * num_kv_heads + h) * (REC // 2)
-        kcs = tl.load(rec16 + KCS_OFF // 2 + dcol).to(tl.float32)
-        kzp = tl.load(rec16 + KZP_OFF // 2 + dcol).to(tl.float32)
-        qs = (q_rot * kcs[None, :]).to(tl.float16)
-        qz = tl.sum(q_rot * kzp[None, :], axis=1)
-        vcs0 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV).to(tl.float32)
-        va0 = tl.zeros([R_PAD, DV], dtype=tl.float32)
-        va1 = tl.zeros([R_PAD, DV], dtype=tl.float32)
-        va2 = tl.zeros([R_PAD, DV], dtype=tl.float32)
-        va3 = tl.zeros([R_PAD, DV], dtype=tl.float32)
-        pz = tl.zeros([R_PAD], dtype=tl.float32)
-        alpha_tile = tl.full([R_PAD], 1.0, dtype=tl.float32)
-        m_tile = m
-        for c in tl.static_range(G // TC):
-            c0 = c * TC
-            if K_GENERIC:
-                tok = c0 + jk
-                kcodes = _load_codes(rec + K_OFF, dcol[:, None] * G + tok[None, :], KB)
-                srow = tl.load(rec16 + KRS_OFF // 2 + tok).to(tl.float32)
-                s0 = (tl.dot(qs, kcodes.to(tl.float16)) + qz[:, None]) * srow[None, :]
-                s0 = tl.where(u * G + tok[None, :] <= q_pos[:, None], s0, float("-inf"))
-                m_new, l, alpha, p0 = _online_update(m_tile, l, s0)
-                va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)
-                alpha_tile = alpha_tile * alpha
-                m_tile = m_new
-                srv = tl.load(rec16 + VRS_OFF // 2 + tok).to(tl.float32)
-                zpv = tl.load(rec16 + VZP_OFF // 2 + tok).to(tl.float32)
-                va0, va1, va2, va3, pz = _pv_phase(p0, srv, zpv, rec + V_OFF, va0, va1, va2,
-                                                   va3, pz, D, VB, NPV, V_GENERIC, tok, JK)
-            else:
-                # K bytes of this chunk: row d holds G / NPK bytes; byte j of the chunk carries
-                # tokens c0 + j * NPK + phase.
-                kb = tl.load(rec + K_OFF + dcol[:, None] * (G // NPK) + (c0 // NPK)
-                             + jk[None, :]).to(tl.int32)
-                tok0 = c0 + jk * NPK
-                s0 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0, u * G + tok0,
-                                     q_pos, KB, 0)
-                m_new = tl.maximum(m_tile, tl.max(s0, axis=1))
-                if NPK >= 2:
-                    s1 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 1,
-                                         u * G + tok0 + 1, q_pos, KB, KB)
-                    m_new = tl.maximum(m_new, tl.max(s1, axis=1))
-                if NPK >= 4:
-                    s2 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 2,
-                                         u * G + tok0 + 2, q_pos, KB, 2 * KB)
-                    s3 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 3,
-                                         u * G + tok0 + 3, q_pos, KB, 3 * KB)
-                    m_new = tl.maximum(m_new, tl.maximum(tl.max(s2, axis=1),
-                                                         tl.max(s3, axis=1)))
-                alpha = tl.exp2(m_tile - m_new)
-                va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)
-                alpha_tile = alpha_tile * alpha
-                l = l * alpha
-                m_tile = m_new
-                p = tl.exp2(s0 - m_new[:, None])
+    if FAST:
+        # Widths dividing 8, one token chunk per block, K codes in at most 2 phases. Codes and
+        # scales are read as whole words and the next block's are fetched while the current
+        # one is computed (software pipelining in registers); the block-table entry is read
+        # two blocks ahead. Every load of an iteration depends only on the loop index, so
+        # a block costs one memory latency at the start of a split, not several per block.
+        WK: tl.constexpr = G * KB // 32  # int32 words per K row (channel)
+        WV: tl.constexpr = D * VB // 32  # int32 words per V row (token)
+        REC4: tl.constexpr = REC // 4
+        REC2: tl.constexpr = REC // 2
+        wk = tl.arange(0, WK)
+        wv = tl.arange(0, WV)
+        tokA = jk * NPK  # K phase 0 tokens (even tokens for 4-bit K)
+        tokB = jk * NPK + (NPK - 1)  # K phase 1 tokens (NPK == 2); unused when NPK == 1
+        u_end = tl.minimum(u1, n_full)
+        have = u_end > u0
+        bt_row = bt_ptr + b.to(tl.int64) * bt_stride
+        blk = tl.load(bt_row + u0, mask=have, other=0).to(tl.int64)
+        blk_n = tl.load(bt_row + tl.minimum(u0 + 1, u_end - 1), mask=have, other=0)
+        rbase = (blk * num_kv_heads + h)
+        r32 = rec32_ptr + rbase * REC4
+        r16 = rec16_ptr + rbase * REC2
+        kw = tl.load(r32 + K_OFF // 4 + dcol[:, None] * WK + wk[None, :], mask=have, other=0)
+        vwA = tl.load(r32 + V_OFF // 4 + tokA[:, None] * WV + wv[None, :], mask=have, other=0)
+        vwB = tl.load(r32 + V_OFF // 4 + tokB[:, None] * WV + wv[None, :], mask=have, other=0)
+        kcs = tl.load(r16 + KCS_OFF // 2 + dcol, mask=have, other=0.0)
+        kzp = tl.load(r16 + KZP_OFF // 2 + dcol, mask=have, other=0.0)
+        krsA = tl.load(r16 + KRS_OFF // 2 + tokA, mask=have, other=0.0)
+        krsB = tl.load(r16 + KRS_OFF // 2 + tokB, mask=have, other=0.0)
+        vrsA = tl.load(r16 + VRS_OFF // 2 + tokA, mask=have, other=0.0)
+        vrsB = tl.load(r16 + VRS_OFF // 2 + tokB, mask=have, other=0.0)
+        vzpA = tl.load(r16 + VZP_OFF // 2 + tokA, mask=have, other=0.0)
+        vzpB = tl.load(r16 + VZP_OFF // 2 + tokB, mask=have, other=0.0)
+        for u in range(u0, u_end):
+            # issue the loads of block u + 1 (clamped: the last iteration re-reads block u)
+            blk_nn = tl.load(bt_row + tl.minimum(u + 2, u_end - 1))
+            nbase = (blk_n.to(tl.int64) * num_kv_heads + h)
+            n32 = rec32_ptr + nbase * REC4
+            n16 = rec16_ptr + nbase * REC2
+            kw_n = tl.load(n32 + K_OFF // 4 + dcol[:, None] * WK + wk[None, :])
+            vwA_n = tl.load(n32 + V_OFF // 4 + tokA[:, None] * WV + wv[None, :])
+            vwB_n = tl.load(n32 + V_OFF // 4 + tokB[:, None] * WV + wv[None, :])
+            kcs_n = tl.load(n16 + KCS_OFF // 2 + dcol)
+            kzp_n = tl.load(n16 + KZP_OFF // 2 + dcol)
+            krsA_n = tl.load(n16 + KRS_OFF // 2 + tokA)
+            krsB_n = tl.load(n16 + KRS_OFF // 2 + tokB)
+            vrsA_n = tl.load(n16 + VRS_OFF // 2 + tokA)
+            vrsB_n = tl.load(n16 + VRS_OFF // 2 + tokB)
+            vzpA_n = tl.load(n16 + VZP_OFF // 2 + tokA)
+            vzpB_n = tl.load(n16 + VZP_OFF // 2 + tokB)
+            # V column scales of block u: only needed at the end of this iteration
+            vcs0 = tl.load(r16 + VCS_OFF // 2 + iv * NPV).to(tl.float32)
+            if NPV >= 2:
+                vcs1 = tl.load(r16 + VCS_OFF // 2 + iv * NPV + 1).to(tl.float32)
+            if NPV >= 4:
+                vcs2 = tl.load(r16 + VCS_OFF // 2 + iv * NPV + 2).to(tl.float32)
+                vcs3 = tl.load(r16 + VCS_OFF // 2 + iv * NPV + 3).to(tl.float32)
+
+            # ---- block u: scores (codes enter the dot as 1024 + code)
+            qs = (q_rot * kcs.to(tl.float32)[None, :]).to(tl.float16)
+            qz = (tl.sum(q_rot * kzp.to(tl.float32)[None, :], axis=1)
+                  - 1024.0 * tl.sum(qs.to(tl.float32), axis=1))
+            kpos = u * G + tokA
+            s0 = (tl.dot(qs, _words_to_f16(kw, 0, KB)) + qz[:, None]) \
+                * krsA.to(tl.float32)[None, :]
+            s0 = tl.where(kpos[None, :] <= q_pos[:, None], s0, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s0, axis=1))
+            if NPK == 2:
+                s1 = (tl.dot(qs, _words_to_f16(kw, KB, KB)) + qz[:, None]) \
+                    * krsB.to(tl.float32)[None, :]
+                s1 = tl.where(kpos[None, :] + 1 <= q_pos[:, None], s1, float("-inf"))
+                m_new = tl.maximum(m_new, tl.max(s1, axis=1))
+            alpha = tl.exp2(m - m_new)
+            m = m_new
+            p = tl.exp2(s0 - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            pw = (p * vrsA.to(tl.float32)[None, :]).to(tl.float16)
+            pz = (tl.sum(p * vzpA.to(tl.float32)[None, :], axis=1)
+                  - 1024.0 * tl.sum(pw.to(tl.float32), axis=1))
+            va0 = tl.dot(pw, _words_to_f16(vwA, 0, VB))
+            if NPV >= 2:
+                va1 = tl.dot(pw, _words_to_f16(vwA, VB, VB))
+            if NPV >= 4:
+                va2 = tl.dot(pw, _words_to_f16(vwA, 2 * VB, VB))
+                va3 = tl.dot(pw, _words_to_f16(vwA, 3 * VB, VB))
+            if NPK == 2:
+                p = tl.exp2(s1 - m_new[:, None])
                 l += tl.sum(p, axis=1)
-                va0, va1, va2, va3, pz = _pv_phase(
-                    p, tl.load(rec16 + VRS_OFF // 2 + tok0).to(tl.float32),
-                    tl.load(rec16 + VZP_OFF // 2 + tok0).to(tl.float32), rec + V_OFF,
-                    va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0, JK)
-                if NPK >= 2:
-                    p = tl.exp2(s1 - m_new[:, None])
+                pw = (p * vrsB.to(tl.float32)[None, :]).to(tl.float16)
+                pz += (tl.sum(p * vzpB.to(tl.float32)[None, :], axis=1)
+                       - 1024.0 * tl.sum(pw.to(tl.float32), axis=1))
+                va0 = tl.dot(pw, _words_to_f16(vwB, 0, VB), va0)
+                if NPV >= 2:
+                    va1 = tl.dot(pw, _words_to_f16(vwB, VB, VB), va1)
+                if NPV >= 4:
+                    va2 = tl.dot(pw, _words_to_f16(vwB, 2 * VB, VB), va2)
+                    va3 = tl.dot(pw, _words_to_f16(vwB, 3 * VB, VB), va3)
+            acc0 = acc0 * alpha[:, None] + vcs0[None, :] * (va0 + pz[:, None])
+            if NPV >= 2:
+                acc1 = acc1 * alpha[:, None] + vcs1[None, :] * (va1 + pz[:, None])
+            if NPV >= 4:
+                acc2 = acc2 * alpha[:, None] + vcs2[None, :] * (va2 + pz[:, None])
+                acc3 = acc3 * alpha[:, None] + vcs3[None, :] * (va3 + pz[:, None])
+
+            # ---- rotate the pipeline
+            r16 = n16
+            blk_n = blk_nn
+            kw = kw_n
+            vwA = vwA_n
+            vwB = vwB_n
+            kcs = kcs_n
+            kzp = kzp_n
+            krsA = krsA_n
+            krsB = krsB_n
+            vrsA = vrsA_n
+            vrsB = vrsB_n
+            vzpA = vzpA_n
+            vzpB = vzpB_n
+    else:
+        for u in range(u0, tl.minimum(u1, n_full)):
+            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + u).to(tl.int64)
+            rec = rec_ptr + (blk * num_kv_heads + h) * REC
+            rec16 = rec16_ptr + (blk * num_kv_heads + h) * (REC // 2)
+            kcs = tl.load(rec16 + KCS_OFF // 2 + dcol).to(tl.float32)
+            kzp = tl.load(rec16 + KZP_OFF // 2 + dcol).to(tl.float32)
+            qs = (q_rot * kcs[None, :]).to(tl.float16)
+            qz = tl.sum(q_rot * kzp[None, :], axis=1)
+            vcs0 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV).to(tl.float32)
+            va0 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+            va1 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+            va2 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+            va3 = tl.zeros([R_PAD, DV], dtype=tl.float32)
+            pz = tl.zeros([R_PAD], dtype=tl.float32)
+            alpha_tile = tl.full([R_PAD], 1.0, dtype=tl.float32)
+            m_tile = m
+            for c in tl.static_range(G // TC):
+                c0 = c * TC
+                if K_GENERIC:
+                    tok = c0 + jk
+                    kcodes = _load_codes(rec + K_OFF, dcol[:, None] * G + tok[None, :], KB)
+                    srow = tl.load(rec16 + KRS_OFF // 2 + tok).to(tl.float32)
+                    s0 = (tl.dot(qs, kcodes.to(tl.float16)) + qz[:, None]) * srow[None, :]
+                    s0 = tl.where(u * G + tok[None, :] <= q_pos[:, None], s0, float("-inf"))
+                    m_new, l, alpha, p0 = _online_update(m_tile, l, s0)
+                    va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)
+                    alpha_tile = alpha_tile * alpha
+                    m_tile = m_new
+                    srv = tl.load(rec16 + VRS_OFF // 2 + tok).to(tl.float32)
+                    zpv = tl.load(rec16 + VZP_OFF // 2 + tok).to(tl.float32)
+                    va0, va1, va2, va3, pz = _pv_phase(p0, srv, zpv, rec + V_OFF, va0, va1, va2,
+                                                       va3, pz, D, VB, NPV, V_GENERIC, tok, JK)
+                else:
+                    # K bytes of this chunk: row d holds G / NPK bytes; byte j of the chunk carries
+                    # tokens c0 + j * NPK + phase.
+                    kb = tl.load(rec + K_OFF + dcol[:, None] * (G // NPK) + (c0 // NPK)
+                                 + jk[None, :]).to(tl.int32)
+                    tok0 = c0 + jk * NPK
+                    s0 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0, u * G + tok0,
+                                         q_pos, KB, 0)
+                    m_new = tl.maximum(m_tile, tl.max(s0, axis=1))
+                    if NPK >= 2:
+                        s1 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 1,
+                                             u * G + tok0 + 1, q_pos, KB, KB)
+                        m_new = tl.maximum(m_new, tl.max(s1, axis=1))
+                    if NPK >= 4:
+                        s2 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 2,
+                                             u * G + tok0 + 2, q_pos, KB, 2 * KB)
+                        s3 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 3,
+                                             u * G + tok0 + 3, q_pos, KB, 3 * KB)
+                        m_new = tl.maximum(m_new, tl.maximum(tl.max(s2, axis=1),
+                                                             tl.max(s3, axis=1)))
+                    alpha = tl.exp2(m_tile - m_new)
+                    va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)
+                    alpha_tile = alpha_tile * alpha
+                    l = l * alpha
+                    m_tile = m_new
+                    p = tl.exp2(s0 - m_new[:, None])
                     l += tl.sum(p, axis=1)
                     va0, va1, va2, va3, pz = _pv_phase(
-                        p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 1).to(tl.float32),
-                        tl.load(rec16 + VZP_OFF // 2 + tok0 + 1).to(tl.float32), rec + V_OFF,
-                        va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 1, JK)
-                if NPK >= 4:
-                    p = tl.exp2(s2 - m_new[:, None])
-                    l += tl.sum(p, axis=1)
-                    va0, va1, va2, va3, pz = _pv_phase(
-                        p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 2).to(tl.float32),
-                        tl.load(rec16 + VZP_OFF // 2 + tok0 + 2).to(tl.float32), rec + V_OFF,
-                        va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 2, JK)
-                    p = tl.exp2(s3 - m_new[:, None])
-                    l += tl.sum(p, axis=1)
-                    va0, va1, va2, va3, pz = _pv_phase(
-                        p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 3).to(tl.float32),
-                        tl.load(rec16 + VZP_OFF // 2 + tok0 + 3).to(tl.float32), rec + V_OFF,
-                        va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 3, JK)
-        # fold the tile into the running accumulators: s_col_V per channel, zp_V per row
-        m = m_tile
-        acc0 = acc0 * alpha_tile[:, None] + vcs0[None, :] * (va0 + pz[:, None])
-        if NPV >= 2:
-            vcs1 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 1).to(tl.float32)
-            acc1 = acc1 * alpha_tile[:, None] + vcs1[None, :] * (va1 + pz[:, None])
-        if NPV >= 4:
-            vcs2 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 2).to(tl.float32)
-            vcs3 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 3).to(tl.float32)
-            acc2 = acc2 * alpha_tile[:, None] + vcs2[None, :] * (va2 + pz[:, None])
-            acc3 = acc3 * alpha_tile[:, None] + vcs3[None, :] * (va3 + pz[:, None])
+                        p, tl.load(rec16 + VRS_OFF // 2 + tok0).to(tl.float32),
+                        tl.load(rec16 + VZP_OFF // 2 + tok0).to(tl.float32), rec + V_OFF,
+                        va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0, JK)
+                    if NPK >= 2:
+                        p = tl.exp2(s1 - m_new[:, None])
+                        l += tl.sum(p, axis=1)
+                        va0, va1, va2, va3, pz = _pv_phase(
+                            p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 1).to(tl.float32),
+                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 1).to(tl.float32), rec + V_OFF,
+                            va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 1, JK)
+                    if NPK >= 4:
+                        p = tl.exp2(s2 - m_new[:, None])
+                        l += tl.sum(p, axis=1)
+                        va0, va1, va2, va3, pz = _pv_phase(
+                            p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 2).to(tl.float32),
+                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 2).to(tl.float32), rec + V_OFF,
+                            va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 2, JK)
+                        p = tl.exp2(s3 - m_new[:, None])
+                        l += tl.sum(p, axis=1)
+                        va0, va1, va2, va3, pz = _pv_phase(
+                            p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 3).to(tl.float32),
+                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 3).to(tl.float32), rec + V_OFF,
+                            va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 3, JK)
+            # fold the tile into the running accumulators: s_col_V per channel, zp_V per row
+            m = m_tile
+            acc0 = acc0 * alpha_tile[:, None] + vcs0[None, :] * (va0 + pz[:, None])
+            if NPV >= 2:
+                vcs1 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 1).to(tl.float32)
+                acc1 = acc1 * alpha_tile[:, None] + vcs1[None, :] * (va1 + pz[:, None])
+            if NPV >= 4:
+                vcs2 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 2).to(tl.float32)
+                vcs3 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV + 3).to(tl.float32)
+                acc2 = acc2 * alpha_tile[:, None] + vcs2[None, :] * (va2 + pz[:, None])
+                acc3 = acc3 * alpha_tile[:, None] + vcs3[None, :] * (va3 + pz[:, None])
 
     # exact tail: the seq_len % G newest tokens, read from the pool block tail_pool_block[b]
     if (tail > 0) & (u1 > n_full):
@@ -425,10 +560,14 @@ def kernel_config(format_name: str, head_dim: int, gqa: int, query_len: int,
     # and each K phase keeps >= 16 tokens (the K dimension of the V dot must be >= 16).
     tc = min(g, max(16 * npk, _next_pow2(_CODE_REG_BUDGET * npk // d) if d else g))
     tc = min(g, max(tc, 16 * npk))
+    # pipelined word-load path: widths dividing 8, a whole block per chunk, K codes in one or
+    # two phases per byte (4- and 8-bit K); everything else takes the byte-load loop
+    fast = (8 % kb == 0 and 8 % c["VB"] == 0 and tc == g and npk <= 2
+            and (g * kb) % 32 == 0 and (d * c["VB"]) % 32 == 0)
     consts = dict(
         T=query_len, GQA=gqa, R_PAD=max(16, _next_pow2(query_len * gqa)), D=d,
         S=num_splits, MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT, TC=tc, QC=min(d, 32),
-        POOL_FP8=pool_fp8, **c,
+        POOL_FP8=pool_fp8, FAST=fast, **c,
     )
     opts = dict(num_warps=4 if d <= 128 else 8, num_stages=1)
     return consts, opts
@@ -527,7 +666,8 @@ def _launch(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale
     ks = k_scale if pool_fp8 else exact_k
     vs = v_scale if pool_fp8 else exact_v
     _decode_split_kernel[(num_splits, b * hkv)](
-        q, packed, packed.view(torch.float16), block_table, seq_lens, exact_k, exact_v, ks, vs,
+        q, packed, packed.view(torch.float16), packed.view(torch.int32), block_table, seq_lens,
+        exact_k, exact_v, ks, vs,
         tail_pool_block, workspace, float(softmax_scale) * math.log2(math.e),
         block_table.stride(0), hkv, hq, lse_numel, **consts, **opts,
     )
