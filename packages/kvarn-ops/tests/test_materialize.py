@@ -1,0 +1,154 @@
+"""Triton materialize vs a float64 oracle built from the reference's record decoder, under the
+Triton interpreter.
+
+Tolerance per element: ``|out - oracle| <= EPS[dtype] * |oracle| + 1e-5 * max|oracle|``.
+
+| out dtype | EPS | reason |
+|---|---|---|
+| bfloat16 | 2**-8 | one rounding to bf16 (half an ulp is 2**-9 relative) plus fp32 accumulation of up to 512 terms in an order other than the oracle's |
+| float16 | 2**-10 | the same with fp16's 2**-11 half ulp |
+
+The 1e-5 term covers fp32 cancellation between the code and zero-point terms (the inverse
+rotation is folded into the dequantization). The kernel must write every row of each request
+and nothing else (NaN poison in the gaps between requests and after the last one).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kvarn_formats as kf  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvarn_ops import reference as ref  # noqa: E402
+from kvarn_ops.kernels import materialize  # noqa: E402
+
+EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+ATOL_REL = 1e-5
+FP8 = torch.float8_e4m3fn
+
+
+def oracle(cache, request: int):
+    """float64 K, V ``[L, Hkv, D]`` of one request, model frame."""
+    lay = cache.layout
+    g, d = lay.block_size, lay.head_dim
+    hkv = cache.packed.shape[1]
+    length = int(cache.seq_lens[request])
+    n_full, tail = divmod(length, g)
+    h = ref.hadamard_matrix(d, torch.float64)
+    ks, vs = [], []
+    if n_full:
+        blocks = cache.block_table[request, :n_full].long()
+        fields = ref.record_fields(cache.packed[blocks].reshape(n_full * hkv, -1), lay)
+        f64 = {k: v.double() for k, v in fields.items()}
+        k = (f64["k_codes"] * f64["k_col_scale"][:, :, None] + f64["k_zero_point"][:, :, None]
+             ) * f64["k_row_scale"][:, None, :]
+        v = (f64["v_codes"] * f64["v_row_scale"][:, :, None] + f64["v_zero_point"][:, :, None]
+             ) * f64["v_col_scale"][:, None, :]
+        k = k.transpose(1, 2)
+        for x, acc in ((k, ks), (v, vs)):
+            acc.append(x.reshape(n_full, hkv, g, d).permute(0, 2, 1, 3).reshape(-1, hkv, d))
+    if tail:
+        pb = cache.tail_pool_block[request : request + 1]
+        for pool, scale, acc in ((cache.exact_k, cache.k_scale, ks),
+                                 (cache.exact_v, cache.v_scale, vs)):
+            vals = pool[pb.long()][0, :tail].double()
+            if scale is not None:
+                vals = vals * scale[pb.long()][0, :tail, :, None].double()
+            acc.append(vals)
+    if not ks:
+        return torch.zeros(0, hkv, d, dtype=torch.float64), torch.zeros(0, hkv, d,
+                                                                        dtype=torch.float64)
+    return torch.cat(ks) @ h, torch.cat(vs) @ h
+
+
+CASES = [
+    # (format, D, seq_lens, Hkv, pool dtype, out dtype): every tail shape, empty requests.
+    ("kvarn_k4v2_g32", 64, [75, 32, 0, 5], 2, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k3v5_g32", 128, [40, 64], 1, torch.float16, torch.float16),
+    ("kvarn_k7v6_g32", 64, [33, 9], 2, FP8, torch.bfloat16),
+    ("kvarn_k4v4_g64", 128, [64, 70], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k2v8_g32", 256, [45], 1, torch.float16, torch.float16),
+    ("kvarn_k5v2_g32", 512, [38], 1, FP8, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-d{c[1]}-{str(c[4])[6:]}-"
+                         f"{str(c[5])[6:]}")
+def test_materialize_matches_oracle(case, make_cache, gen):
+    fmt, d, seq_lens, hkv, pdt, odt = case
+    cache = make_cache(fmt, d, seq_lens, hkv, pdt)
+    b = len(seq_lens)
+    # Requests placed with gaps of 3 rows between them and 5 poison rows after the last.
+    starts, row = [], 0
+    for n in seq_lens:
+        starts.append(row)
+        row += n + 3
+    total = row + 2
+    cu = torch.tensor(starts + [total], dtype=torch.int32)
+    k_out = torch.full((total, hkv, d), float("nan"), dtype=odt)
+    v_out = torch.full_like(k_out, float("nan"))
+    materialize(*cache.context_args(), k_out, v_out, cu)
+    covered = torch.zeros(total, dtype=torch.bool)
+    for r in range(b):
+        s, n = starts[r], seq_lens[r]
+        covered[s : s + n] = True
+        k64, v64 = oracle(cache, r)
+        for got, want in ((k_out[s : s + n], k64), (v_out[s : s + n], v64)):
+            assert not bool(got.isnan().any()), f"request {r}: a row was not written"
+            if n == 0:
+                continue
+            tol = EPS[odt] * want.abs() + ATOL_REL * want.abs().max()
+            err = (got.double() - want).abs()
+            assert bool((err <= tol).all()), f"request {r}: max excess {(err - tol).max()}"
+    for out in (k_out, v_out):
+        assert bool(out[~covered].isnan().all()), "a row outside every request was written"
+
+
+def test_materialize_is_a_registered_custom_op():
+    assert hasattr(torch.ops.kvarn, "materialize")
+
+
+def _args(**over):
+    lay = kf.dense_layout("kvarn_k4v2_g32", 64)
+    hkv, d = 2, 64
+    args = dict(packed=torch.zeros(3, hkv, lay.record_bytes, dtype=torch.uint8),
+                block_table=torch.tensor([[0, 2], [1, -1]], dtype=torch.int32),
+                seq_lens=torch.tensor([64, 40], dtype=torch.int32),
+                exact_k=torch.zeros(2, 32, hkv, d, dtype=torch.float16),
+                exact_v=torch.zeros(2, 32, hkv, d, dtype=torch.float16),
+                k_scale=None, v_scale=None,
+                tail_pool_block=torch.tensor([-1, 1], dtype=torch.int32), layout=lay,
+                k_out=torch.zeros(104, hkv, d, dtype=torch.bfloat16),
+                v_out=torch.zeros(104, hkv, d, dtype=torch.bfloat16),
+                cu_seqlens=torch.tensor([0, 64, 104], dtype=torch.int32))
+    args.update(over)
+    return args
+
+
+BAD = {
+    "table-range": ("block_table", dict(block_table=torch.tensor([[0, 3], [1, -1]],
+                                                                 dtype=torch.int32))),
+    "table-dtype": ("block_table", dict(block_table=torch.tensor([[0, 2], [1, -1]]))),
+    "seq-too-long": ("seq_lens", dict(seq_lens=torch.tensor([96, 40], dtype=torch.int32))),
+    "tail-range": ("tail_pool_block", dict(tail_pool_block=torch.tensor([-1, 2],
+                                                                        dtype=torch.int32))),
+    "cu-range": ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 70, 104], dtype=torch.int32))),
+    "cu-shape": ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 64], dtype=torch.int32))),
+    "out-dtype": ("k_out", dict(k_out=torch.zeros(104, 2, 64), v_out=torch.zeros(104, 2, 64))),
+    "v-out-dtype": ("v_out", dict(v_out=torch.zeros(104, 2, 64, dtype=torch.float16))),
+    "out-shape": ("k_out", dict(k_out=torch.zeros(104, 2, 128, dtype=torch.bfloat16))),
+    "packed-record": ("packed", dict(packed=torch.zeros(3, 2, 64, dtype=torch.uint8))),
+    "layout-mla": ("layout", dict(layout=kf.mla_layout("kvarn_mla_k4_g64"))),
+    "layout-group": ("exact_k", dict(layout=kf.dense_layout("kvarn_k4v2_g64", 64))),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_materialize_rejects_bad_input(case):
+    name, over = BAD[case]
+    with pytest.raises(ValueError, match=f"^{name}"):
+        materialize(**_args(**over))
