@@ -1,0 +1,194 @@
+"""Benchmark rotate, store, flush and materialize on a CUDA GPU against copy bandwidth.
+
+Each kernel's bytes moved (the memory-traffic formulas of the op modules) over its median
+time (``triton.testing.do_bench``), as GB/s and as a fraction of the device-to-device copy
+bandwidth (read + write) measured in the same run. Targets (issue 4): flush >= 50% of copy
+bandwidth counted on its bf16 input bytes, store and materialize >= 60%.
+
+    python benchmarks/bench_kernels.py --out results/kernels.json [--head-dim 128]
+        [--format kvarn_k4v2_g64] [--kv-heads 8] [--quick]
+
+Writes JSON (and a PNG bar chart when matplotlib is installed); prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import kvarn_formats as kf
+import kvarn_ops
+from kvarn_ops import kernels
+
+TARGETS = {"rotate": None, "store": 0.60, "flush": 0.50, "materialize": 0.60}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def bench_rotate(d: int, rows: int, dtype=torch.bfloat16) -> dict:
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    out = torch.empty_like(x)
+    ms = do_bench(lambda: kernels.rotate(x, out))
+    nbytes = 2 * x.numel() * x.element_size()
+    return dict(op="rotate", shape=f"[{rows}, {d}] {str(dtype)[6:]}", ms=ms, bytes=nbytes,
+                formula="read numel*itemsize(x) + write numel*itemsize(out)")
+
+
+def _pool(p, g, hkv, d, dtype):
+    base = torch.randn(p, g, hkv, d, device="cuda")
+    ek = base.to(dtype)
+    ev = torch.randn_like(base).to(dtype)
+    fp8 = dtype == torch.float8_e4m3fn
+    ks = torch.rand(p, g, hkv, device="cuda") + 0.5 if fp8 else None
+    vs = torch.rand(p, g, hkv, device="cuda") + 0.5 if fp8 else None
+    return ek, ev, ks, vs
+
+
+def bench_store(d: int, hkv: int, tokens: int, g: int, pool_dtype) -> dict:
+    k = torch.randn(tokens, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    p = -(-tokens // g) + 1
+    ek, ev, ks, vs = _pool(p, g, hkv, d, pool_dtype)
+    slots = torch.randperm(p * g, device="cuda")[:tokens].to(torch.int64)
+    ms = do_bench(lambda: kernels.store(k, v, slots, ek, ev, ks, vs))
+    e = ek.element_size()
+    s = 4 if ks is not None else 0
+    nbytes = tokens * hkv * d * 2 * 2 + 8 * tokens + 2 * tokens * hkv * (d * e + s)
+    return dict(op="store", shape=f"T={tokens} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]}",
+                ms=ms, bytes=nbytes,
+                formula="read T*Hkv*D*(2+2) + 8T; write 2*T*Hkv*(D*E + s)")
+
+
+def bench_flush(fmt: str, d: int, hkv: int, blocks: int, pool_dtype) -> dict:
+    lay = kf.dense_layout(fmt, d)
+    g = lay.block_size
+    ek, ev, ks, vs = _pool(blocks, g, hkv, d, pool_dtype)
+    packed = torch.empty(blocks, hkv, lay.record_bytes, dtype=torch.uint8, device="cuda")
+    src = torch.arange(blocks, dtype=torch.int32, device="cuda")
+    dst = torch.randperm(blocks, device="cuda").to(torch.int32)
+    ms = do_bench(lambda: kernels.flush(ek, ev, ks, vs, src, dst, packed, lay))
+    e = ek.element_size()
+    s = 4 if ks is not None else 0
+    moved = 2 * blocks * g * hkv * (d * e + s) + 8 * blocks + blocks * hkv * lay.record_bytes
+    bf16_in = 2 * blocks * g * hkv * d * 2
+    return dict(op="flush", shape=f"{fmt} N={blocks} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]}",
+                ms=ms, bytes=moved, target_bytes=bf16_in,
+                formula="target on bf16 input bytes 2*N*G*Hkv*D*2; moved: read "
+                        "2*N*G*Hkv*(D*E + s) + 8N, write N*Hkv*R")
+
+
+def bench_materialize(fmt: str, d: int, hkv: int, batch: int, context: int, pool_dtype) -> dict:
+    lay = kf.dense_layout(fmt, d)
+    g = lay.block_size
+    seq = [context + (i * 7) % g for i in range(batch)]  # most requests end in a partial block
+    n_full = [n // g for n in seq]
+    nb = sum(n_full) + 1
+    ek, ev, ks, vs = _pool(nb, g, hkv, d, pool_dtype)
+    packed = torch.empty(nb, hkv, lay.record_bytes, dtype=torch.uint8, device="cuda")
+    blocks = torch.arange(nb, dtype=torch.int32, device="cuda")
+    kernels.flush(ek, ev, ks, vs, blocks, blocks, packed, lay)
+    max_blocks = max(n_full) + 1
+    table = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    perm = torch.randperm(nb - 1)
+    at = 0
+    for b, n in enumerate(n_full):
+        table[b, :n] = perm[at : at + n].to(torch.int32)
+        at += n
+    table = table.cuda()
+    tail = torch.full((batch,), nb - 1, dtype=torch.int32, device="cuda")
+    seq_t = torch.tensor(seq, dtype=torch.int32, device="cuda")
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seq), 0)
+    cu = cu.cuda()
+    total = sum(seq)
+    k_out = torch.empty(total, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v_out = torch.empty_like(k_out)
+    ms = do_bench(lambda: kernels.materialize(packed, table, seq_t, ek, ev, ks, vs, tail, lay,
+                                              k_out, v_out, cu))
+    e = ek.element_size()
+    s = 4 if ks is not None else 0
+    tails = sum(n % g for n in seq)
+    nbytes = (sum(n_full) * hkv * lay.record_bytes + tails * 2 * hkv * (d * e + s)
+              + 4 * sum(n_full) + 2 * total * hkv * d * 2)
+    return dict(op="materialize", shape=f"{fmt} B={batch} L~{context} Hkv={hkv} D={d}",
+                ms=ms, bytes=nbytes,
+                formula="read full*Hkv*R + tail*2*Hkv*(D*E + s) + table; write 2*L*Hkv*D*2")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON results path")
+    ap.add_argument("--format", default="kvarn_k4v2_g64")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, one pool dtype")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device; this benchmark needs a GPU", file=sys.stderr)
+        return 2
+    d, hkv, fmt = args.head_dim, args.kv_heads, args.format
+    g = kf.dense_layout(fmt, d).block_size
+    scale = 1 if args.quick else 4
+    pools = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float8_e4m3fn]
+    bw = copy_bandwidth()
+    rows = []
+    rows.append(bench_rotate(d, 65536 * scale))
+    for pdt in pools:
+        rows.append(bench_store(d, hkv, 8192 * scale, g, pdt))
+        rows.append(bench_flush(fmt, d, hkv, 1024 * scale, pdt))
+        rows.append(bench_materialize(fmt, d, hkv, 16, 2048 * scale, pdt))
+    for r in rows:
+        r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+        r["fraction_of_copy"] = r["bytes"] / (r["ms"] * 1e-3) / bw
+        basis = r.get("target_bytes", r["bytes"])
+        r["target_fraction"] = basis / (r["ms"] * 1e-3) / bw
+        r["target"] = TARGETS[r["op"]]
+        r["meets_target"] = None if r["target"] is None else r["target_fraction"] >= r["target"]
+    result = dict(
+        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+        torch=torch.__version__, triton=triton.__version__, kvarn_ops=kvarn_ops.__version__,
+        python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        copy_bandwidth_gbps=bw / 1e9, rows=rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        labels = [f"{r['op']}\n{r['shape'].split(' pool ')[-1]}" for r in rows]
+        ax.bar(range(len(rows)), [100 * r["target_fraction"] for r in rows])
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_ylabel("% of copy bandwidth")
+        ax.set_title(f"{result['device']}, copy {bw / 1e12:.2f} TB/s")
+        fig.tight_layout()
+        fig.savefig(args.out.with_suffix(".png"), dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no PNG written")
+    print(f"device {result['device']}, copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    print(f"{'op':<12} {'shape':<58} {'ms':>8} {'GB/s':>7} {'% copy':>7} {'target':>7}")
+    for r in rows:
+        tgt = "-" if r["target"] is None else f"{100 * r['target']:.0f}%"
+        print(f"{r['op']:<12} {r['shape']:<58} {r['ms']:8.3f} {r['gbps']:7.0f} "
+              f"{100 * r['target_fraction']:6.1f}% {tgt:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
