@@ -1,0 +1,105 @@
+"""Offline compilation of every MLA kernel for sm_90a and sm_120a (no GPU needed): catches what
+the interpreter cannot (tl.dot shape limits, layout conversions, fp8 conversions).
+
+The kernels are compiled in a subprocess with ``TRITON_INTERPRET=0``: the interpreter tests in
+the same pytest process import the modules with the interpreter on, which turns every
+``@triton.jit`` (and the shared helpers they call) into interpreted functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TARGETS = [90, 120]
+
+
+def _compile_all(arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    import kvarn_formats as kf
+    from kvarn_ops.kernels import mla_decode, mla_gather, mla_pack, mla_scatter
+    from kvarn_ops.kernels._common import pack_geometry
+    from kvarn_ops.kernels.mla_common import field_offsets
+
+    target = GPUTarget("cuda", arch, 32)
+    results = {}
+
+    def build(name, fn, sig, consts, **opts):
+        full = {k: ("constexpr" if k in consts else sig[k]) for k in fn.arg_names}
+        src = triton.compiler.ASTSource(fn=fn, signature=full, constexprs=consts)
+        k = triton.compile(src, target=target, options=dict(opts))
+        results[name] = {"ptx": "ptx" in k.asm, "cubin": "cubin" in k.asm}
+
+    def fmt(bits):
+        offs = field_offsets(kf.mla_layout(f"kvarn_mla_k{bits}_g64"))
+        lg, nb, nbp = pack_geometry(bits)
+        return offs, {"L": lg, "NB": nb, "NBP": nbp}
+
+    pools = {"bf16": ("*bf16", "*bf16", False), "fp8": ("*fp8e4nv", "*fp32", True)}
+    # One representative specialization per kernel and pool dtype (a full sweep of code widths
+    # takes minutes on 2 cores); code width only changes constants in the unpack arithmetic.
+    for pname, (pt, st, fp8) in pools.items():
+        for ldt in ("*fp32",):
+            build(f"scatter-{pname}-{ldt}", mla_scatter._mla_scatter_kernel,
+                  {"lat_ptr": ldt, "rope_ptr": ldt, "slots_ptr": "*i64", "pool_ptr": pt,
+                   "pscale_ptr": st, "prope_ptr": "*i16", "T": "i32", "num_slots": "i64"},
+                  {"BLOCK_T": 16, "EXACT_TF32": ldt != "*fp32", "FP8": fp8}, num_warps=4)
+        for bits in ((4,) if pname == "bf16" else (5,)):
+            offs, geo = fmt(bits)
+            common = {"pool_ptr": pt, "pscale_ptr": st, "prope_ptr": "*i16",
+                      "rec_ptr": "*u8", "rec16_ptr": "*i16"}
+            build(f"pack-k{bits}-{pname}", mla_pack._mla_pack_kernel,
+                  {**common, "src_ptr": "*i32", "dst_ptr": "*i32"},
+                  {"ITERS": 8, "STD_FLOOR": 1e-3, "FP8": fp8, **offs, **geo},
+                  num_warps=16, enable_fp_fusion=False)
+            build(f"rehydrate-k{bits}-{pname}", mla_pack._mla_rehydrate_kernel,
+                  {**common, "src_ptr": "*i32", "dst_ptr": "*i32"},
+                  {"BLOCK_T": 16, "FP8": fp8, **offs, **geo}, num_warps=4)
+            for stage in ((False,) if pname == "bf16" else (True,)):
+                build(f"gather-stage{int(stage)}-k{bits}-{pname}", mla_gather._mla_gather_kernel,
+                      {**common, "slots_ptr": "*i64", "N": "i32", "num_slots": "i64",
+                       "map_ptr": "*i32", "out_ptr": "*u8" if stage else "*bf16",
+                       "out8_ptr": "*fp8e4nv" if stage else "*bf16",
+                       "out32_ptr": "*fp32" if stage else "*bf16", "out16_ptr": "*i16"},
+                      {"STAGE": stage, "BLOCK_T": 16, "FP8": fp8, **offs}, num_warps=4)
+            for sparse in ((False,) if pname == "bf16" else (True,)):
+                build(f"decode-sparse{int(sparse)}-k{bits}-{pname}",
+                      mla_decode._mla_decode_kernel,
+                      {**common, "q_ptr": "*bf16", "qrot_ptr": "*fp32", "map_ptr": "*i32",
+                       "bt_ptr": "*i32", "seq_ptr": "*i32", "idx_ptr": "*i32",
+                       "po_ptr": "*fp32", "plse_ptr": "*fp32", "H": "i32", "S": "i32",
+                       "bt_stride": "i32", "idx_stride": "i32", "max_blocks": "i32",
+                       "sm_scale": "fp32"},
+                      {"SPARSE": sparse, "BLOCK_H": 16, "BLOCK_N": 16, "FP8": fp8, **offs},
+                      num_warps=8)
+    build("remap", mla_gather._mla_remap_kernel,
+          {"idx_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*i64", "K": "i32",
+           "bt_stride": "i32", "max_blocks": "i32"}, {"BLOCK_K": 128}, num_warps=4)
+    build("qrot", mla_decode._mla_qrot_kernel, {"q_ptr": "*bf16", "qrot_ptr": "*fp32",
+                                                "BH": "i32"}, {"BLOCK_H": 16}, num_warps=4)
+    for odt in ("*bf16",):
+        build(f"combine-{odt}", mla_decode._mla_combine_kernel,
+              {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": odt, "BH": "i32", "S": "i32"},
+              {"BLOCK_H": 16}, num_warps=4)
+    return results
+
+
+@pytest.mark.parametrize("arch", TARGETS, ids=lambda a: f"sm{a}")
+def test_every_mla_kernel_compiles(arch):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, __file__, str(arch)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 15
+    assert all(r["ptx"] for r in results.values()), results
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all(int(sys.argv[1]))))
