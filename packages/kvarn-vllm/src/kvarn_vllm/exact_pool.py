@@ -1,0 +1,153 @@
+"""Which physical cache block owns which exact-pool block (host-side bookkeeping, no torch).
+
+A block still filling keeps its tokens exact in a side pool until it holds G tokens, then it
+is packed into its record ("flush") and its pool block is released. The pool is shared by all
+layers (each layer has its own pool tensors, indexed the same way) and is assigned once per
+step by the metadata builder.
+
+Rules (the physical block id is the key: vLLM never gives a partial block to two live
+requests, and only full blocks are shared by prefix caching):
+
+- A block written from offset 0 gets a pool block (its own previous one if it still has one).
+- A block written at offset > 0 must already own one; if not, the step is refused (never read
+  another block's rows).
+- A block that becomes full in a step is packed in that step; its pool block is released at
+  the start of the next step (the step's layers still read it).
+- The null block (id 0, vLLM's padding block) never owns a pool block; writes to it go
+  nowhere and reads of it come from a reserved scratch pool block.
+- Pool blocks of finished requests are not announced by vLLM to attention backends. They are
+  reclaimed lazily: when the pool runs out, the pool block untouched for the longest time and
+  not touched in this step is taken back. If the request it belonged to is in fact alive
+  (scheduled again after a long pause), its next step is refused by the rule above, loudly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+NULL_BLOCK = 0
+
+
+def pool_blocks_needed(max_num_seqs: int, max_num_batched_tokens: int, group: int) -> int:
+    """Pool blocks one layer needs: the transient blocks of one step, the live tails, a
+    reserve of as many again for tails of finished requests, and one scratch block.
+
+    A step of T tokens over R requests touches at most ``T // G + 2R`` blocks; requests not
+    scheduled in the step hold at most ``max_num_seqs - R`` partial tails.
+    """
+    transient = -(-max_num_batched_tokens // group) + max_num_seqs
+    return transient + 2 * max_num_seqs + 1
+
+
+class PoolExhausted(RuntimeError):
+    """No pool block is free, even after reclaiming: the message names the setting."""
+
+
+class LostTail(RuntimeError):
+    """A partial block has no pool block (it was reclaimed): refused rather than misread."""
+
+
+@dataclass
+class StepPlan:
+    """What the layers do in one step, all indices host-side.
+
+    ``pool_of`` maps each touched physical block to its pool block; ``flush`` lists
+    ``(pool_block, physical_block)`` pairs to pack after the new tokens are stored.
+    """
+
+    pool_of: dict[int, int]
+    flush: list[tuple[int, int]]
+
+
+class ExactPoolAllocator:
+    """Assigns pool blocks ``0 .. size - 2`` to physical blocks; ``size - 1`` is scratch."""
+
+    def __init__(self, size: int) -> None:
+        if size < 2:
+            raise ValueError(f"size: the pool needs at least 2 blocks, got {size}")
+        self.size = size
+        self.scratch = size - 1
+        self._free = list(range(size - 2, -1, -1))  # pop() hands out 0 first
+        self._owner: dict[int, int] = {}  # physical block -> pool block
+        self._last_touch: OrderedDict[int, int] = OrderedDict()  # physical -> step, LRU order
+        self._release_next: list[int] = []  # physical blocks packed in the previous step
+        self._step = 0
+        self.reclaimed = 0
+
+    @property
+    def owned(self) -> dict[int, int]:
+        """A copy of the physical -> pool block map (tests)."""
+        return dict(self._owner)
+
+    def _release(self, physical: int) -> None:
+        pool = self._owner.pop(physical, None)
+        self._last_touch.pop(physical, None)
+        if pool is not None:
+            self._free.append(pool)
+
+    def _take(self, touched: set[int]) -> int:
+        if self._free:
+            return self._free.pop()
+        for physical in self._last_touch:  # oldest first
+            if physical not in touched:
+                self.reclaimed += 1
+                self._release(physical)
+                return self._free.pop()
+        raise PoolExhausted(
+            f"the exact pool ({self.size - 1} blocks) is full with blocks of this step; raise "
+            "--max-num-seqs's headroom or lower --max-num-batched-tokens"
+        )
+
+    def plan(self, requests: list[tuple[int, int, list[int]]], group: int) -> StepPlan:
+        """Assign pool blocks for one step.
+
+        Parameters
+        ----------
+        requests : list of ``(computed, total, block_ids)``: tokens already cached before the
+            step, tokens cached after it, and the request's physical block ids (at least
+            ``ceil(total / G)`` of them).
+        group : G, tokens per block.
+
+        Raises
+        ------
+        LostTail
+            A block continued at offset > 0 owns no pool block.
+        PoolExhausted
+            No pool block can be freed.
+        """
+        for physical in self._release_next:
+            self._release(physical)
+        self._release_next = []
+        self._step += 1
+        touched_ids: set[int] = set()
+        for computed, total, blocks in requests:
+            for i in range(computed // group, -(-total // group)):
+                touched_ids.add(blocks[i])
+        pool_of: dict[int, int] = {}
+        flush: list[tuple[int, int]] = []
+        for computed, total, blocks in requests:
+            if total <= computed:
+                continue
+            first, last = computed // group, (total - 1) // group
+            for i in range(first, last + 1):
+                physical = blocks[i]
+                if physical == NULL_BLOCK:
+                    pool_of[physical] = self.scratch
+                    continue
+                starts_fresh = i > first or computed % group == 0
+                if physical not in self._owner:
+                    if not starts_fresh:
+                        raise LostTail(
+                            f"block {physical} continues at offset {computed % group} but its "
+                            "exact rows were reclaimed (the request was not scheduled for a long "
+                            "time); raise --max-num-seqs so the pool keeps more tails"
+                        )
+                    self._owner[physical] = self._take(touched_ids)
+                pool_of[physical] = self._owner[physical]
+                self._last_touch[physical] = self._step
+                self._last_touch.move_to_end(physical)
+                if (i + 1) * group <= total:
+                    flush.append((self._owner[physical], physical))
+                    self._release_next.append(physical)
+        return StepPlan(pool_of=pool_of, flush=flush)

@@ -1,0 +1,232 @@
+"""The attention impl and metadata builder of the dense KVarN cache.
+
+Per layer and step: store the new K/V into the exact pool, pack the blocks that filled, then
+attend (decode through ``decode``; every other request through ``materialize`` + masked
+attention, see kvarn_vllm.metadata for the rule both follow). The ops come from kvarn_ops,
+chosen by kvarn_vllm.kernel_choice; nothing here is a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+from kvarn_vllm import gates, settings as kv_settings
+from kvarn_vllm.exact_pool import ExactPoolAllocator, pool_blocks_needed
+from kvarn_vllm.kernel_choice import OpSet, choose_kernel, log_choice_once
+from kvarn_vllm.metadata import KvarnMetadata, plan_step
+
+POOL_TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+}
+
+
+def pool_size(vllm_config: Any, group: int) -> int:
+    """Exact-pool blocks per layer for an engine config (kvarn_vllm.exact_pool)."""
+    sched = vllm_config.scheduler_config
+    return pool_blocks_needed(sched.max_num_seqs, sched.max_num_batched_tokens, group)
+
+
+class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
+    """Plans the exact pool once per step for every layer of the KV-cache group."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = None
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.settings = kv_settings.active()
+        group = self.settings.group
+        assert group is not None
+        self.group = group
+        self.allocator = ExactPoolAllocator(pool_size(vllm_config, group))
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> KvarnMetadata:
+        cam = common_attn_metadata
+        seq_lens = cam.seq_lens_cpu_upper_bound
+        if seq_lens is None:
+            seq_lens = cam.seq_lens.cpu()
+        return plan_step(
+            self.allocator,
+            self.group,
+            cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist(),
+            seq_lens[: cam.num_reqs].tolist(),
+            cam.block_table_tensor[: cam.num_reqs],
+            cam.num_actual_tokens,
+            self.device,
+        )
+
+
+class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
+    """Dense self-attention over a KVarN-packed paged cache plus an exact pool."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra: Any,
+    ) -> None:
+        vllm_config = get_current_vllm_config()
+        self.settings = kv_settings.active()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        reasons = gates.layer_problems(
+            self.settings,
+            head_size=head_size,
+            dtype=vllm_config.model_config.dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=vllm_config.cache_config.block_size,
+            attn_type=str(getattr(attn_type, "value", attn_type)),
+            has_sliding_window=sliding_window is not None,
+            has_sink=extra.get("sinks") is not None,
+            has_alibi=alibi_slopes is not None,
+        )
+        reasons += gates.engine_problems(self.settings, vllm_config)
+        if logits_soft_cap:
+            reasons.append("logits soft-capping (model) not supported")
+        if kv_sharing_target_layer_name is not None:
+            reasons.append("cross-layer KV sharing (model) not supported")
+        if reasons:
+            raise gates.ConfigurationRejected(reasons)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.layout = self.settings.layout(head_size)
+        group = self.layout.block_size
+        device = torch.device(vllm_config.device_config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        choice = choose_kernel(device.type, device.index or 0)
+        log_choice_once(choice, str(device))
+        self.ops = OpSet(choice)
+        # The exact pool is allocated here, while the model is built, so that vLLM's memory
+        # profiling counts it before the KV cache is sized.
+        pool_dtype = POOL_TORCH_DTYPES[self.settings.pool_dtype]
+        shape = (pool_size(vllm_config, group), group, num_kv_heads, head_size)
+        self.exact_k = torch.zeros(shape, dtype=pool_dtype, device=device)
+        self.exact_v = torch.zeros(shape, dtype=pool_dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if pool_dtype == torch.float8_e4m3fn:
+            self.k_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+        self._workspace: torch.Tensor | None = None
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Nothing: ``forward`` stores, packs and attends (the pool slots come from the
+        step's metadata, not from vLLM's slot mapping)."""
+
+    def packed_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The layer's cache as uint8 ``[num_blocks, Hkv, R]`` (no copy)."""
+        raw = kv_cache.view(torch.uint8)
+        num_blocks = raw.shape[0]
+        packed = raw.view(num_blocks, self.num_kv_heads, self.layout.record_bytes)
+        return packed
+
+    def _context_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KvarnMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvarn: fused output quantization is not supported")
+        md = attn_metadata
+        if md is None:  # profiling run
+            return output
+        ops, lay = self.ops, self.layout
+        n = md.num_actual_tokens
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        q = query[:n].reshape(n, hq, d)
+        # The ops take contiguous tensors; q/k/v are views into the fused QKV projection.
+        k = key[:n].reshape(n, hkv, d).contiguous()
+        v = value[:n].reshape(n, hkv, d).contiguous()
+        out = output[:n].view(n, hq, d)
+        packed = self.packed_view(kv_cache)
+        pools = (self.exact_k, self.exact_v, self.k_scale, self.v_scale)
+        ops.store(k, v, md.pool_slots, *pools)
+        if md.flush_src.numel():
+            ops.flush(*pools, md.flush_src, md.flush_dst, packed, lay)
+        if md.decode_tokens.numel():
+            bd = md.decode_tokens.shape[0]
+            qd = q[md.decode_tokens].reshape(bd, 1, hq, d).contiguous()
+            od = torch.empty_like(qd)
+            ops.decode(qd, packed, md.decode_block_table, md.decode_seq_lens, *pools,
+                       md.decode_tail, lay, self.scale, od, self._decode_workspace(md, qd))
+            out[md.decode_tokens] = od.view(bd, hq, d)
+        if md.prefills:
+            self._prefill(q, out, packed, md)
+        return output
+
+    def _decode_workspace(self, md: KvarnMetadata, qd: torch.Tensor) -> torch.Tensor | None:
+        if self.ops.decode_workspace is None:
+            return None
+        # Sized for this step; the Triton path is not captured in CUDA graphs by this release.
+        return self.ops.decode_workspace(
+            qd.shape[0], 1, self.num_heads, self.num_kv_heads, self.head_size,
+            max(md.max_decode_seq_len, 1), md.group, device=qd.device,
+        )
+
+    def _prefill(self, q, out, packed, md: KvarnMetadata) -> None:
+        hkv, d = self.num_kv_heads, self.head_size
+        cdt = self._context_dtype(q.dtype)
+        k_ctx = torch.zeros(md.context_rows, hkv, d, dtype=cdt, device=q.device)
+        v_ctx = torch.zeros_like(k_ctx)
+        pools = (self.exact_k, self.exact_v, self.k_scale, self.v_scale)
+        ops = self.ops
+        ops.materialize(packed, md.full_block_table, md.full_seq_lens, *pools,
+                        torch.zeros_like(md.full_seq_lens), self.layout, k_ctx, v_ctx,
+                        md.full_cu)
+        ex_bt = torch.zeros(md.exact_tail.shape[0], 1, dtype=torch.int32, device=q.device)
+        ops.materialize(packed, ex_bt, md.exact_seq_lens, *pools, md.exact_tail, self.layout,
+                        k_ctx, v_ctx, md.exact_cu)
+        grp = self.num_heads // hkv
+        for req in md.prefills:
+            qr = q[req.tokens].transpose(0, 1).float()  # [Hq, q, D]
+            kr = k_ctx[req.key_rows].float().repeat_interleave(grp, dim=1).transpose(0, 1)
+            vr = v_ctx[req.key_rows].float().repeat_interleave(grp, dim=1).transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qr, kr, vr, attn_mask=req.mask, scale=self.scale
+            )
+            out[req.tokens] = o.transpose(0, 1).to(out.dtype)

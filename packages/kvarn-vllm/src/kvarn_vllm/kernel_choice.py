@@ -1,0 +1,147 @@
+"""Which implementation runs the dense KVarN ops: Triton, CuTe DSL, or the torch reference.
+
+The choice is explicit and made once per process (logged once):
+
+- ``reference`` (``kvarn_ops.reference``): every CPU device, and anywhere on request.
+- ``triton`` (``kvarn_ops.<op>`` launchers): the default on CUDA.
+- ``cutedsl`` (kvarn-cutedsl's decode; store/flush/materialize stay on Triton): on CUDA when
+  kvarn-cutedsl is installed and its capability gate admits the device.
+
+One setting overrides it: the environment variable ``KVARN_DECODE_KERNEL`` =
+``auto`` (default) | ``triton`` | ``cutedsl`` | ``reference``. An explicit choice that cannot run
+on the device raises instead of falling back: nothing downgrades silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger("vllm.kvarn")
+
+ENV_VAR = "KVARN_DECODE_KERNEL"
+CHOICES = ("auto", "triton", "cutedsl", "reference")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The implementation picked and why (the reason goes into the one log line)."""
+
+    name: str  # "triton" | "cutedsl" | "reference"
+    reason: str
+
+
+def cutedsl_problem(device_type: str, device_index: int = 0) -> str | None:
+    """Why kvarn-cutedsl cannot run on the device (None when it can).
+
+    Imports kvarn-cutedsl at use, catching only ImportError/OSError, and asks its capability
+    gate (``kvarn_cutedsl.capability_problem(device_index)`` when it provides one).
+    """
+    if device_type != "cuda":
+        return f"kvarn-cutedsl runs on CUDA devices only, not {device_type!r}"
+    try:
+        import kvarn_cutedsl  # type: ignore[import-not-found]
+    except (ImportError, OSError) as exc:
+        return f"kvarn-cutedsl is not importable ({type(exc).__name__}: {exc})"
+    gate = getattr(kvarn_cutedsl, "capability_problem", None)
+    if gate is None:
+        return "the installed kvarn-cutedsl has no capability_problem() gate"
+    problem = gate(device_index)
+    return None if problem is None else str(problem)
+
+
+def choose_kernel(
+    device_type: str,
+    device_index: int = 0,
+    *,
+    env: dict[str, str] | None = None,
+    cutedsl_probe: Callable[[str, int], str | None] = cutedsl_problem,
+) -> KernelChoice:
+    """Pick the implementation for a device.
+
+    Parameters
+    ----------
+    device_type : str
+        ``torch.device.type`` of the KV cache ("cpu", "cuda", ...).
+    device_index : int
+        CUDA device index, for the CuTe DSL capability gate.
+    env : mapping, optional
+        Where ``KVARN_DECODE_KERNEL`` is read (default ``os.environ``).
+    cutedsl_probe : callable
+        ``(device_type, device_index) -> reason or None``; replaced in tests.
+
+    Raises
+    ------
+    ValueError
+        The setting is not one of ``CHOICES``, or names an implementation that cannot run on
+        the device (the message says why and what to set instead).
+    """
+    env = os.environ if env is None else env
+    raw = env.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if raw not in CHOICES:
+        raise ValueError(
+            f"{ENV_VAR}={raw!r} is not one of {', '.join(CHOICES)}; unset it for the automatic "
+            "choice (reference on CPU, CuTe DSL where its gate admits the GPU, else Triton)"
+        )
+    if raw == "reference":
+        return KernelChoice("reference", f"{ENV_VAR}=reference")
+    if raw in ("triton", "cutedsl") and device_type != "cuda":
+        raise ValueError(
+            f"{ENV_VAR}={raw} needs a CUDA device, the KV cache is on {device_type!r}: "
+            f"set {ENV_VAR}=reference (or unset it)"
+        )
+    if raw == "triton":
+        return KernelChoice("triton", f"{ENV_VAR}=triton")
+    if raw == "cutedsl":
+        problem = cutedsl_probe(device_type, device_index)
+        if problem is not None:
+            raise ValueError(
+                f"{ENV_VAR}=cutedsl but {problem}: set {ENV_VAR}=triton (or unset it)"
+            )
+        return KernelChoice("cutedsl", f"{ENV_VAR}=cutedsl")
+    # auto
+    if device_type != "cuda":
+        return KernelChoice("reference", f"device {device_type!r} has no Triton kernels")
+    problem = cutedsl_probe(device_type, device_index)
+    if problem is None:
+        return KernelChoice("cutedsl", "kvarn-cutedsl is installed and admits the device")
+    return KernelChoice("triton", f"CUDA device; CuTe DSL not used: {problem}")
+
+
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def log_choice_once(choice: KernelChoice, device: str) -> None:
+    """One INFO line per (implementation, device) per process."""
+    key = (choice.name, device)
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    logger.info("kvarn: dense KV-cache ops on %s run on %s (%s)", device, choice.name, choice.reason)
+
+
+class OpSet:
+    """The four ops of the dense paged cache, bound to one implementation."""
+
+    def __init__(self, choice: KernelChoice) -> None:
+        import kvarn_ops
+
+        self.choice = choice
+        ref = kvarn_ops.reference
+        if choice.name == "reference":
+            self.store, self.flush = ref.store, ref.flush
+            self.decode, self.materialize = ref.decode, ref.materialize
+            self.decode_workspace = None
+            return
+        self.store = kvarn_ops.store
+        self.flush = kvarn_ops.flush
+        self.materialize = kvarn_ops.materialize
+        self.decode_workspace = kvarn_ops.decode_workspace
+        if choice.name == "cutedsl":
+            import kvarn_cutedsl  # type: ignore[import-not-found]
+
+            self.decode = kvarn_cutedsl.decode
+        else:
+            self.decode = kvarn_ops.decode

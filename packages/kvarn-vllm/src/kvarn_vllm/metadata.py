@@ -1,0 +1,173 @@
+"""Per-step attention metadata for the dense KVarN cache, built once and shared by all layers.
+
+What every query sees (the same rule in decode and prefill, so results do not depend on how a
+prompt is chunked, batched or served from the prefix cache): query position ``p`` attends to
+the dequantized records of the blocks that are full once ``p`` is cached (blocks
+``i < (p + 1) // G``) and to the exact rows of its own block up to ``p``. Decode gets this
+from ``decode`` (full blocks packed, ``seq_len % G`` newest exact); prefill builds it from
+``materialize`` (full blocks, and the first G - 1 exact rows of each block the step touches)
+with a boolean mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvarn_vllm.exact_pool import NULL_BLOCK, ExactPoolAllocator, StepPlan
+
+
+@dataclass
+class PrefillRequest:
+    """One request of the step with more than one new token (or a fresh prompt)."""
+
+    tokens: slice  # rows of the step's query/key/value
+    computed: int  # L0: tokens cached before the step
+    total: int  # L1: tokens cached after it
+    key_rows: slice  # rows of the step's context buffer: full blocks, then exact rows
+    mask: torch.Tensor  # bool [q_len, keys]: True = attend
+
+
+@dataclass
+class KvarnMetadata:
+    """Everything a layer needs for one step (tensors on the cache device)."""
+
+    num_actual_tokens: int
+    group: int
+    pool_slots: torch.Tensor  # int64 [num_actual_tokens], -1 = not stored
+    flush_src: torch.Tensor  # int32 [N] pool blocks
+    flush_dst: torch.Tensor  # int32 [N] physical blocks
+    # decode (one new token per request)
+    decode_tokens: torch.Tensor  # int64 [Bd] rows of the step
+    decode_block_table: torch.Tensor  # int32 [Bd, max_blocks]
+    decode_seq_lens: torch.Tensor  # int32 [Bd]
+    decode_tail: torch.Tensor  # int32 [Bd] pool block of the partial block
+    max_decode_seq_len: int
+    # prefill
+    prefills: list[PrefillRequest] = field(default_factory=list)
+    context_rows: int = 0  # rows of the step's dequantized context buffer
+    full_block_table: torch.Tensor | None = None  # int32 [Bp, max_blocks]
+    full_seq_lens: torch.Tensor | None = None  # int32 [Bp] (multiples of G)
+    full_cu: torch.Tensor | None = None  # int32 [Bp + 1]
+    exact_tail: torch.Tensor | None = None  # int32 [Be] pool blocks read exactly
+    exact_seq_lens: torch.Tensor | None = None  # int32 [Be] rows read (<= G - 1)
+    exact_cu: torch.Tensor | None = None  # int32 [Be + 1]
+
+
+def _i32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def plan_step(
+    allocator: ExactPoolAllocator,
+    group: int,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    num_actual_tokens: int,
+    device: torch.device,
+) -> KvarnMetadata:
+    """Build the step's metadata from host-side lists (the testable core of the builder).
+
+    Parameters
+    ----------
+    allocator : the engine's exact-pool bookkeeping (updated).
+    group : G.
+    query_start_loc : [B + 1] token offsets of each request's new tokens.
+    seq_lens : [B] tokens cached after the step, per request.
+    block_table : int32 [B, max_blocks] physical block ids (any device).
+    num_actual_tokens : rows of the step (>= query_start_loc[B]; extra rows are padding).
+    """
+    g = group
+    bt_host = block_table.to("cpu", torch.int32)
+    b = len(seq_lens)
+    requests = []
+    for r in range(b):
+        q = query_start_loc[r + 1] - query_start_loc[r]
+        total = seq_lens[r]
+        n_blocks = -(-total // g)
+        requests.append((total - q, total, bt_host[r, :n_blocks].tolist()))
+    plan: StepPlan = allocator.plan(requests, g)
+
+    slots = [-1] * num_actual_tokens
+    dec_tok, dec_rows, dec_lens, dec_tail = [], [], [], []
+    pre: list[PrefillRequest] = []
+    full_rows, full_lens, ex_tail, ex_lens = [], [], [], []
+    ctx = 0
+    for r, (computed, total, blocks) in enumerate(requests):
+        start = query_start_loc[r]
+        for p in range(computed, total):
+            physical = blocks[p // g]
+            if physical != NULL_BLOCK:
+                slots[start + p - computed] = plan.pool_of[physical] * g + p % g
+        tail_pool = allocator.scratch
+        if total % g:
+            tail_pool = plan.pool_of[blocks[total // g]]
+        if total - computed == 1:
+            dec_tok.append(start)
+            dec_rows.append(r)
+            dec_lens.append(total)
+            dec_tail.append(tail_pool)
+            continue
+        if total <= computed:
+            continue
+        n_full = total // g
+        first = computed // g
+        touched = list(range(first, (total - 1) // g + 1))
+        keys = n_full * g + len(touched) * g
+        q_pos = torch.arange(computed, total)
+        visible_full = (q_pos + 1) // g  # blocks packed and visible to each query
+        k_block = torch.arange(n_full * g) // g
+        mask_full = k_block[None, :] < visible_full[:, None]
+        ex_pos = torch.cat([torch.arange(j * g, (j + 1) * g) for j in touched])
+        own = ex_pos[None, :] // g == q_pos[:, None] // g
+        mask_ex = own & (ex_pos[None, :] <= q_pos[:, None]) & (
+            visible_full[:, None] == q_pos[:, None] // g
+        )
+        pre.append(
+            PrefillRequest(
+                tokens=slice(start, start + total - computed),
+                computed=computed,
+                total=total,
+                key_rows=slice(ctx, ctx + keys),
+                mask=torch.cat([mask_full, mask_ex], dim=1).to(device),
+            )
+        )
+        full_rows.append(r)
+        full_lens.append(n_full * g)
+        for j in touched:
+            ex_tail.append(plan.pool_of[blocks[j]] if blocks[j] != NULL_BLOCK else allocator.scratch)
+            ex_lens.append(min(g - 1, total - j * g))
+        ctx += keys
+
+    md = KvarnMetadata(
+        num_actual_tokens=num_actual_tokens,
+        group=g,
+        pool_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        flush_src=_i32([s for s, _ in plan.flush], device),
+        flush_dst=_i32([d for _, d in plan.flush], device),
+        decode_tokens=torch.tensor(dec_tok, dtype=torch.int64, device=device),
+        decode_block_table=block_table[dec_rows].to(device),
+        decode_seq_lens=_i32(dec_lens, device),
+        decode_tail=_i32(dec_tail, device),
+        max_decode_seq_len=max(dec_lens, default=0),
+        prefills=pre,
+        context_rows=ctx,
+    )
+    if pre:
+        # Full blocks of request i land at its key_rows start; exact rows follow, G per block.
+        full_cu, exact_cu = [], []
+        for req in pre:
+            full_cu.append(req.key_rows.start)
+            n_full = req.total // g
+            first = req.computed // g
+            for t in range((req.total - 1) // g - first + 1):
+                exact_cu.append(req.key_rows.start + n_full * g + t * g)
+        md.full_block_table = block_table[full_rows].to(device)
+        md.full_seq_lens = _i32(full_lens, device)
+        md.full_cu = _i32([*full_cu, ctx], device)
+        md.exact_tail = _i32(ex_tail, device)
+        md.exact_seq_lens = _i32(ex_lens, device)
+        md.exact_cu = _i32([*exact_cu, ctx], device)
+    return md

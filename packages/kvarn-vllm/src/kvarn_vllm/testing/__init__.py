@@ -1,0 +1,1 @@
+"""Test-only helpers shipped with the package (off unless asked for)."""
