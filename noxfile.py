@@ -72,6 +72,9 @@ MYPY = "mypy==2.4.1"
 # themselves, and the offline-compile tests need it unset when triton is first imported.
 TEST_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 PYTEST = ("pytest", "-ra", "-p", "no:cacheprovider", "--durations=5")
+#: Sessions that repeat a package's tests in another setting (integration, wheels, skew) leave
+#: out tests marked slow; the package's own session and `release` run everything.
+NOT_SLOW = ("-m", "not slow")
 DIST = ROOT / "dist"
 
 
@@ -333,7 +336,7 @@ def integration(session: nox.Session) -> None:
     for pkg in PACKAGES.values():
         assert_installed(venv, pkg)
     for pkg in PACKAGES.values():
-        run_package_tests(venv, pkg)
+        run_package_tests(venv, pkg, pytest_args=[*NOT_SLOW, *session.posargs])
     root_tests = ROOT / "tests"
     if root_tests.is_dir() and any(root_tests.rglob("test_*.py")):
         venv.run(*PYTEST, str(root_tests), *session.posargs, env=TEST_ENV)
@@ -426,7 +429,7 @@ def wheels(session: nox.Session) -> None:
         built[short] = wheel
     tmp = Path(session.create_tmp())
     for short in PACKAGES:
-        install_and_test_wheel(session, short, built, tmp)
+        install_and_test_wheel(session, short, built, tmp, [*NOT_SLOW, *session.posargs])
 
 
 # --------------------------------------------------------------------------- release tooling
@@ -548,7 +551,13 @@ def skew(session: nox.Session) -> None:
         venv.install(*reqs)
         assert_installed(venv, consumer_pkg)
         try:
-            run_package_tests(venv, consumer_pkg, consumer_path / "tests", copy=True)
+            run_package_tests(
+                venv,
+                consumer_pkg,
+                consumer_path / "tests",
+                copy=True,
+                pytest_args=[*NOT_SLOW, *session.posargs],
+            )
         except nox.command.CommandFailed:
             failures.append(f"{run.title()}: tests failed")
     if failures:
