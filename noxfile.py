@@ -61,7 +61,8 @@ nox.options.error_on_missing_interpreters = True
 nox.options.error_on_external_run = True
 
 PACKAGES = kvrepo.discover(kvrepo.WorkTree(ROOT))
-GRAPH = kvrepo.dependency_graph(PACKAGES)
+#: consumer -> the siblings it requires at run time (extras not included): what installs pull in.
+GRAPH = kvrepo.runtime_graph(PACKAGES)
 
 TORCH_VERSION = "2.13.0"
 TRITON = "triton==3.6.0"  # the version the GPU machine runs

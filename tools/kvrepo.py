@@ -39,7 +39,10 @@ TAG_RE = re.compile(r"^kvarn-(?P<short>[a-z0-9]+)-v(?P<version>\d+(?:\.\d+)*\S*)
 class Tree(Protocol):
     """Read-only view of the repository at some revision."""
 
-    label: str
+    @property
+    def label(self) -> str:
+        """What the tree is, for messages ("working tree", "git kvarn-ops-v1.0.0")."""
+        ...
 
     def read_text(self, rel: str) -> str | None:
         """Text of the file at `rel` (posix, relative to the repo root), or None."""
@@ -228,12 +231,21 @@ def discover(tree: Tree) -> dict[str, Package]:
 
 
 def dependency_graph(packages: Mapping[str, Package]) -> dict[str, set[str]]:
-    """consumer -> providers, for the packages present: the design graph plus declared pins."""
+    """consumer -> providers, for the packages present: the design graph plus every declared
+    pin, extras included. What a change can affect; `runtime_graph` is what an install needs."""
     graph: dict[str, set[str]] = {}
     for short, pkg in packages.items():
         providers = set(DESIGN_GRAPH.get(short, ())) | set(pkg.sibling_pins(include_extras=True))
         graph[short] = {p for p in providers if p in packages and p != short}
     return graph
+
+
+def runtime_graph(packages: Mapping[str, Package]) -> dict[str, set[str]]:
+    """consumer -> providers it requires at run time (no extras): what an install pulls in."""
+    return {
+        short: {p for p in pkg.sibling_pins() if p in packages and p != short}
+        for short, pkg in packages.items()
+    }
 
 
 def dependants(graph: Mapping[str, set[str]], shorts: Iterable[str]) -> set[str]:

@@ -37,7 +37,6 @@ from kvrepo import (
     Tree,
     WorkTree,
     changed_files,
-    dependency_graph,
     discover,
     find_format_api,
     list_tags,
@@ -46,6 +45,7 @@ from kvrepo import (
     read_compat,
     read_package,
     released_versions,
+    runtime_graph,
 )
 
 HEADING_RE = re.compile(r"^##\s+(?P<rest>.*?)\s*$")
@@ -417,7 +417,9 @@ def plan_forward(
         run.problems.append(f"tag {tag} has no packages/{consumer.name}/pyproject.toml")
         return run
     work = WorkTree(root)
-    graph = dependency_graph(packages)
+    # What the tagged release requires, and what those providers (from the tree) require.
+    graph = runtime_graph(packages)
+    graph[consumer.short] = {s for s in tagged.sibling_pins() if s in packages}
     needed = providers_closure(graph, consumer.short)
     pins = tagged.sibling_pins()
     for short in needed:  # transitive providers come from the tree too
@@ -446,7 +448,7 @@ def plan_skew(root: Path, tags: Sequence[str] | None = None) -> list[SkewRun]:
     """Every skew run for the packages in the working tree at `root`."""
     tags = list_tags(root) if tags is None else tags
     packages = discover(WorkTree(root))
-    graph = dependency_graph(packages)
+    graph = runtime_graph(packages)
     runs: list[SkewRun] = []
     for short, pkg in packages.items():
         if not graph.get(short):

@@ -18,6 +18,7 @@ from kvrepo import (
     packages_for_changes,
     parse_tag,
     providers_closure,
+    runtime_graph,
 )
 
 
@@ -39,6 +40,10 @@ def test_graph_and_closure(tmp_path: Path) -> None:
         "vllm": {"formats", "ops", "cutedsl"},  # cutedsl: an extra in the design
     }
     assert providers_closure(graph, "vllm") == ["formats", "ops", "cutedsl"]
+    # What an install of kvarn-vllm pulls in: its runtime pins only (cutedsl is an extra).
+    runtime = runtime_graph(discover(WorkTree(tmp_path)))
+    assert runtime["vllm"] == {"formats", "ops"}
+    assert providers_closure(runtime, "vllm") == ["formats", "ops"]
     assert dependants(graph, {"ops"}) == {"ops", "vllm"}
     assert dependants(graph, {"formats"}) == {"formats", "ops", "cutedsl", "vllm"}
 
