@@ -108,15 +108,18 @@ def installed_vllm() -> tuple[str, str] | None:
     return None
 
 
-def vllm_problem(found: tuple[str, str] | None = None) -> str | None:
+_DETECT = ("", "")
+
+
+def vllm_problem(found: tuple[str, str] | None = _DETECT) -> str | None:
     """Why the installed vLLM is unsupported (a message naming the fix), or None if it is.
 
     Parameters
     ----------
-    found : (distribution, version) or None
+    found : (distribution, version), or None for "no vLLM installed"
         Override what :func:`installed_vllm` reports (for tests).
     """
-    if found is None:
+    if found is _DETECT:
         found = installed_vllm()
     extras = ", ".join(
         f"'kvarn-vllm[{extra}]' ({dist}>={lo},<{hi})"

