@@ -3,10 +3,9 @@ Triton interpreter.
 
 Tolerance per element: ``|out - oracle| <= EPS[dtype] * |oracle| + 1e-5 * max|oracle|``.
 
-| out dtype | EPS | reason |
-|---|---|---|
-| bfloat16 | 2**-8 | one rounding to bf16 (half an ulp is 2**-9 relative) plus fp32 accumulation of up to 512 terms in an order other than the oracle's |
-| float16 | 2**-10 | the same with fp16's 2**-11 half ulp |
+- bfloat16, EPS = 2**-8: one rounding to bf16 (half an ulp is 2**-9 relative) plus fp32
+  accumulation of up to 512 terms in an order other than the oracle's.
+- float16, EPS = 2**-10: the same with fp16's 2**-11 half ulp.
 
 The 1e-5 term covers fp32 cancellation between the code and zero-point terms (the inverse
 rotation is folded into the dequantization). The kernel must write every row of each request
@@ -19,10 +18,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kvarn_formats as kf  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import kvarn_formats as kf  # noqa: E402
 from kvarn_ops import reference as ref  # noqa: E402
 from kvarn_ops.kernels import materialize  # noqa: E402
 

@@ -2,10 +2,12 @@
 
 Tolerances (kernel output vs the reference's output in the same dtype):
 
-| out dtype | allowed | reason |
-|---|---|---|
-| float16, bfloat16 | at most 1 ulp apart, on at most 2% of elements | the kernel sums in a different order (matrix product, Kronecker split for D >= 256) than the reference's butterflies; the fp32 results differ by a few fp32 ulps, which flips the final rounding only near a tie |
-| float32 | 4e-6 * max abs | fp32 accumulation over up to 512 terms in a different order (3-pass tf32 on the GPU) |
+- float16, bfloat16: at most 1 ulp apart, on at most 2% of elements (ULP_FRACTION). The
+  kernel sums in another order (matrix product, Kronecker split for D >= 256) than the
+  reference's butterflies; the fp32 results differ by a few fp32 ulps, which flips the final
+  rounding only near a tie.
+- float32: 4e-6 * max abs (FP32_RTOL): fp32 accumulation of up to 512 terms in another order
+  (3-pass tf32 on the GPU).
 """
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ def record_constants(layout) -> dict:
     bytes after each field (up to the next field or the record end) and the pack geometry."""
     fields = sorted(layout.fields, key=lambda f: f.offset)
     out = {"RECORD_BYTES": layout.record_bytes}
-    for f, nxt in zip(fields, fields[1:] + [None]):
+    for f, nxt in zip(fields, [*fields[1:], None], strict=True):
         end = layout.record_bytes if nxt is None else nxt.offset
         key = _FIELD_KEYS[f.name]
         out[f"{key}_OFF"] = f.offset

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 import kvarn_formats as kf
+from kvarn_ops._validate import check_tensor
 from kvarn_ops.kernels._common import (
     cast_rne,
     check_device,
@@ -30,7 +31,6 @@ from kvarn_ops.kernels._common import (
     rotate_rows,
     unpack_codes_load,
 )
-from kvarn_ops._validate import check_tensor
 from kvarn_ops.reference.cache import check_context_args
 
 __all__ = ["materialize"]
@@ -132,7 +132,7 @@ def _materialize_kernel(packed_ptr, block_table_ptr, seq_lens_ptr, exact_k_ptr, 
         # Out-of-range entries (rejected on the CPU by the launcher) write nothing on a GPU.
         if (phys >= 0) & (phys < num_blocks):
             rec_ptr = packed_ptr + (phys * H + head) * RECORD_BYTES
-            for t0 in tl.static_range(0, G, BT):
+            for t0 in range(0, G, BT):
                 row = start + t0 + tl.arange(0, BT)
                 ok = (row >= 0) & (row < total_rows)
                 row = tl.where(ok, row, 0)
@@ -150,7 +150,7 @@ def _materialize_kernel(packed_ptr, block_table_ptr, seq_lens_ptr, exact_k_ptr, 
     elif (blk == n_full) & (rem > 0):
         pool_blk = tl.load(tail_ptr + req).to(tl.int64)
         if (pool_blk >= 0) & (pool_blk < num_pool_blocks):
-            for t0 in tl.static_range(0, G, BT):
+            for t0 in range(0, G, BT):
                 t = t0 + tl.arange(0, BT)
                 row = start + t
                 ok = (t < rem) & (row >= 0) & (row < total_rows)

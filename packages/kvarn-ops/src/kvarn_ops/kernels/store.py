@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from kvarn_ops._validate import MODEL_DTYPES, check_index_range, check_pool, check_tensor
-from kvarn_ops.kernels._common import cast_rne, check_device, exact_in_tf32, rotate_rows, round_to_e4m3
+from kvarn_ops.kernels._common import (
+    cast_rne,
+    check_device,
+    exact_in_tf32,
+    rotate_rows,
+    round_to_e4m3,
+)
 
 __all__ = ["store"]
 
