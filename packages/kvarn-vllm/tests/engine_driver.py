@@ -17,7 +17,8 @@ import time
 
 
 def main() -> None:
-    spec = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["KVARN_VLLM_TEST_PLATFORM"] = "1"
@@ -66,11 +67,14 @@ def main() -> None:
             lps = [next(iter(d.values())).logprob for d in comp.logprobs] if comp.logprobs else []
             plp = None
             if res.prompt_logprobs is not None:
-                plp = [None if d is None else d[t].logprob
-                       for d, t in zip(res.prompt_logprobs, res.prompt_token_ids)]
+                plp = [
+                    None if d is None else d[t].logprob
+                    for d, t in zip(res.prompt_logprobs, res.prompt_token_ids, strict=True)
+                ]
             done.append({"tokens": list(comp.token_ids), "logprobs": lps, "prompt_logprobs": plp})
         out["jobs"].append({"results": done, "seconds": time.time() - t1})
-    json.dump(out, open(sys.argv[2], "w"))
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import random
 
-import kvarn_formats as kf
 import pytest
+
+import kvarn_formats as kf
 from conftest import needs_vllm, run_engine
 
 pytestmark = needs_vllm
@@ -38,10 +39,35 @@ def _prompts() -> list[list[int]]:
     blocks and two tokens) so prefix caching has hits inside and across the batch."""
     rng = random.Random(1234)
     shared = [rng.randrange(3, 512) for _ in range(130)]
-    lengths = [1, 2, 5, 17, 63, 64, 65, 127, 128, 129, 191, 200, 250, 300, 33, 96,
-               7, 70, 140, 12, 45, 64, 88, 160]
+    lengths = [
+        1,
+        2,
+        5,
+        17,
+        63,
+        64,
+        65,
+        127,
+        128,
+        129,
+        191,
+        200,
+        250,
+        300,
+        33,
+        96,
+        7,
+        70,
+        140,
+        12,
+        45,
+        64,
+        88,
+        160,
+    ]
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
-    prompts += [shared + [rng.randrange(3, 512) for _ in range(k)] for k in (0, 1, 5, 62, 63, 64, 70, 3)]
+    tails = (0, 1, 5, 62, 63, 64, 70, 3)
+    prompts += [shared + [rng.randrange(3, 512) for _ in range(k)] for k in tails]
     return prompts
 
 
@@ -64,7 +90,8 @@ def baseline(tiny_llama, tmp_path_factory):
 
 
 def _teacher_forced(baseline) -> list[list[int]]:
-    return [p + r["tokens"] for p, r in zip(DRIFT_PROMPTS, baseline["jobs"][1]["results"])]
+    results = baseline["jobs"][1]["results"]
+    return [p + r["tokens"] for p, r in zip(DRIFT_PROMPTS, results, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +109,17 @@ def _kvarn_spec(tiny_llama, baseline, fmt: str, prefix_caching: bool) -> dict:
     jobs = [{"prompts": PROMPTS, "max_tokens": GEN_TOKENS}]
     if prefix_caching:
         jobs.append({"prompts": PROMPTS, "max_tokens": GEN_TOKENS, "one_by_one": True})
-        jobs.append({"prompts": _teacher_forced(baseline), "max_tokens": 1,
-                     "prompt_logprobs": True})
-    return {"model": str(tiny_llama), "mode": fmt, "prefix_caching": prefix_caching,
-            "jobs": jobs}
+        jobs.append(
+            {"prompts": _teacher_forced(baseline), "max_tokens": 1, "prompt_logprobs": True}
+        )
+    return {"model": str(tiny_llama), "mode": fmt, "prefix_caching": prefix_caching, "jobs": jobs}
 
 
 @pytest.fixture(scope="module")
 def k4v4(tiny_llama, baseline, tmp_path_factory):
-    return run_engine(_kvarn_spec(tiny_llama, baseline, "kvarn_k4v4_g64", True),
-                      tmp_path_factory.mktemp("k4v4"))
+    return run_engine(
+        _kvarn_spec(tiny_llama, baseline, "kvarn_k4v4_g64", True), tmp_path_factory.mktemp("k4v4")
+    )
 
 
 def _tokens(job) -> list[list[int]]:
@@ -99,19 +127,22 @@ def _tokens(job) -> list[list[int]]:
 
 
 def test_exact_debug_mode_equals_vllm(tiny_llama, baseline, tmp_path):
-    spec = {"model": str(tiny_llama), "mode": "exact",
-            "jobs": [{"prompts": PROMPTS, "max_tokens": GEN_TOKENS}]}
+    spec = {
+        "model": str(tiny_llama),
+        "mode": "exact",
+        "jobs": [{"prompts": PROMPTS, "max_tokens": GEN_TOKENS}],
+    }
     got = run_engine(spec, tmp_path)
     assert _tokens(got["jobs"][0]) == _tokens(baseline["jobs"][0])
-    for a, b in zip(got["jobs"][0]["results"], baseline["jobs"][0]["results"]):
+    for a, b in zip(got["jobs"][0]["results"], baseline["jobs"][0]["results"], strict=True):
         assert a["logprobs"] == b["logprobs"]
 
 
 def _drift(run, reference) -> tuple[float, float]:
     diffs = []
-    for a, b in zip(run["jobs"][-1]["results"], reference["jobs"][0]["results"]):
+    for a, b in zip(run["jobs"][-1]["results"], reference["jobs"][0]["results"], strict=True):
         la, lb = a["prompt_logprobs"][-DRIFT_TOKENS:], b["prompt_logprobs"][-DRIFT_TOKENS:]
-        diffs += [abs(x - y) for x, y in zip(la, lb)]
+        diffs += [abs(x - y) for x, y in zip(la, lb, strict=True)]
     return sum(diffs) / len(diffs), max(diffs)
 
 
@@ -148,9 +179,11 @@ def test_capacity_matches_kvarn_formats(k4v4, baseline):
 
 
 def test_k4v2_drift_within_bounds(tiny_llama, baseline, exact_reference, tmp_path):
-    spec = {"model": str(tiny_llama), "mode": "kvarn_k4v2_g64",
-            "jobs": [{"prompts": _teacher_forced(baseline), "max_tokens": 1,
-                      "prompt_logprobs": True}]}
+    spec = {
+        "model": str(tiny_llama),
+        "mode": "kvarn_k4v2_g64",
+        "jobs": [{"prompts": _teacher_forced(baseline), "max_tokens": 1, "prompt_logprobs": True}],
+    }
     run = run_engine(spec, tmp_path)
     mean, worst = _drift(run, exact_reference)
     print(f"kvarn_k4v2_g64 drift: mean {mean:.4f} max {worst:.4f}")

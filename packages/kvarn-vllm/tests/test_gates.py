@@ -17,8 +17,12 @@ def _engine(**over):
     cfg = NS(
         kv_transfer_config=None,
         cache_config=NS(kv_offloading_size=None, kv_cache_dtype_skip_layers=[], block_size=64),
-        parallel_config=NS(enable_dbo=False, ubatch_size=1, decode_context_parallel_size=1,
-                           prefill_context_parallel_size=1),
+        parallel_config=NS(
+            enable_dbo=False,
+            ubatch_size=1,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+        ),
         speculative_config=None,
         model_config=NS(hf_text_config=NS(sliding_window=None, layer_types=None)),
     )
@@ -78,11 +82,20 @@ def test_layer_rejections(override, needle):
         ({"cache_config__kv_cache_dtype_skip_layers": ["0"]}, "--kv-cache-dtype-skip-layers"),
         ({"speculative_config": NS(method="eagle")}, "--speculative-config"),
         ({"cache_config__block_size": 16}, "--block-size 16"),
-        ({"model_config": NS(hf_text_config=NS(sliding_window=4096, layer_types=None))},
-         "sliding-window"),
-        ({"model_config": NS(hf_text_config=NS(
-            sliding_window=None, layer_types=["full_attention", "sliding_attention"]))},
-         "sliding-window"),
+        (
+            {"model_config": NS(hf_text_config=NS(sliding_window=4096, layer_types=None))},
+            "sliding-window",
+        ),
+        (
+            {
+                "model_config": NS(
+                    hf_text_config=NS(
+                        sliding_window=None, layer_types=["full_attention", "sliding_attention"]
+                    )
+                )
+            },
+            "sliding-window",
+        ),
         ({"model_config": NS(hf_text_config=NS(alibi=True))}, "ALiBi"),
     ],
 )

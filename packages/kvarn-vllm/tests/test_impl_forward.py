@@ -7,8 +7,8 @@ import math
 from types import SimpleNamespace as NS
 
 import pytest
-from conftest import needs_vllm
 
+from conftest import needs_vllm
 from kvarn_vllm import settings as kv_settings
 from kvarn_vllm.exact_pool import ExactPoolAllocator
 from kvarn_vllm.metadata import plan_step
@@ -68,8 +68,9 @@ def _step(impl, cache, alloc, reqs, q, k, v):
 def _oracle(impl, cache, alloc, blocks, pos, q_row, k_hist, v_hist):
     """Plain attention of position ``pos``: packed full blocks (< (pos+1)//G) dequantized
     from the cache bytes, own-block rows from history rounded like the fp16 pool."""
-    import kvarn_ops.reference as ref
     import torch
+
+    import kvarn_ops.reference as ref
 
     n_full = (pos + 1) // G
     lay = impl.layout
@@ -85,8 +86,8 @@ def _oracle(impl, cache, alloc, blocks, pos, q_row, k_hist, v_hist):
     def rounded(x):
         return ref.hadamard(ref.hadamard(x.float()).half().float())
 
-    ks = torch.cat([*kq, rounded(k_hist[n_full * G: pos + 1])])
-    vs = torch.cat([*vq, rounded(v_hist[n_full * G: pos + 1])])
+    ks = torch.cat([*kq, rounded(k_hist[n_full * G : pos + 1])])
+    vs = torch.cat([*vq, rounded(v_hist[n_full * G : pos + 1])])
     return ref.attention_oracle(q_row[None], ks, vs, impl.scale)[0].float()
 
 
@@ -95,10 +96,11 @@ def test_prefill_decode_and_continuation_match_oracle(make_impl):
 
     torch.manual_seed(0)
     impl, cache, alloc = make_impl()
-    lens = {0: 70, 1: 5}
     blocks = {0: [3, 7], 1: [4]}
-    hist = {r: (torch.randn(200, HKV, D), torch.randn(200, HKV, D), torch.randn(200, HQ, D))
-            for r in (0, 1)}
+    hist = {
+        r: (torch.randn(200, HKV, D), torch.randn(200, HKV, D), torch.randn(200, HQ, D))
+        for r in (0, 1)
+    }
 
     def run(reqs):
         rows = [(r, p) for r, c, t in reqs for p in range(c, t)]
@@ -107,8 +109,7 @@ def test_prefill_decode_and_continuation_match_oracle(make_impl):
         v = torch.stack([hist[r][1][p] for r, p in rows])
         out = _step(impl, cache, alloc, [(c, t, blocks[r]) for r, c, t in reqs], q, k, v)
         for i, (r, p) in enumerate(rows):
-            want = _oracle(impl, cache, alloc, blocks[r], p, hist[r][2][p], hist[r][0],
-                           hist[r][1])
+            want = _oracle(impl, cache, alloc, blocks[r], p, hist[r][2][p], hist[r][0], hist[r][1])
             torch.testing.assert_close(out[i], want, atol=2e-3, rtol=2e-3)
 
     run([(0, 0, 70), (1, 0, 5)])  # fresh prompts; block 3 fills and is packed
@@ -129,12 +130,22 @@ def test_decode_equals_prefill_for_the_same_positions(make_impl):
     impl_b, cache_b, alloc_b = make_impl()
     parts = [_step(impl_b, cache_b, alloc_b, [(0, 60, blocks)], q[:60], k[:60], v[:60])]
     for p in range(60, n):
-        parts.append(_step(impl_b, cache_b, alloc_b, [(p, p + 1, blocks)],
-                           q[p:p + 1], k[p:p + 1], v[p:p + 1]))
+        parts.append(
+            _step(
+                impl_b,
+                cache_b,
+                alloc_b,
+                [(p, p + 1, blocks)],
+                q[p : p + 1],
+                k[p : p + 1],
+                v[p : p + 1],
+            )
+        )
     torch.testing.assert_close(torch.cat(parts), whole, atol=2e-3, rtol=2e-3)
     # The packed records are the same bytes whichever way the tokens arrived.
-    assert torch.equal(impl_a.packed_view(cache_a)[blocks[:2]],
-                       impl_b.packed_view(cache_b)[blocks[:2]])
+    assert torch.equal(
+        impl_a.packed_view(cache_a)[blocks[:2]], impl_b.packed_view(cache_b)[blocks[:2]]
+    )
 
 
 def test_profiling_run_without_metadata_returns_output(make_impl):

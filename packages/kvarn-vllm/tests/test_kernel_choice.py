@@ -8,8 +8,8 @@ import pytest
 
 from kvarn_vllm import kernel_choice as kc
 
-ADMIT = lambda device_type, index: None  # noqa: E731
-REFUSE = lambda device_type, index: "sm_80 is not validated (validated: sm_90a)"  # noqa: E731
+ADMIT = lambda device_type, index, geometry: None  # noqa: E731
+REFUSE = lambda device_type, index, geometry: "sm_80 is not validated (validated: sm_90a)"  # noqa: E731
 
 
 def choose(device, env=None, probe=ADMIT):

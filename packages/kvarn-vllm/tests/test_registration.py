@@ -38,8 +38,9 @@ def test_registers_through_entry_point_twice_in_spawned_process():
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
 
 
 def test_refuses_when_a_dtype_name_or_the_custom_slot_is_taken():

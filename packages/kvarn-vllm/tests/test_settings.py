@@ -10,8 +10,11 @@ from kvarn_vllm import settings as s
 
 
 def cfg(cache_dtype="auto", extra=None, dtype="torch.float32"):
-    return NS(additional_config=extra or {}, cache_config=NS(cache_dtype=cache_dtype),
-              model_config=NS(dtype=dtype))
+    return NS(
+        additional_config=extra or {},
+        cache_config=NS(cache_dtype=cache_dtype),
+        model_config=NS(dtype=dtype),
+    )
 
 
 def test_not_asked_for():

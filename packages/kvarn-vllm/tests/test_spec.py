@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import kvarn_formats as kf
 import pytest
-from conftest import needs_vllm
 
+import kvarn_formats as kf
+from conftest import needs_vllm
 from kvarn_vllm import settings as kv_settings
 
 pytestmark = needs_vllm
@@ -28,8 +28,9 @@ def test_page_is_exact_record_bytes(active_k4v2, head_dim, dtype_name):
 
     from kvarn_vllm.backend import KvarnAttentionBackend
 
-    spec = FullAttentionSpec(block_size=64, num_kv_heads=3, head_size=head_dim,
-                             dtype=getattr(torch, dtype_name))
+    spec = FullAttentionSpec(
+        block_size=64, num_kv_heads=3, head_size=head_dim, dtype=getattr(torch, dtype_name)
+    )
     got = customize_attention_spec(KvarnAttentionBackend, spec)
     layout = kf.dense_layout("kvarn_k4v2_g64", head_dim=head_dim)
     assert got.page_size_bytes == 3 * layout.record_bytes
@@ -68,14 +69,34 @@ def test_validate_configuration_through_vllm_signature(active_k4v2):
     from kvarn_vllm.backend import KvarnAttentionBackend
 
     ok = KvarnAttentionBackend.validate_configuration(
-        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=64,
-        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
-        use_per_head_quant_scales=False, device_capability=None, attn_type="decoder",
-        has_sliding_window=False, use_kv_connector=False)
+        head_size=128,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=64,
+        use_mla=False,
+        has_sink=False,
+        use_sparse=False,
+        use_mm_prefix=False,
+        use_per_head_quant_scales=False,
+        device_capability=None,
+        attn_type="decoder",
+        has_sliding_window=False,
+        use_kv_connector=False,
+    )
     assert ok == []
     bad = KvarnAttentionBackend.validate_configuration(
-        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
-        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
-        use_per_head_quant_scales=False, device_capability=None, attn_type="decoder",
-        has_sliding_window=True, use_kv_connector=True)
+        head_size=128,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=16,
+        use_mla=False,
+        has_sink=False,
+        use_sparse=False,
+        use_mm_prefix=False,
+        use_per_head_quant_scales=False,
+        device_capability=None,
+        attn_type="decoder",
+        has_sliding_window=True,
+        use_kv_connector=True,
+    )
     assert len(bad) == 3 and any("--block-size 16" in r for r in bad)

@@ -64,7 +64,9 @@ def check_formats(consumer: str, minimum: str, maximum: str, api_minimum: int) -
     try:
         installed = metadata.version("kvarn-formats")
     except metadata.PackageNotFoundError:
-        raise ImportError(f"{consumer} needs kvarn-formats, which is not installed: {fix}") from None
+        raise ImportError(
+            f"{consumer} needs kvarn-formats, which is not installed: {fix}"
+        ) from None
     if not _in_range(installed, minimum, maximum):
         raise ImportError(
             f"{consumer} was tested with kvarn-formats>={minimum},<{maximum}, "

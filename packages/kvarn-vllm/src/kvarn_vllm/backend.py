@@ -15,7 +15,8 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, MultipleOf
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvarn_vllm import gates, settings as kv_settings
+from kvarn_vllm import gates
+from kvarn_vllm import settings as kv_settings
 
 BACKEND_NAME = "CUSTOM"
 
@@ -119,7 +120,7 @@ class KvarnAttentionBackend(AttentionBackend):
         return packed_spec(spec, settings)
 
     @classmethod
-    def validate_configuration(  # type: ignore[override]
+    def validate_configuration(
         cls,
         head_size: int,
         dtype: torch.dtype,

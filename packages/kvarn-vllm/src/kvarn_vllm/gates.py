@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import kvarn_formats as kf
-
 from kvarn_vllm.settings import Settings
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(kf.DENSE_HEAD_DIMS))
@@ -128,9 +127,7 @@ def engine_problems(settings: Settings, vllm_config: Any) -> list[str]:
     """Reasons the engine config cannot run with kvarn (empty when it can)."""
     reasons: list[str] = []
     if _get(vllm_config, "kv_transfer_config") is not None:
-        reasons.append(
-            "--kv-transfer-config (KV transfer / disaggregated serving) not supported"
-        )
+        reasons.append("--kv-transfer-config (KV transfer / disaggregated serving) not supported")
     if _get(vllm_config, "cache_config", "kv_offloading_size") is not None:
         reasons.append("--kv-offloading-size (KV offloading) not supported")
     parallel = _get(vllm_config, "parallel_config")
@@ -165,8 +162,10 @@ def engine_problems(settings: Settings, vllm_config: Any) -> list[str]:
     model_config = _get(vllm_config, "model_config")
     hf = _get(model_config, "hf_text_config") or _get(model_config, "hf_config")
     if hf is not None:
-        if getattr(hf, "sliding_window", None) or getattr(hf, "layer_types", None) and any(
-            t != "full_attention" for t in hf.layer_types
+        if (
+            getattr(hf, "sliding_window", None)
+            or getattr(hf, "layer_types", None)
+            and any(t != "full_attention" for t in hf.layer_types)
         ):
             reasons.append(
                 "sliding-window layers in the model config (sliding_window / layer_types) not "

@@ -21,9 +21,11 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from kvarn_vllm import gates, settings as kv_settings
+import kvarn_formats as kf
+from kvarn_vllm import gates
+from kvarn_vllm import settings as kv_settings
 from kvarn_vllm.exact_pool import ExactPoolAllocator, pool_blocks_needed
-from kvarn_vllm.kernel_choice import OpSet, choose_kernel, log_choice_once
+from kvarn_vllm.kernel_choice import DecodeGeometry, OpSet, choose_kernel, log_choice_once
 from kvarn_vllm.metadata import KvarnMetadata, plan_step
 
 POOL_TORCH_DTYPES = {
@@ -129,7 +131,18 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         device = torch.device(vllm_config.device_config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        choice = choose_kernel(device.type, device.index or 0)
+        fmt = kf.parse_format(self.settings.format_name)
+        assert isinstance(fmt, kf.DenseFormat)
+        geometry = DecodeGeometry(
+            k_bits=fmt.k_bits,
+            v_bits=fmt.v_bits,
+            group=group,
+            head_dim=head_size,
+            gqa=num_heads // num_kv_heads,
+            q_dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+            pool_dtype=self.settings.pool_dtype,
+        )
+        choice = choose_kernel(device.type, device.index or 0, geometry=geometry)
         log_choice_once(choice, str(device))
         self.ops = OpSet(choice)
         # The exact pool is allocated here, while the model is built, so that vLLM's memory
@@ -144,7 +157,14 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
         self._workspace: torch.Tensor | None = None
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """Nothing: ``forward`` stores, packs and attends (the pool slots come from the
         step's metadata, not from vLLM's slot mapping)."""
 
@@ -192,8 +212,18 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             bd = md.decode_tokens.shape[0]
             qd = q[md.decode_tokens].reshape(bd, 1, hq, d).contiguous()
             od = torch.empty_like(qd)
-            ops.decode(qd, packed, md.decode_block_table, md.decode_seq_lens, *pools,
-                       md.decode_tail, lay, self.scale, od, self._decode_workspace(md, qd))
+            ops.decode(
+                qd,
+                packed,
+                md.decode_block_table,
+                md.decode_seq_lens,
+                *pools,
+                md.decode_tail,
+                lay,
+                self.scale,
+                od,
+                self._decode_workspace(md, qd),
+            )
             out[md.decode_tokens] = od.view(bd, hq, d)
         if md.prefills:
             self._prefill(q, out, packed, md)
@@ -204,29 +234,55 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             return None
         # Sized for this step; the Triton path is not captured in CUDA graphs by this release.
         return self.ops.decode_workspace(
-            qd.shape[0], 1, self.num_heads, self.num_kv_heads, self.head_size,
-            max(md.max_decode_seq_len, 1), md.group, device=qd.device,
+            qd.shape[0],
+            1,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            max(md.max_decode_seq_len, 1),
+            md.group,
+            device=qd.device,
         )
 
-    def _prefill(self, q, out, packed, md: KvarnMetadata) -> None:
+    def _prefill(
+        self, q: torch.Tensor, out: torch.Tensor, packed: torch.Tensor, md: KvarnMetadata
+    ) -> None:
+        assert md.full_block_table is not None and md.full_seq_lens is not None
+        assert md.full_cu is not None and md.exact_tail is not None
+        assert md.exact_seq_lens is not None and md.exact_cu is not None
         hkv, d = self.num_kv_heads, self.head_size
         cdt = self._context_dtype(q.dtype)
         k_ctx = torch.zeros(md.context_rows, hkv, d, dtype=cdt, device=q.device)
         v_ctx = torch.zeros_like(k_ctx)
         pools = (self.exact_k, self.exact_v, self.k_scale, self.v_scale)
         ops = self.ops
-        ops.materialize(packed, md.full_block_table, md.full_seq_lens, *pools,
-                        torch.zeros_like(md.full_seq_lens), self.layout, k_ctx, v_ctx,
-                        md.full_cu)
+        ops.materialize(
+            packed,
+            md.full_block_table,
+            md.full_seq_lens,
+            *pools,
+            torch.zeros_like(md.full_seq_lens),
+            self.layout,
+            k_ctx,
+            v_ctx,
+            md.full_cu,
+        )
         ex_bt = torch.zeros(md.exact_tail.shape[0], 1, dtype=torch.int32, device=q.device)
-        ops.materialize(packed, ex_bt, md.exact_seq_lens, *pools, md.exact_tail, self.layout,
-                        k_ctx, v_ctx, md.exact_cu)
+        ops.materialize(
+            packed,
+            ex_bt,
+            md.exact_seq_lens,
+            *pools,
+            md.exact_tail,
+            self.layout,
+            k_ctx,
+            v_ctx,
+            md.exact_cu,
+        )
         grp = self.num_heads // hkv
         for req in md.prefills:
             qr = q[req.tokens].transpose(0, 1).float()  # [Hq, q, D]
             kr = k_ctx[req.key_rows].float().repeat_interleave(grp, dim=1).transpose(0, 1)
             vr = v_ctx[req.key_rows].float().repeat_interleave(grp, dim=1).transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qr, kr, vr, attn_mask=req.mask, scale=self.scale
-            )
+            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=req.mask, scale=self.scale)
             out[req.tokens] = o.transpose(0, 1).to(out.dtype)

@@ -14,10 +14,12 @@ on the device raises instead of falling back: nothing downgrades silently.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger("vllm.kvarn")
 
@@ -33,31 +35,58 @@ class KernelChoice:
     reason: str
 
 
-def cutedsl_problem(device_type: str, device_index: int = 0) -> str | None:
+@dataclass(frozen=True)
+class DecodeGeometry:
+    """What kvarn-cutedsl's capability gate needs to know about a layer's decode."""
+
+    k_bits: int
+    v_bits: int
+    group: int
+    head_dim: int
+    gqa: int = 1
+    q_dtype: str = "bfloat16"
+    pool_dtype: str = "bfloat16"
+
+
+def cutedsl_problem(
+    device_type: str, device_index: int = 0, geometry: DecodeGeometry | None = None
+) -> str | None:
     """Why kvarn-cutedsl cannot run on the device (None when it can).
 
-    Imports kvarn-cutedsl at use, catching only ImportError/OSError, and asks its capability
-    gate (``kvarn_cutedsl.capability_problem(device_index)`` when it provides one).
+    Imports kvarn-cutedsl at use, catching only ImportError/OSError, and asks its public
+    capability gate, ``kvarn_cutedsl.is_supported(device_arch(index), ...)``.
     """
     if device_type != "cuda":
         return f"kvarn-cutedsl runs on CUDA devices only, not {device_type!r}"
     try:
-        import kvarn_cutedsl  # type: ignore[import-not-found]
+        cutedsl: Any = importlib.import_module("kvarn_cutedsl")
     except (ImportError, OSError) as exc:
         return f"kvarn-cutedsl is not importable ({type(exc).__name__}: {exc})"
-    gate = getattr(kvarn_cutedsl, "capability_problem", None)
-    if gate is None:
-        return "the installed kvarn-cutedsl has no capability_problem() gate"
-    problem = gate(device_index)
-    return None if problem is None else str(problem)
+    arch = cutedsl.device_arch(device_index)
+    if geometry is None:
+        return None
+    if not cutedsl.is_supported(
+        arch,
+        geometry.k_bits,
+        geometry.v_bits,
+        geometry.group,
+        geometry.head_dim,
+        geometry.gqa,
+        1,
+        geometry.q_dtype,
+        geometry.pool_dtype,
+    ):
+        return f"kvarn-cutedsl does not support {geometry} on {arch}"
+    return None
 
 
 def choose_kernel(
     device_type: str,
     device_index: int = 0,
     *,
-    env: dict[str, str] | None = None,
-    cutedsl_probe: Callable[[str, int], str | None] = cutedsl_problem,
+    geometry: DecodeGeometry | None = None,
+    env: Mapping[str, str] | None = None,
+    cutedsl_probe: Callable[[str, int, DecodeGeometry | None], str | None] = cutedsl_problem,
 ) -> KernelChoice:
     """Pick the implementation for a device.
 
@@ -69,8 +98,10 @@ def choose_kernel(
         CUDA device index, for the CuTe DSL capability gate.
     env : mapping, optional
         Where ``KVARN_DECODE_KERNEL`` is read (default ``os.environ``).
+    geometry : DecodeGeometry, optional
+        The layer's format and shapes, for the CuTe DSL gate.
     cutedsl_probe : callable
-        ``(device_type, device_index) -> reason or None``; replaced in tests.
+        ``(device_type, device_index, geometry) -> reason or None``; replaced in tests.
 
     Raises
     ------
@@ -78,8 +109,8 @@ def choose_kernel(
         The setting is not one of ``CHOICES``, or names an implementation that cannot run on
         the device (the message says why and what to set instead).
     """
-    env = os.environ if env is None else env
-    raw = env.get(ENV_VAR, "auto").strip().lower() or "auto"
+    source: Mapping[str, str] = os.environ if env is None else env
+    raw = source.get(ENV_VAR, "auto").strip().lower() or "auto"
     if raw not in CHOICES:
         raise ValueError(
             f"{ENV_VAR}={raw!r} is not one of {', '.join(CHOICES)}; unset it for the automatic "
@@ -95,16 +126,14 @@ def choose_kernel(
     if raw == "triton":
         return KernelChoice("triton", f"{ENV_VAR}=triton")
     if raw == "cutedsl":
-        problem = cutedsl_probe(device_type, device_index)
+        problem = cutedsl_probe(device_type, device_index, geometry)
         if problem is not None:
-            raise ValueError(
-                f"{ENV_VAR}=cutedsl but {problem}: set {ENV_VAR}=triton (or unset it)"
-            )
+            raise ValueError(f"{ENV_VAR}=cutedsl but {problem}: set {ENV_VAR}=triton (or unset it)")
         return KernelChoice("cutedsl", f"{ENV_VAR}=cutedsl")
     # auto
     if device_type != "cuda":
         return KernelChoice("reference", f"device {device_type!r} has no Triton kernels")
-    problem = cutedsl_probe(device_type, device_index)
+    problem = cutedsl_probe(device_type, device_index, geometry)
     if problem is None:
         return KernelChoice("cutedsl", "kvarn-cutedsl is installed and admits the device")
     return KernelChoice("triton", f"CUDA device; CuTe DSL not used: {problem}")
@@ -119,7 +148,9 @@ def log_choice_once(choice: KernelChoice, device: str) -> None:
     if key in _LOGGED:
         return
     _LOGGED.add(key)
-    logger.info("kvarn: dense KV-cache ops on %s run on %s (%s)", device, choice.name, choice.reason)
+    logger.info(
+        "kvarn: dense KV-cache ops on %s run on %s (%s)", device, choice.name, choice.reason
+    )
 
 
 class OpSet:
@@ -140,8 +171,8 @@ class OpSet:
         self.materialize = kvarn_ops.materialize
         self.decode_workspace = kvarn_ops.decode_workspace
         if choice.name == "cutedsl":
-            import kvarn_cutedsl  # type: ignore[import-not-found]
-
-            self.decode = kvarn_cutedsl.decode
+            cutedsl: Any = importlib.import_module("kvarn_cutedsl")
+            self.decode = cutedsl.decode
+            self.decode_workspace = cutedsl.decode_workspace
         else:
             self.decode = kvarn_ops.decode

