@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import kvarn_formats as kf
 import pytest
 import torch
 
+import kvarn_formats as kf
 from kvarn_ops import reference as ref
 
 # The tensors here are small: intra-op threads cost more than they give, and on a busy
@@ -41,8 +41,9 @@ def realistic_kv(gen: torch.Generator, *shape_and_d: int) -> torch.Tensor:
     *lead, d = shape_and_d
     x = torch.randn(*lead, d, generator=gen)
     chan = torch.exp(0.7 * torch.randn(d, generator=gen))
-    offset = torch.where(torch.rand(d, generator=gen) < 0.05,
-                         3.0 * torch.randn(d, generator=gen), torch.zeros(d))
+    offset = torch.where(
+        torch.rand(d, generator=gen) < 0.05, 3.0 * torch.randn(d, generator=gen), torch.zeros(d)
+    )
     tok = torch.exp(0.3 * torch.randn(*lead, 1, generator=gen))
     return (x * chan + offset) * tok
 
@@ -62,12 +63,28 @@ class PagedCache:
     tail_pool_block: torch.Tensor
 
     def context_args(self):
-        return (self.packed, self.block_table, self.seq_lens, self.exact_k, self.exact_v,
-                self.k_scale, self.v_scale, self.tail_pool_block, self.layout)
+        return (
+            self.packed,
+            self.block_table,
+            self.seq_lens,
+            self.exact_k,
+            self.exact_v,
+            self.k_scale,
+            self.v_scale,
+            self.tail_pool_block,
+            self.layout,
+        )
 
 
-def build_cache(gen, fmt: str, head_dim: int, seq_lens, num_kv_heads: int,
-                pool_dtype=torch.float16, spare_blocks: int = 3) -> PagedCache:
+def build_cache(
+    gen,
+    fmt: str,
+    head_dim: int,
+    seq_lens,
+    num_kv_heads: int,
+    pool_dtype=torch.float16,
+    spare_blocks: int = 3,
+) -> PagedCache:
     """Store every token of each request in the exact pool (reference.store), flush the full
     blocks into randomly chosen physical blocks (reference.flush) and keep the tail in the
     pool. Unused packed bytes and block-table entries are poison (0xFF, -7)."""
@@ -108,11 +125,29 @@ def build_cache(gen, fmt: str, head_dim: int, seq_lens, num_kv_heads: int,
             phys_next += 1
         if n % g:
             tail[r] = int(pool_blocks[-1])
-    ref.flush(exact_k, exact_v, k_scale, v_scale, torch.tensor(src, dtype=torch.int32),
-              torch.tensor(dst, dtype=torch.int32), packed, lay)
-    return PagedCache(lay, ks, vs, packed, block_table,
-                      torch.tensor(seq_lens, dtype=torch.int32), exact_k, exact_v, k_scale,
-                      v_scale, tail)
+    ref.flush(
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        torch.tensor(src, dtype=torch.int32),
+        torch.tensor(dst, dtype=torch.int32),
+        packed,
+        lay,
+    )
+    return PagedCache(
+        lay,
+        ks,
+        vs,
+        packed,
+        block_table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        tail,
+    )
 
 
 @pytest.fixture

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import kvarn_formats as kf
 import pytest
 import torch
 
+import kvarn_formats as kf
 from kvarn_ops import reference as ref
 
 
@@ -22,8 +22,10 @@ def test_published_vectors(codes, bits, packed):
     got = ref.pack_codes(torch.tensor(codes, dtype=torch.uint8), bits)
     assert got.dtype == torch.uint8
     assert got.tolist() == packed
-    assert ref.unpack_codes(torch.tensor(packed, dtype=torch.uint8), bits, len(codes)).tolist() \
+    assert (
+        ref.unpack_codes(torch.tensor(packed, dtype=torch.uint8), bits, len(codes)).tolist()
         == codes
+    )
 
 
 @pytest.mark.parametrize("bits", range(2, 9))

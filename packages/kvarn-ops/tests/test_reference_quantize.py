@@ -1,21 +1,26 @@
 """Tile quantization: RTN, normalization, scale invariance, fp16 scale range, robustness.
 
 Tolerances:
-| check | bound | why |
-|---|---|---|
-| RTN reconstruction in the balanced frame | step/2 * (1 + 1e-5) + 1e-6 * max|b| | round to nearest, fp32 |
-| decoded element vs input (every case) | ``error_bound``: step/2 * w * (1 + 2**-9) + 2**-9 * (code*|s| + |z|) * w + 1e-6 * max|x| | RTN half step plus three fp16 roundings (2**-11 each) of s, z, w, plus fp32 |
-| scale invariance, c a power of two | exact (bytes and decoded values) | prescale and rebalance move only powers of two |
-| scale invariance, other c | codes differ in <= 0.2% of elements and by 1 at most; decoded(cX)/c vs decoded(X): max <= 1 step + 2e-3 * range | c*X is itself rounded in fp32 (1 ulp), which can move a value across a rounding boundary; fp16 scales of both round independently |
-| normalization gain on a structured tile | error(iters=8) < 0.7 * error(iters=0) | measured 0.47 vs 0.80 (2 bit), 0.085 vs 0.16 (4 bit) |
+- RTN reconstruction in the balanced frame: step/2 * (1 + 1e-5) + 1e-6 * max|b|; why: round to
+  nearest, fp32
+- decoded element vs input (every case): ``error_bound`` = step/2 * w * (1 + 2**-9)
+  + 2**-9 * (code*|s| + |z|) * w + 1e-6 * max|x|; why: RTN half step plus three fp16 roundings
+  (2**-11 each) of s, z, w, plus fp32
+- scale invariance, c a power of two: exact (bytes and decoded values); why: prescale and
+  rebalance move only powers of two
+- scale invariance, other c: codes differ in <= 0.2% of elements and by 1 at most; decoded(cX)/c
+  vs decoded(X): max <= 1 step + 2e-3 * range; why: c*X is itself rounded in fp32 (1 ulp), which
+  can move a value across a rounding boundary; fp16 scales of both round independently
+- normalization gain on a structured tile: error(iters=8) < 0.7 * error(iters=0); why: measured
+  0.47 vs 0.80 (2 bit), 0.085 vs 0.16 (4 bit)
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import realistic_kv
 
+from conftest import realistic_kv
 from kvarn_ops import reference as ref
 from kvarn_ops.reference.quantize import _imbalance
 
@@ -24,8 +29,11 @@ FP16_TINY = 2.0**-14
 
 def rotated_tiles(gen, n, r, c):
     """Realistic rotated tiles [n, r, c] (rows = the RTN axis)."""
-    return ref.hadamard(realistic_kv(gen, n, c, r)).transpose(1, 2).contiguous() \
-        if r in (64, 128, 256, 512) else realistic_kv(gen, n, r, c)
+    return (
+        ref.hadamard(realistic_kv(gen, n, c, r)).transpose(1, 2).contiguous()
+        if r in (64, 128, 256, 512)
+        else realistic_kv(gen, n, r, c)
+    )
 
 
 def error_bound(q: ref.QuantizedTiles, x: torch.Tensor) -> torch.Tensor:
@@ -72,8 +80,9 @@ def test_normalization_balances_and_helps(gen):
     start = torch.ldexp(x, -e.float()[:, None, None])
     assert (_imbalance(bal, 1e-3) < 2.05).all()  # 2 is perfect balance
     assert (_imbalance(start, 1e-3) > 20).all()
-    recon = torch.ldexp(torch.exp(lr)[:, :, None] * bal * torch.exp(lc)[:, None, :],
-                        e.float()[:, None, None])
+    recon = torch.ldexp(
+        torch.exp(lr)[:, :, None] * bal * torch.exp(lc)[:, None, :], e.float()[:, None, None]
+    )
     torch.testing.assert_close(recon, x, rtol=2e-5, atol=0)
     for bits in (2, 4):
         err = ref.dequantize_tiles(ref.quantize_tiles(x, bits)) - x
@@ -112,8 +121,10 @@ def test_scale_invariance_any_factor(gen, c):
     r2 = ref.encode_records(k * c, v * c, lay)
     f1, f2 = ref.record_fields(r1, lay), ref.record_fields(r2, lay)
     dec1, dec2 = ref.decode_records(r1, lay), ref.decode_records(r2, lay)
-    for name, bits, x, a, b in (("k_codes", 4, k, dec1[0], dec2[0]),
-                                ("v_codes", 2, v, dec1[1], dec2[1])):
+    for name, bits, x, a, b in (
+        ("k_codes", 4, k, dec1[0], dec2[0]),
+        ("v_codes", 2, v, dec1[1], dec2[1]),
+    ):
         diff = (f1[name].int() - f2[name].int()).abs()
         assert int(diff.max()) <= 1
         assert float((diff > 0).float().mean()) <= 2e-3

@@ -12,6 +12,7 @@ _compat.check_formats()  # before torch: a wrong kvarn-formats fails fast with t
 
 from importlib import import_module  # noqa: E402
 from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+from typing import Any  # noqa: E402
 
 from kvarn_ops import reference  # noqa: E402
 
@@ -25,7 +26,7 @@ KERNEL_OPS = ("rotate", "store", "flush", "decode", "decode_workspace", "materia
 allocates the decode kernel's scratch)."""
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Kernels import triton, which is slow and absent on some platforms: load on first use.
     if name in KERNEL_OPS:
         try:

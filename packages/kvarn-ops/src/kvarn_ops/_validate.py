@@ -8,6 +8,7 @@ for CPU tensors: on a GPU they would force a host synchronization.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ def check_head_dim(name: str, head_dim: int) -> None:
         raise ValueError(f"{name}: head_dim must be one of {allowed}, got {head_dim}")
 
 
-def check_dense_layout(name: str, layout: object, head_dim: int | None = None) -> None:
+def check_dense_layout(name: str, layout: Any, head_dim: int | None = None) -> None:
     """``layout`` must be a dense ``kvarn_formats.RecordLayout`` (matching ``head_dim``)."""
     kind = getattr(layout, "kind", None)
     if kind is None or not hasattr(layout, "field") or not hasattr(layout, "record_bytes"):
@@ -141,13 +142,13 @@ def check_index_range(
 
 
 def check_pool(
-    exact_k: object,
-    exact_v: object,
-    k_scale: object,
-    v_scale: object,
+    exact_k: Any,
+    exact_v: Any,
+    k_scale: Any,
+    v_scale: Any,
     *,
     device: torch.device | None = None,
-    layout: object | None = None,
+    layout: Any = None,
 ) -> tuple[int, int, int, int]:
     """Check the exact pool and return ``(num_pool_blocks, G, num_kv_heads, D)``.
 
@@ -156,8 +157,9 @@ def check_pool(
     """
     check_tensor("exact_k", exact_k, dtypes=POOL_DTYPES, ndim=4, device=device)
     p, g, hkv, d = exact_k.shape
-    check_tensor("exact_v", exact_v, dtypes=(exact_k.dtype,), shape=(p, g, hkv, d),
-                 device=exact_k.device)
+    check_tensor(
+        "exact_v", exact_v, dtypes=(exact_k.dtype,), shape=(p, g, hkv, d), device=exact_k.device
+    )
     check_head_dim("exact_k", d)
     if layout is not None:
         if g != layout.block_size:

@@ -51,7 +51,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = nbytes * 8 - n * bits
     if pad:
         stream = torch.nn.functional.pad(stream, (0, pad))
-    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32))
+    weights = 1 << torch.arange(8, device=codes.device, dtype=torch.int32)
     packed = (stream.reshape(*codes.shape[:-1], nbytes, 8) * weights).sum(-1)
     return packed.to(torch.uint8)
 

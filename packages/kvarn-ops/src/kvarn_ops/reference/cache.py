@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kvarn_formats import RecordLayout
 from kvarn_ops._validate import (
     FP8_MAX,
     MODEL_DTYPES,
@@ -45,7 +46,9 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8 if t.element_size() == 1 else torch.int16)
 
 
-def quantize_pool_tokens(x: torch.Tensor, dtype: torch.dtype):
+def quantize_pool_tokens(
+    x: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Round rotated tokens ``x [..., D]`` (fp32) to the pool dtype.
 
     Returns ``(values, scale)``: for float8_e4m3fn ``scale = amax(|x|) / 448`` per token
@@ -61,14 +64,17 @@ def quantize_pool_tokens(x: torch.Tensor, dtype: torch.dtype):
 
 
 def read_pool_blocks(
-    exact: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor
+    exact: torch.Tensor,
+    scale: torch.Tensor | None,
+    blocks: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Pool blocks ``blocks [N]`` of ``exact [P, G, Hkv, D]`` as float32 ``[N, G, Hkv, D]``
-    (rotated frame; fp8 values multiplied by their per-token scale)."""
+    """Pool blocks ``blocks [N]`` of ``exact [P, G, Hkv, D]`` as ``[N, G, Hkv, D]`` in ``dtype``
+    (float32 or float64; rotated frame; fp8 values multiplied by their per-token scale)."""
     idx = blocks.to(torch.long)
-    vals = _bits_view(exact)[idx].view(exact.dtype).to(torch.float32)
+    vals = _bits_view(exact)[idx].view(exact.dtype).to(dtype)
     if scale is not None:
-        vals = vals * scale[idx][..., None]
+        vals = vals * scale[idx][..., None].to(dtype)
     return vals
 
 
@@ -110,7 +116,7 @@ def store(
     for x, pool, scale in ((k, exact_k, k_scale), (v, exact_v, v_scale)):
         vals, s = quantize_pool_tokens(hadamard(x)[sel], pool.dtype)
         _bits_view(pool)[blk, off] = _bits_view(vals)
-        if scale is not None:
+        if scale is not None and s is not None:
             scale[blk, off] = s
 
 
@@ -122,7 +128,7 @@ def flush(
     src_pool_blocks: torch.Tensor,
     dst_blocks: torch.Tensor,
     packed: torch.Tensor,
-    layout,
+    layout: RecordLayout,
 ) -> None:
     """Pack N full pool blocks into records: ``packed[dst_blocks[i], h] = record of pool block
     src_pool_blocks[i], KV head h`` for every h (normalize + quantize + fold + bit-pack).
@@ -150,14 +156,24 @@ def flush(
         return
     kt = read_pool_blocks(exact_k, k_scale, src_pool_blocks).permute(0, 2, 1, 3)
     vt = read_pool_blocks(exact_v, v_scale, src_pool_blocks).permute(0, 2, 1, 3)
-    rec = encode_records(kt.reshape(n * hkv, g, d).contiguous(),
-                         vt.reshape(n * hkv, g, d).contiguous(), layout)
+    rec = encode_records(
+        kt.reshape(n * hkv, g, d).contiguous(), vt.reshape(n * hkv, g, d).contiguous(), layout
+    )
     packed[dst_blocks.to(torch.long)] = rec.view(n, hkv, -1)
 
 
 def check_context_args(
-    packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, layout,
-    *, min_len: int = 0,
+    packed: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    tail_pool_block: torch.Tensor,
+    layout: RecordLayout,
+    *,
+    min_len: int = 0,
 ) -> tuple[int, int, int, int]:
     """Shared checks of decode/materialize; returns ``(B, G, Hkv, D)``."""
     check_dense_layout("layout", layout)
@@ -186,24 +202,34 @@ def check_context_args(
 
 
 def gather_context(
-    packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, layout,
+    packed: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    tail_pool_block: torch.Tensor,
+    layout: RecordLayout,
     request: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every cached token of one request, dequantized: ``(k, v)`` float32 ``[L, Hkv, D]``,
-    rotated frame (full blocks from their records, the ``L mod G`` newest from the pool)."""
+    """Every cached token of one request, dequantized in ``dtype`` (float32 or float64):
+    ``(k, v)`` ``[L, Hkv, D]``, rotated frame (full blocks from their records, the ``L mod G``
+    newest from the pool)."""
     g = layout.block_size
     hkv, d = packed.shape[1], layout.head_dim
     length = int(seq_lens[request])
     n_full, tail = divmod(length, g)
     blocks = block_table[request, :n_full].to(torch.long)
     records = packed[blocks].reshape(n_full * hkv, layout.record_bytes)
-    k_full, v_full = decode_records(records, layout)
+    k_full, v_full = decode_records(records, layout, dtype)
     k_ctx = k_full.view(n_full, hkv, g, d).permute(0, 2, 1, 3).reshape(n_full * g, hkv, d)
     v_ctx = v_full.view(n_full, hkv, g, d).permute(0, 2, 1, 3).reshape(n_full * g, hkv, d)
     if tail:
         pb = tail_pool_block[request : request + 1]
-        k_ctx = torch.cat((k_ctx, read_pool_blocks(exact_k, k_scale, pb)[0, :tail]))
-        v_ctx = torch.cat((v_ctx, read_pool_blocks(exact_v, v_scale, pb)[0, :tail]))
+        k_ctx = torch.cat((k_ctx, read_pool_blocks(exact_k, k_scale, pb, dtype)[0, :tail]))
+        v_ctx = torch.cat((v_ctx, read_pool_blocks(exact_v, v_scale, pb, dtype)[0, :tail]))
     return k_ctx, v_ctx
 
 
@@ -216,7 +242,7 @@ def materialize(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     tail_pool_block: torch.Tensor,
-    layout,
+    layout: RecordLayout,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -231,8 +257,9 @@ def materialize(
     k_out, v_out : [total_tokens, Hkv, D] bfloat16 or float16 (written at those rows only).
     cu_seqlens : int32 [B + 1] (entry B is not read; conventionally the total).
     """
-    b, g, hkv, d = check_context_args(packed, block_table, seq_lens, exact_k, exact_v, k_scale,
-                                      v_scale, tail_pool_block, layout)
+    b, g, hkv, d = check_context_args(
+        packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, layout
+    )
     dev = exact_k.device
     check_tensor("k_out", k_out, dtypes=(torch.bfloat16, torch.float16), ndim=3, device=dev)
     total = k_out.shape[0]
@@ -248,8 +275,18 @@ def materialize(
                 f"[0, {total}) of k_out"
             )
     for r in range(b):
-        k_ctx, v_ctx = gather_context(packed, block_table, seq_lens, exact_k, exact_v, k_scale,
-                                      v_scale, tail_pool_block, layout, r)
-        start, length = int(cu_seqlens[r]), k_ctx.shape[0]
-        k_out[start : start + length] = hadamard(k_ctx)
-        v_out[start : start + length] = hadamard(v_ctx)
+        k_ctx, v_ctx = gather_context(
+            packed,
+            block_table,
+            seq_lens,
+            exact_k,
+            exact_v,
+            k_scale,
+            v_scale,
+            tail_pool_block,
+            layout,
+            r,
+        )
+        row, length = int(cu_seqlens[r]), k_ctx.shape[0]
+        k_out[row : row + length] = hadamard(k_ctx)
+        v_out[row : row + length] = hadamard(v_ctx)

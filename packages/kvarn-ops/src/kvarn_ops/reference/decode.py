@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from kvarn_formats import RecordLayout
 from kvarn_ops._validate import MODEL_DTYPES, check_tensor
 from kvarn_ops.reference.cache import check_context_args, read_pool_blocks
 from kvarn_ops.reference.hadamard import hadamard
@@ -29,7 +30,7 @@ MAX_QUERY_TOKENS = 8
 """Largest T (query tokens per request: 1 for decode, up to 8 for speculative verify)."""
 
 
-def _check_workspace(workspace, device) -> None:
+def _check_workspace(workspace: torch.Tensor | None, device: torch.device) -> None:
     # The scratch belongs to the Triton kernel (kvarn_ops.decode_workspace: a flat float32
     # tensor); the reference does not use it but rejects what the launcher would reject.
     if workspace is None:
@@ -37,7 +38,17 @@ def _check_workspace(workspace, device) -> None:
     check_tensor("workspace", workspace, dtypes=torch.float32, ndim=1, device=device)
 
 
-def _attend_request(qr, packed, blocks, tail_k, tail_v, layout, length, scale, cd):
+def _attend_request(
+    qr: torch.Tensor,
+    packed: torch.Tensor,
+    blocks: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    layout: RecordLayout,
+    length: int,
+    scale: float,
+    cd: torch.dtype,
+) -> torch.Tensor:
     """Rotated-frame attention of one request. qr: [T, Hkv, g, D] (compute dtype)."""
     t_q, hkv, grp, d = qr.shape
     g = layout.block_size
@@ -65,7 +76,7 @@ def _attend_request(qr, packed, blocks, tail_k, tail_v, layout, length, scale, c
     p_scaled = p_packed * view["v_row_scale"].permute(1, 0, 2)[None, :, None]
     acc = torch.einsum("tkgnj,nkjd->tkgnd", p_scaled, view["v_codes"])
     vbias = torch.einsum("tkgnj,nkj->tkgn", p_packed, view["v_zero_point"])
-    o_packed = ((acc + vbias[..., None]) * view["v_col_scale"].permute(1, 0, 2)[None, :, None])
+    o_packed = (acc + vbias[..., None]) * view["v_col_scale"].permute(1, 0, 2)[None, :, None]
     o = o_packed.sum(dim=3) + torch.einsum("tkgs,skd->tkgd", p_tail, tail_v)
     return o / denom
 
@@ -80,7 +91,7 @@ def decode(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     tail_pool_block: torch.Tensor,
-    layout,
+    layout: RecordLayout,
     softmax_scale: float,
     out: torch.Tensor,
     workspace: torch.Tensor | None,
@@ -105,25 +116,33 @@ def decode(
         scratch) or None; not used by the reference.
     compute_dtype : torch.float32 (default) or torch.float64 (the oracle).
     """
-    b, g, hkv, d = check_context_args(packed, block_table, seq_lens, exact_k, exact_v, k_scale,
-                                      v_scale, tail_pool_block, layout)
+    b, g, hkv, d = check_context_args(
+        packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, layout
+    )
     dev = exact_k.device
     check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=4, device=dev)
     qb, t_q, hq, qd = q.shape
     if qb != b or qd != d:
-        raise ValueError(f"q: expected shape [{b}, T, Hq, {d}] (batch of block_table, head_dim "
-                         f"of the layout), got {list(q.shape)}")
+        raise ValueError(
+            f"q: expected shape [{b}, T, Hq, {d}] (batch of block_table, head_dim "
+            f"of the layout), got {list(q.shape)}"
+        )
     if not 1 <= t_q <= MAX_QUERY_TOKENS:
         raise ValueError(f"q: T (dim 1) must be 1 to {MAX_QUERY_TOKENS}, got {t_q}")
     if hq % hkv:
         raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
     check_tensor("out", out, dtypes=MODEL_DTYPES, shape=tuple(q.shape), device=dev)
-    if (not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+    if (
+        not isinstance(softmax_scale, (int, float))
+        or isinstance(softmax_scale, bool)
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
         raise ValueError(f"softmax_scale: must be a finite positive float, got {softmax_scale!r}")
     if compute_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"compute_dtype: must be torch.float32 or torch.float64, got "
-                         f"{compute_dtype}")
+        raise ValueError(
+            f"compute_dtype: must be torch.float32 or torch.float64, got {compute_dtype}"
+        )
     _check_workspace(workspace, dev)
     if seq_lens.device.type == "cpu" and b and int(seq_lens.min()) < t_q:
         raise ValueError(f"seq_lens: every entry must be >= T = {t_q} (the queries are cached)")
@@ -135,12 +154,21 @@ def decode(
         blocks = block_table[r, :n_full].to(torch.long)
         pb = tail_pool_block[r : r + 1]
         if tail:
-            tail_k = read_pool_blocks(exact_k, k_scale, pb)[0, :tail].to(compute_dtype)
-            tail_v = read_pool_blocks(exact_v, v_scale, pb)[0, :tail].to(compute_dtype)
+            tail_k = read_pool_blocks(exact_k, k_scale, pb, compute_dtype)[0, :tail]
+            tail_v = read_pool_blocks(exact_v, v_scale, pb, compute_dtype)[0, :tail]
         else:
             tail_k = tail_v = torch.empty(0, hkv, d, dtype=compute_dtype, device=dev)
-        res[r] = _attend_request(qr[r], packed, blocks, tail_k, tail_v, layout, length,
-                                 float(softmax_scale), compute_dtype)
+        res[r] = _attend_request(
+            qr[r],
+            packed,
+            blocks,
+            tail_k,
+            tail_v,
+            layout,
+            length,
+            float(softmax_scale),
+            compute_dtype,
+        )
     out.copy_(hadamard(res.view(b, t_q, hq, d)))
 
 

@@ -15,7 +15,9 @@ from kvarn_ops._validate import DENSE_HEAD_DIMS, check_head_dim, check_tensor
 __all__ = ["hadamard", "hadamard_matrix", "rotate"]
 
 
-def hadamard_matrix(dim: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+def hadamard_matrix(
+    dim: int, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The explicit normalized Sylvester matrix ``H_D`` (``[dim, dim]``).
 
     ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``, scaled by ``dim ** -0.5``.
@@ -69,6 +71,11 @@ def rotate(x: torch.Tensor, out: torch.Tensor) -> None:
     check_tensor("x", x, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     if x.dim() < 1 or x.shape[-1] not in DENSE_HEAD_DIMS:
         check_head_dim("x", x.shape[-1] if x.dim() else 0)
-    check_tensor("out", out, dtypes=(torch.float16, torch.bfloat16, torch.float32),
-                 shape=tuple(x.shape), device=x.device)
+    check_tensor(
+        "out",
+        out,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        shape=tuple(x.shape),
+        device=x.device,
+    )
     out.copy_(hadamard(x))

@@ -152,8 +152,11 @@ def _spread(y: torch.Tensor, dim: int, std_floor: float) -> torch.Tensor:
     pos = s > 0
     logs = torch.where(pos, s.clamp_min(torch.finfo(s.dtype).tiny).log(), torch.zeros_like(s))
     count = pos.sum(dim=-1, keepdim=True)
-    fill = torch.where(count > 0, (logs.sum(-1, keepdim=True) / count.clamp_min(1)).exp(),
-                       torch.ones_like(logs[..., :1]))
+    fill = torch.where(
+        count > 0,
+        (logs.sum(-1, keepdim=True) / count.clamp_min(1)).exp(),
+        torch.ones_like(logs[..., :1]),
+    )
     return torch.where(pos, s, fill)
 
 
@@ -270,10 +273,12 @@ def quantize_tiles(
         eb = _exponent(w)
         b_lo, b_hi = eb.amin(-1), eb.amax(-1)
         has_a = nz.any(-1)
-        lower = torch.where(has_a, torch.maximum(_FP16_EXP_MIN - a_lo, b_hi - _FP16_EXP_MAX),
-                            b_hi - _FP16_EXP_MAX)
-        upper = torch.where(has_a, torch.minimum(_FP16_EXP_MAX - a_hi, b_lo - _FP16_EXP_MIN),
-                            b_lo - _FP16_EXP_MIN)
+        lower = torch.where(
+            has_a, torch.maximum(_FP16_EXP_MIN - a_lo, b_hi - _FP16_EXP_MAX), b_hi - _FP16_EXP_MAX
+        )
+        upper = torch.where(
+            has_a, torch.minimum(_FP16_EXP_MAX - a_hi, b_lo - _FP16_EXP_MIN), b_lo - _FP16_EXP_MIN
+        )
         j = torch.div(lower + upper, 2, rounding_mode="floor")
     else:
         j = torch.zeros_like(e)
@@ -287,12 +292,13 @@ def quantize_tiles(
     )
 
 
-def dequantize_tiles(q: QuantizedTiles) -> torch.Tensor:
-    """``(codes * row_scale + zero_point) * col_scale`` in fp32, ``[N, R, C]``."""
-    s = q.row_scale.to(torch.float32)[:, :, None]
-    z = q.zero_point.to(torch.float32)[:, :, None]
-    w = q.col_scale.to(torch.float32)[:, None, :]
-    return (q.codes.to(torch.float32) * s + z) * w
+def dequantize_tiles(q: QuantizedTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(codes * row_scale + zero_point) * col_scale`` computed in ``dtype`` (fp32 or fp64),
+    ``[N, R, C]``."""
+    s = q.row_scale.to(dtype)[:, :, None]
+    z = q.zero_point.to(dtype)[:, :, None]
+    w = q.col_scale.to(dtype)[:, None, :]
+    return (q.codes.to(dtype) * s + z) * w
 
 
 def quantize_k(k: torch.Tensor, bits: int, config: NormalizeConfig = DEFAULT_CONFIG) -> dict:
@@ -326,15 +332,17 @@ def quantize_v(v: torch.Tensor, bits: int, config: NormalizeConfig = DEFAULT_CON
     }
 
 
-def dequantize_k(fields: dict) -> torch.Tensor:
-    """K ``[N, G, D]`` fp32: ``K[t, d] = (code[d, t] * s_col[d] + zp[d]) * s_row[t]``."""
-    q = QuantizedTiles(fields["k_codes"], fields["k_col_scale"], fields["k_zero_point"],
-                       fields["k_row_scale"])
-    return dequantize_tiles(q).transpose(1, 2).contiguous()
+def dequantize_k(fields: dict, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """K ``[N, G, D]`` in ``dtype``: ``K[t, d] = (code[d, t] * s_col[d] + zp[d]) * s_row[t]``."""
+    q = QuantizedTiles(
+        fields["k_codes"], fields["k_col_scale"], fields["k_zero_point"], fields["k_row_scale"]
+    )
+    return dequantize_tiles(q, dtype).transpose(1, 2).contiguous()
 
 
-def dequantize_v(fields: dict) -> torch.Tensor:
-    """V ``[N, G, D]`` fp32: ``V[t, d] = (code[t, d] * s_row[t] + zp[t]) * s_col[d]``."""
-    q = QuantizedTiles(fields["v_codes"], fields["v_row_scale"], fields["v_zero_point"],
-                       fields["v_col_scale"])
-    return dequantize_tiles(q)
+def dequantize_v(fields: dict, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """V ``[N, G, D]`` in ``dtype``: ``V[t, d] = (code[t, d] * s_row[t] + zp[t]) * s_col[d]``."""
+    q = QuantizedTiles(
+        fields["v_codes"], fields["v_row_scale"], fields["v_zero_point"], fields["v_col_scale"]
+    )
+    return dequantize_tiles(q, dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvarn_formats import Field, RecordLayout
 from kvarn_ops._validate import MODEL_DTYPES, check_dense_layout, check_tensor
 from kvarn_ops.reference.bitpack import pack_codes, unpack_codes
 from kvarn_ops.reference.quantize import (
@@ -47,7 +48,13 @@ FIELD_NAMES = (
 """The fields of a dense record (docs/contracts.md)."""
 
 
-def field_bytes(records: torch.Tensor, layout, name: str) -> torch.Tensor:
+def _bits(f: Field) -> int:
+    if f.bits is None:  # pragma: no cover - kvarn-formats sets bits on every codes field
+        raise ValueError(f"layout: codes field {f.name} has no bit width")
+    return f.bits
+
+
+def field_bytes(records: torch.Tensor, layout: RecordLayout, name: str) -> torch.Tensor:
     """The raw bytes of field ``name`` of every record: a uint8 view ``[..., field.size]``
     of ``records [..., R]`` (writing to it writes the records)."""
     f = layout.field(name)
@@ -67,7 +74,9 @@ def _bytes_to_fp16(b: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.float16)
 
 
-def fields_to_records(fields: dict, layout, out: torch.Tensor | None = None) -> torch.Tensor:
+def fields_to_records(
+    fields: dict, layout: RecordLayout, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Write decoded fields (as returned by :func:`record_fields`) into records ``[N, R]``.
 
     Codes fields are uint8 ``[N, *field.shape]``, scale fields float16 ``[N, *field.shape]``.
@@ -85,7 +94,7 @@ def fields_to_records(fields: dict, layout, out: torch.Tensor | None = None) -> 
         f = layout.field(name)
         val = fields[name]
         if f.dtype == "codes":
-            data = pack_codes(val.reshape(n, -1), f.bits)
+            data = pack_codes(val.reshape(n, -1), _bits(f))
         elif f.dtype == "float16":
             data = _fp16_to_bytes(val.reshape(n, -1).to(torch.float16))
         else:  # pragma: no cover - dense layouts have only codes and float16 fields
@@ -103,7 +112,7 @@ def fields_to_records(fields: dict, layout, out: torch.Tensor | None = None) -> 
 def encode_records(
     k: torch.Tensor,
     v: torch.Tensor,
-    layout,
+    layout: RecordLayout,
     *,
     out: torch.Tensor | None = None,
     config: NormalizeConfig = DEFAULT_CONFIG,
@@ -131,14 +140,15 @@ def encode_records(
         )
     check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(n, g, d), device=k.device)
     if out is not None:
-        check_tensor("out", out, dtypes=torch.uint8, shape=(n, layout.record_bytes),
-                     device=k.device)
-    fields = quantize_k(k, layout.field("k_codes").bits, config)
-    fields.update(quantize_v(v, layout.field("v_codes").bits, config))
+        check_tensor(
+            "out", out, dtypes=torch.uint8, shape=(n, layout.record_bytes), device=k.device
+        )
+    fields = quantize_k(k, _bits(layout.field("k_codes")), config)
+    fields.update(quantize_v(v, _bits(layout.field("v_codes")), config))
     return fields_to_records(fields, layout, out)
 
 
-def record_fields(records: torch.Tensor, layout) -> dict:
+def record_fields(records: torch.Tensor, layout: RecordLayout) -> dict:
     """Every field of records ``[N, R]``, decoded: codes as uint8 ``[N, *shape]`` (K codes
     ``[N, D, G]``, V codes ``[N, G, D]``), scales as float16 ``[N, *shape]``."""
     check_tensor("records", records, dtypes=torch.uint8, ndim=2, contiguous=False)
@@ -154,14 +164,17 @@ def record_fields(records: torch.Tensor, layout) -> dict:
         f = layout.field(name)
         raw = field_bytes(records, layout, name)
         if f.dtype == "codes":
-            val = unpack_codes(raw, f.bits, f.count)
+            val = unpack_codes(raw, _bits(f), f.count)
         else:
             val = _bytes_to_fp16(raw)
         fields[name] = val.reshape(n, *f.shape)
     return fields
 
 
-def decode_records(records: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantize records ``[N, R]`` into ``(k, v)``, float32 ``[N, G, D]``, rotated frame."""
+def decode_records(
+    records: torch.Tensor, layout: RecordLayout, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize records ``[N, R]`` into ``(k, v)``, ``[N, G, D]`` rotated frame, computed in
+    ``dtype`` (float32, or float64 for an oracle)."""
     fields = record_fields(records, layout)
-    return dequantize_k(fields), dequantize_v(fields)
+    return dequantize_k(fields, dtype), dequantize_v(fields, dtype)
