@@ -5,7 +5,8 @@ interpreter per engine, so each engine's memory is returned when it exits and th
 process never imports vLLM. SPEC keys: ``model``, ``mode`` ("vllm" = vLLM's own CPU
 attention without the plugin's backend, "exact" or a kvarn format name), ``prefix_caching``,
 ``max_num_seqs``, ``jobs``: a list of ``{"prompts": [[ids]], "max_tokens": n,
-"one_by_one": bool, "prompt_logprobs": bool}``.
+"one_by_one": bool, "prompt_logprobs": bool, "teacher_force_from": j}``; the last key makes
+the job's prompts those of job ``j`` followed by the tokens job ``j`` generated.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def main() -> None:
             prompt_logprobs=0 if job.get("prompt_logprobs") else None,
             detokenize=False,
         )
+        if "teacher_force_from" in job:
+            src = spec["jobs"][job["teacher_force_from"]]
+            done_src = out["jobs"][job["teacher_force_from"]]["results"]
+            job["prompts"] = [
+                p + r["tokens"] for p, r in zip(src["prompts"], done_src, strict=True)
+            ]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
         t1 = time.time()
         if job.get("one_by_one"):
