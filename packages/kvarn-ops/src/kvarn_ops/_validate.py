@@ -74,7 +74,10 @@ def check_tensor(
     pairs = zip(shape or (), t.shape, strict=False)
     if shape is not None and any(s is not None and s != ts for s, ts in pairs):
         raise ValueError(f"{name}: expected shape {_shape_text(shape)}, got {list(t.shape)}")
-    if device is not None and t.device != torch.device(device):
+    want = None if device is None else torch.device(device)
+    if want is not None and (
+        t.device.type != want.type or (want.index is not None and t.device.index != want.index)
+    ):
         raise ValueError(
             f"{name}: must be on {device} like the other arguments, got {t.device}; move it with "
             f".to({str(device)!r})"

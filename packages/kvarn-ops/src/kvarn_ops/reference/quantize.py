@@ -37,12 +37,10 @@ Algorithm (fp32; every step is what a kernel must reproduce):
    ``B_hi`` of ``w``: ``L = max(-13 - A_lo, B_hi - 15)``, ``U = min(15 - A_hi, B_lo + 13)``,
    ``j = floor((L + U) / 2)`` (integer maths; ``A`` terms dropped when every row is zero). Then
    every stored scale is a normal fp16 number (``2**-14 <= |v| < 2**15``) whenever the tile's
-   dynamic range allows it (tiles of magnitude 1e-4..1e4 are tested); values beyond fp16 are
-   saturated to +-65504 (never Inf) and values below it round to subnormals or zero. This
-   step runs also without rebalancing (the published variant), where small tiles do get
-   subnormal scales. A zero-range row decodes
-   to ``z * w`` exactly (no code term); a constant tile decodes exactly to its value when that
-   value is an fp16 number.
+   dynamic range allows it (tiles of magnitude 1e-4..1e4 are tested). In every variant the
+   fp16 cast saturates at +-65504 (never Inf); without rebalancing (the published variant)
+   small tiles get subnormal scales. A zero-range row decodes to ``z * w`` exactly (no code
+   term); a constant tile decodes exactly to its value when that value is an fp16 number.
 """
 
 from __future__ import annotations
