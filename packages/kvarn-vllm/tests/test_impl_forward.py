@@ -38,8 +38,8 @@ def make_impl(monkeypatch):
     kv_settings.reset_for_tests()
     kv_settings.activate(kv_settings.Settings(FMT, "float16", "test"))
 
-    def make():
-        impl = impl_mod.KvarnAttentionImpl(HQ, D, 1 / math.sqrt(D), HKV)
+    def make(d=D):
+        impl = impl_mod.KvarnAttentionImpl(HQ, d, 1 / math.sqrt(d), HKV)
         rec = impl.layout.record_bytes
         cache = torch.zeros(16, HKV, 1, rec // 4, dtype=torch.float32)
         alloc = ExactPoolAllocator(impl_mod.pool_size(config, G))
@@ -49,7 +49,7 @@ def make_impl(monkeypatch):
     kv_settings.reset_for_tests()
 
 
-def _step(impl, cache, alloc, reqs, q, k, v):
+def _step(impl, cache, alloc, reqs, q, k, v, d=D):
     """reqs: list of (computed, total, block ids); q/k/v rows in request order."""
     import torch
 
@@ -59,7 +59,7 @@ def _step(impl, cache, alloc, reqs, q, k, v):
     width = max(len(b) for _, _, b in reqs)
     bt = torch.tensor([b + [0] * (width - len(b)) for _, _, b in reqs], dtype=torch.int32)
     md = plan_step(alloc, G, qsl, [t for _, t, _ in reqs], bt, qsl[-1], torch.device("cpu"))
-    out = torch.full((qsl[-1], HQ, D), float("nan"))
+    out = torch.full((qsl[-1], HQ, d), float("nan"))
     impl.forward(None, q, k, v, cache, md, out)
     assert torch.isfinite(out).all()  # every row written
     return out
@@ -118,17 +118,18 @@ def test_prefill_decode_and_continuation_match_oracle(make_impl):
     run([(1, 6, 100), (0, 71, 72)])  # continuation across a block boundary + a decode
 
 
-def test_decode_equals_prefill_for_the_same_positions(make_impl):
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_equals_prefill_for_the_same_positions(make_impl, d):
     import torch
 
     torch.manual_seed(1)
     n = 140
-    k, v, q = torch.randn(n, HKV, D), torch.randn(n, HKV, D), torch.randn(n, HQ, D)
+    k, v, q = torch.randn(n, HKV, d), torch.randn(n, HKV, d), torch.randn(n, HQ, d)
     blocks = [2, 5, 11]
-    impl_a, cache_a, alloc_a = make_impl()
-    whole = _step(impl_a, cache_a, alloc_a, [(0, n, blocks)], q, k, v)
-    impl_b, cache_b, alloc_b = make_impl()
-    parts = [_step(impl_b, cache_b, alloc_b, [(0, 60, blocks)], q[:60], k[:60], v[:60])]
+    impl_a, cache_a, alloc_a = make_impl(d)
+    whole = _step(impl_a, cache_a, alloc_a, [(0, n, blocks)], q, k, v, d)
+    impl_b, cache_b, alloc_b = make_impl(d)
+    parts = [_step(impl_b, cache_b, alloc_b, [(0, 60, blocks)], q[:60], k[:60], v[:60], d)]
     for p in range(60, n):
         parts.append(
             _step(
@@ -139,6 +140,7 @@ def test_decode_equals_prefill_for_the_same_positions(make_impl):
                 q[p : p + 1],
                 k[p : p + 1],
                 v[p : p + 1],
+                d,
             )
         )
     torch.testing.assert_close(torch.cat(parts), whole, atol=2e-3, rtol=2e-3)
