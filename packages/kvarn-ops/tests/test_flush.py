@@ -194,6 +194,28 @@ def test_flush_special_tiles(gen):
     _compare(packed, packed_ref, src, lay, tiles)
 
 
+def test_flush_saturates_scales_beyond_fp16(gen):
+    """Channels spanning 1e-12..1e12 do not fit fp16 on either side: fields saturate at
+    +-65504 (never Inf), as the reference."""
+    lay = kf.dense_layout("kvarn_k4v2_g32", 64)
+    spread = torch.logspace(-12, 12, 64)
+    x = torch.randn(1, 32, 1, 64, generator=gen) * spread
+    ek = x.to(torch.bfloat16)
+    src = torch.zeros(1, dtype=torch.int32)
+    packed = torch.full((1, 1, lay.record_bytes), POISON, dtype=torch.uint8)
+    packed_ref = packed.clone()
+    flush(ek, ek.clone(), None, None, src, src, packed, lay)
+    ref.flush(ek, ek.clone(), None, None, src, src, packed_ref, lay)
+    fields = ref.record_fields(packed.reshape(1, -1), lay)
+    fields_ref = ref.record_fields(packed_ref.reshape(1, -1), lay)
+    for name, val in fields.items():
+        if val.dtype == torch.float16:
+            assert bool(val.isfinite().all()), name
+            assert bool((val.abs() == 65504).any() == (fields_ref[name].abs() == 65504).any())
+    assert torch.equal(fields["k_codes"], fields_ref["k_codes"])
+    assert torch.equal(fields["v_codes"], fields_ref["v_codes"])
+
+
 def test_flush_empty_is_a_no_op():
     lay = kf.dense_layout("kvarn_k4v2_g32", 64)
     ek = torch.zeros(1, 32, 1, 64, dtype=torch.float16)

@@ -85,6 +85,8 @@ def _balance(col_s, row_s):
 
 @triton.jit
 def _store_fp16(ptr, values, N: tl.constexpr):
+    # Saturating cast, as the reference's _to_fp16: a scale beyond fp16 stays finite.
+    values = tl.minimum(tl.maximum(values, -65504.0), 65504.0)
     tl.store(ptr.to(tl.pointer_type(tl.float16)) + tl.arange(0, N), values.to(tl.float16))
 
 
@@ -265,8 +267,21 @@ def warps_for(head_dim: int, group: int) -> int:
     return max(4, min(16, head_dim * group // 2048))
 
 
+def _check_reference_config() -> None:
+    """The kernel implements the default configuration's algorithm only (RTN rounding,
+    prescale, fp16 rebalance, no log-scale clip); fail loudly if the reference default moves."""
+    cfg = DEFAULT_CONFIG
+    if (getattr(cfg, "rounding", "rtn") != "rtn" or not cfg.prescale or not cfg.rebalance_fp16
+            or cfg.log_scale_clip is not None):
+        raise NotImplementedError(
+            f"kvarn_ops.kernels.flush implements RTN with prescale and fp16 rebalance, but the "
+            f"reference default is now {cfg}; update the kernel or use kvarn_ops.reference.flush"
+        )
+
+
 def _launch(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed,
             format_name: str) -> None:
+    _check_reference_config()
     n = src_pool_blocks.shape[0]
     if n == 0:
         return
