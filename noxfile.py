@@ -62,7 +62,10 @@ nox.options.reuse_venv = "no"
 nox.options.error_on_missing_interpreters = True
 nox.options.error_on_external_run = True
 
-PACKAGES = kvrepo.discover(kvrepo.WorkTree(ROOT))
+try:
+    PACKAGES = kvrepo.discover(kvrepo.WorkTree(ROOT))
+except kvrepo.RepoError as exc:  # a broken pyproject.toml: say which, instead of a traceback
+    raise SystemExit(f"noxfile: {exc}") from exc
 #: consumer -> the siblings it requires at run time (extras not included): what installs pull in.
 GRAPH = kvrepo.runtime_graph(PACKAGES)
 
