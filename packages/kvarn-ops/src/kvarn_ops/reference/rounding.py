@@ -14,6 +14,13 @@ choose ``(codes, step, lo)`` better, minimizing the reconstruction error in the 
   re-rounding given ``(step, lo)`` (``REFIT_ITERS`` times), keeping the best iterate.
 - ``"mse_grid"``: the clipping search only (no refit), for ablations.
 - ``"rtn_refit"``: min/max codes, then the refit iterations only, for ablations.
+- ``"unbiased_clip"``: the clipping search, but every candidate's ``(step, lo)`` is refit so
+  that the reconstruction is unbiased along the row (the regression of ``Bhat`` on ``B`` has
+  slope 1 and the weighted means agree: ``step = var(B) / cov(codes, B)``); the candidate with
+  the least error is kept. Least-squares fits shrink the reconstruction towards the row mean
+  (the error correlates with the value); attention sums V over many tokens and scores over many
+  channels, where uncorrelated noise averages out but shrinkage does not: measured on
+  SmolLM2-135M, ``mse_clip`` lowers the tile error and raises perplexity, this mode lowers both.
 
 The error of row r is ``exp(2*lr[r]) * sum_c exp(2*lc[c]) * (B[r, c] - Bhat[r, c])**2`` in the
 model frame (the Hadamard rotation is orthogonal), so rows are independent and each is
@@ -28,7 +35,7 @@ import torch
 
 __all__ = ["CLIP_RATIOS", "REFIT_ITERS", "ROUNDING_MODES", "round_rows", "weighted_row_error"]
 
-ROUNDING_MODES = ("rtn", "mse_clip", "mse_grid", "rtn_refit")
+ROUNDING_MODES = ("rtn", "mse_clip", "mse_grid", "rtn_refit", "unbiased_clip")
 """Accepted values of ``NormalizeConfig.rounding``."""
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35)
 """Half-range fractions tried by the clipping search (1.0 = min/max)."""
@@ -113,6 +120,21 @@ def round_rows(b: torch.Tensor, lc: torch.Tensor, bits: int, mode: str):
             z = mid - r * half
             s = 2.0 * r * half / levels
             keep(_codes(b, z, s, levels), s, z)
+    if mode == "unbiased_clip":
+        w = weight[..., None, :]
+        sw = w.sum(-1)
+        mb = (w * b).sum(-1) / sw
+        vb = (w * (b - mb[..., None]) ** 2).sum(-1) / sw
+        for r in CLIP_RATIOS:
+            z = mid - r * half
+            s = 2.0 * r * half / levels
+            c = _codes(b, z, s, levels)
+            mq = (w * c).sum(-1) / sw
+            cov = (w * (c - mq[..., None]) * (b - mb[..., None])).sum(-1) / sw
+            ok = cov > 0
+            s_u = torch.where(ok, vb / torch.where(ok, cov, 1.0), s)
+            z_u = torch.where(ok, mb - s_u * mq, z)
+            keep(c, s_u, z_u)
     if mode in ("mse_clip", "rtn_refit"):
         c = best_codes
         for _ in range(REFIT_ITERS):

@@ -1,0 +1,165 @@
+"""``kvarn-eval``: accuracy of KV-cache formats on a real model, offline.
+
+Examples
+--------
+kvarn-eval setup                                   # build SmolLM2-135M into the user cache
+kvarn-eval run --out results/                      # the default comparison (see --help)
+kvarn-eval run --formats kvarn_k4v2_g64 --methods published,kvarn_mse --sink on
+kvarn-eval report results/results.json             # tables again from a saved run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+DEFAULT_FORMATS = ("kvarn_k4v4_g64", "kvarn_k4v2_g64", "kvarn_k2v2_g64")
+DEFAULT_METHODS = ("fp8", "kivi", "kivi_h", "published", "kvarn", "kvarn_mse")
+
+
+def _machine() -> str:
+    import os
+
+    import torch
+
+    return (f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+
+
+def _variants(formats, methods, sinks):
+    from kvarn_ops.evaluation.variants import make_variant
+
+    out = []
+    for m in methods:
+        for sink in sinks:
+            if m == "fp8":
+                out.append(make_variant("fp8", None, sink))
+            else:
+                out.extend(make_variant(m, f, sink) for f in formats)
+    return out
+
+
+def _run(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from kvarn_ops.evaluation import report
+    from kvarn_ops.evaluation.harness import Harness, default_token_ids, save_json
+    from kvarn_ops.evaluation.model_setup import ensure_smollm2
+
+    torch.set_num_threads(args.threads)
+    if args.model == "smollm2":
+        model_dir, model_name = ensure_smollm2(log=lambda s: print(s, file=sys.stderr)), \
+            "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
+    else:
+        model_dir, model_name = Path(args.model), Path(args.model).name
+    if args.text_ids:
+        data = json.loads(Path(args.text_ids).read_text())
+        ids, text = data["ids"], data.get("source", args.text_ids)
+    else:
+        ids, text = default_token_ids()
+    ids = ids[: args.tokens]
+    sinks = {"on": (True,), "off": (False,), "both": (False, True)}[args.sink]
+    variants = _variants(args.formats.split(","), args.methods.split(","), sinks)
+    h = Harness(model_dir, ids, group=args.group, gen_prompt=args.gen_prompt,
+                gen_tokens=args.gen_tokens, static_queries=args.static_queries,
+                threads=args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {
+        "meta": {"model": model_name, "text": text, "tokens": len(ids), "group": args.group,
+                 "date": datetime.date.today().isoformat(), "machine": _machine(),
+                 "gen_prompt": h.gen_prompt, "gen_tokens": args.gen_tokens,
+                 "static_queries": args.static_queries},
+        "exact": h.exact_summary(),
+        "variants": [],
+    }
+    bar = tqdm(variants, desc="variants", unit="variant", file=sys.stderr)
+    for v in bar:
+        bar.set_postfix_str(v.name)
+        results["variants"].append(h.run_variant(
+            v, generation=args.gen_tokens > 0, static=not args.no_static,
+            accumulated_split=args.split))
+        save_json(out / "results.json", results)  # partial results survive an interruption
+    results["comparisons"] = report.comparisons(results)
+    save_json(out / "results.json", results)
+    (out / "table.md").write_text(report.markdown_tables(results))
+    if not args.no_plot:
+        report.plot(results, out / "ppl_vs_bits.png")
+    print(report.markdown_tables(results))
+    return 0
+
+
+def _report(args) -> int:
+    from kvarn_ops.evaluation import report
+
+    results = json.loads(Path(args.results).read_text())
+    print(report.markdown_tables(results))
+    if args.plot:
+        report.plot(results, Path(args.plot))
+    return 0
+
+
+def _setup(args) -> int:
+    from kvarn_ops.evaluation.model_setup import ModelSetupError, ensure_smollm2
+
+    try:
+        print(ensure_smollm2(Path(args.root) if args.root else None, force=args.force,
+                             log=lambda s: print(s, file=sys.stderr)))
+    except ModelSetupError as exc:
+        print(f"kvarn-eval setup: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvarn-eval", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("setup", help="build the SmolLM2-135M model directory (user cache)")
+    s.add_argument("--root", help="models directory (default: the user cache)")
+    s.add_argument("--force", action="store_true", help="convert again")
+    r = sub.add_parser("run", help="measure cache variants against the exact cache")
+    r.add_argument("--model", default="smollm2",
+                   help="'smollm2' (built by setup if needed) or a model directory")
+    r.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help="comma-separated dense kvarn formats")
+    r.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help="comma-separated: fp8, kivi, kivi_h, published, published_noclip, "
+                        "kvarn, kvarn_mse, kvarn_grid, kvarn_refit, kivi_h_mse")
+    r.add_argument("--sink", choices=("on", "off", "both"), default="both",
+                   help="first tile exact: on, off or both (default)")
+    r.add_argument("--text-ids", help="JSON file {'ids': [...], 'source': ...} "
+                                      "(default: the shipped 2048 token ids)")
+    r.add_argument("--tokens", type=int, default=2048, help="context length (default 2048)")
+    r.add_argument("--group", type=int, default=64, help="tile size G (default 64)")
+    r.add_argument("--gen-prompt", type=int, default=1024, help="prompt tokens for greedy")
+    r.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens (0: skip)")
+    r.add_argument("--static-queries", type=int, default=512,
+                   help="queries (the last ones) for the static attention error")
+    r.add_argument("--no-static", action="store_true", help="skip the static attention error")
+    r.add_argument("--split", action="store_true",
+                   help="also run K-only and V-only caches (accumulated error split)")
+    r.add_argument("--no-plot", action="store_true")
+    r.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a busy shared machine more threads "
+                        "were measured up to 20x slower)")
+    r.add_argument("--out", default="kvarn-eval-results", help="output directory")
+    t = sub.add_parser("report", help="print the tables of a saved results.json")
+    t.add_argument("results")
+    t.add_argument("--plot", help="also write the PNG plot here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return {"setup": _setup, "run": _run, "report": _report}[args.command](args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
