@@ -24,7 +24,8 @@ Not in the default list:
   tag to create. Never uploads.
 - `changed -- <git range>`: runs the sessions of the packages changed in the range and of
   everything that depends on them.
-- `gpu_parity`, `bench`: need a CUDA GPU; they fail with a message anywhere else.
+- `gpu_parity`, `bench`: need a CUDA GPU; they fail with a message anywhere else. They write
+  reports/gpu_parity.json and reports/bench/<package>-<bench>.json.
 
 torch: the CPU sessions install the CPU build `torch==2.13.0+cpu` when a local wheel
 directory given by PIP_FIND_LINKS (or pip's find-links setting) holds it for this Python, and
@@ -657,6 +658,9 @@ def _gpu_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(src)}
 
 
+REPORTS = ROOT / "reports"
+
+
 @nox.session(venv_backend="none")
 def gpu_parity(session: nox.Session) -> None:
     """Every kernel against its reference on a CUDA GPU. Fails without one."""
@@ -669,23 +673,27 @@ def gpu_parity(session: nox.Session) -> None:
     script = ROOT / "packages/kvarn-ops/gpu/parity.py"
     if not script.is_file():
         session.error(f"{gpu}\ngpu_parity: {script.relative_to(ROOT)} does not exist yet")
-    session.run("python", str(script), *session.posargs, env=_gpu_env())
+    REPORTS.mkdir(exist_ok=True)
+    out = str(REPORTS / "gpu_parity.json")
+    session.run("python", str(script), "--out", out, *session.posargs, env=_gpu_env())
 
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """GPU benchmarks (packages/*/benchmarks/run.py), writing JSON and PNG. Fails without GPU."""
+    """GPU benchmarks (packages/*/benchmarks/bench_*.py --out JSON). Fails without a GPU."""
     gpu = _gpu()
     if gpu is None:
         session.error(
             "bench needs a CUDA GPU and none was found (nvidia-smi -L lists none): "
             "run it on the GPU machine"
         )
-    scripts = sorted(ROOT.glob("packages/*/benchmarks/run.py"))
+    scripts = sorted(ROOT.glob("packages/*/benchmarks/bench_*.py"))
     if not scripts:
-        session.error(f"{gpu}\nbench: no packages/<pkg>/benchmarks/run.py exists yet")
+        session.error(f"{gpu}\nbench: no packages/<pkg>/benchmarks/bench_*.py exists yet")
+    (REPORTS / "bench").mkdir(parents=True, exist_ok=True)
     for script in scripts:
-        session.run("python", str(script), *session.posargs, env=_gpu_env())
+        out = REPORTS / "bench" / f"{script.parents[1].name}-{script.stem}.json"
+        session.run("python", str(script), "--out", str(out), *session.posargs, env=_gpu_env())
 
 
 # --------------------------------------------------------------------------- default list
