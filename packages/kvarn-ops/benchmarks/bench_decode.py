@@ -6,9 +6,12 @@ q and out (``B * T * Hq * D`` elements each). The workspace round trip is not co
 overhead of split-K, not data the step needs). SDPA reads ``2 * B * Hkv * seq_len * D`` bf16
 elements plus q and out. Copy bandwidth: a device-to-device ``copy_`` of 1 GiB, (read +
 write) bytes / time, measured in the same run. Times are medians of
-``triton.testing.do_bench``.
+``triton.testing.do_bench`` (back-to-back calls: host launch cost shows when the GPU work is
+short) or, with ``--graph``, of CUDA-graph replay (GPU time). Results written before this
+docstring said "medians" were means (do_bench's default).
 
-    python bench_decode.py --out results/decode.json [--check] [--quick]
+    python bench_decode.py --out results/decode.json [--check] [--quick | --geoms 0,2]
+        [--variants fast=0,asm=0,maxnreg=168,splits=128] [--graph]
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x))
+    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
     return 2 * x.numel() / (ms * 1e-3)
 
 
@@ -85,7 +88,15 @@ def make_inputs(b, ctx, hq, hkv, d, fmt, pool_dtype=torch.bfloat16, tail=0):
     return args, nbytes
 
 
-def sdpa_time(b, ctx, hq, hkv, d):
+def bench(fn, graph: bool) -> float:
+    """Median ms of ``fn``: back-to-back calls (``do_bench``, includes host launch cost when
+    the GPU work is shorter), or CUDA-graph replay (``graph``: GPU time only)."""
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, return_mode="median")
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def sdpa_time(b, ctx, hq, hkv, d, graph=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
@@ -94,10 +105,10 @@ def sdpa_time(b, ctx, hq, hkv, d):
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             f(q, k, v, enable_gqa=True)
-            ms = triton.testing.do_bench(lambda: f(q, k, v, enable_gqa=True))
+            ms = bench(lambda: f(q, k, v, enable_gqa=True), graph)
         backend = "flash"
     except RuntimeError:
-        ms = triton.testing.do_bench(lambda: f(q, k, v, enable_gqa=True))
+        ms = bench(lambda: f(q, k, v, enable_gqa=True), graph)
         backend = "default"
     nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
     return ms, nbytes, backend
@@ -122,12 +133,25 @@ def check_gpu() -> list[dict]:
         ("kvarn_k8v8_g64", 64, 4, 1, 1, [4000, 17], torch.float16),
     ]
     res = []
-    for c in cases:
+    base_cfg = kd.kernel_config
+
+    def plain_cfg(*xs, **kw):  # the plain-Triton twin of the inline-PTX unpack
+        consts, opts = base_cfg(*xs, **kw)
+        consts["ASM"] = False
+        return consts, opts
+
+    for c in cases + [("asm=0",) + c for c in cases[:2]]:
+        name = str(c[:5])
+        if c[0] == "asm=0":
+            kd.kernel_config = plain_cfg
+            c = c[1:]
         try:
             td.run_and_check(rng, *c, device="cuda")
-            res.append({"case": str(c[:5]), "ok": True})
+            res.append({"case": name, "ok": True})
         except Exception as e:  # report and keep going
-            res.append({"case": str(c[:5]), "ok": False, "error": repr(e)[:400]})
+            res.append({"case": name, "ok": False, "error": repr(e)[:400]})
+        finally:
+            kd.kernel_config = base_cfg
         print("check", res[-1], flush=True)
     # CUDA graph capture + replay
     try:
@@ -156,11 +180,15 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", default="",
-                    help="comma list of num_warps=N, rpad=N, stages=N, fast=0 (the byte-load "
-                         "loop), splits=N (workspace split count; batch-1 geometries only)")
+                    help="comma list of num_warps=N, rpad=N, stages=N, maxnreg=N, fast=0 (the "
+                         "byte-load loop), asm=0 (plain-Triton unpack on the GPU), splits=N "
+                         "(workspace split count; batch-1 geometries only)")
     ap.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replay (GPU time) instead of back-to-back calls")
     a = ap.parse_args()
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "timing": "cuda_graph_replay" if a.graph else "do_bench",
             "triton": triton.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d")}
     checks = check_gpu() if a.check else []
@@ -174,7 +202,7 @@ def main() -> None:
     for geom in todo:
         b, ctx, hq, hkv, d, fmt = geom
         args, nbytes = make_inputs(*geom)
-        sd_ms, sd_bytes, backend = sdpa_time(b, ctx, hq, hkv, d)
+        sd_ms, sd_bytes, backend = sdpa_time(b, ctx, hq, hkv, d, a.graph)
         for vname, v in variants:
             vargs = args
             if v and v.startswith("splits="):
@@ -196,10 +224,17 @@ def main() -> None:
                         opts["num_stages"] = int(val)
                     elif k == "fast":
                         consts["FAST"] = consts["FAST"] and bool(int(val))
+                        consts["ASM"] = consts["ASM"] and consts["FAST"]
+                    elif k == "asm":
+                        consts["ASM"] = consts["ASM"] and bool(int(val))
+                    elif k == "maxnreg":
+                        opts["maxnreg"] = int(val)
                 return consts, opts
             kd.kernel_config = cfg
             try:
-                ms = triton.testing.do_bench(lambda a=vargs: kd.decode(*a))
+                if a.graph:
+                    kd.decode(*vargs)  # compile outside the capture
+                ms = bench(lambda a=vargs: kd.decode(*a), a.graph)
             except Exception as e:
                 print("variant", vname, "failed", repr(e)[:300])
                 continue

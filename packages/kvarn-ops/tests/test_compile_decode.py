@@ -65,8 +65,9 @@ CASES = [
 TARGETS = [GPUTarget("cuda", 90, 32), GPUTarget("cuda", 120, 32)]
 
 
-def _split_source(fmt, d, gqa, t, pool, qdt):
-    consts, opts = KD.kernel_config(fmt, d, gqa, t, 16, pool == "float8_e4m3fn")
+def _split_source(fmt, d, gqa, t, pool, qdt, kv_rows=None):
+    consts, opts = KD.kernel_config(fmt, d, gqa, t, 16, pool == "float8_e4m3fn",
+                                    kv_rows=kv_rows)
     sig = {}
     for name in KD._decode_split_kernel.arg_names:
         if name in consts:
@@ -96,11 +97,21 @@ def test_split_kernel_compiles(case, target):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+def test_split_kernel_compiles_register_capped(target):
+    """The large-batch configuration (register cap of the pipelined loop) compiles too."""
+    src, opts = _split_source("kvarn_k4v2_g64", 128, 4, 1, "bfloat16", "bfloat16",
+                              kv_rows=512)
+    assert opts.get("maxnreg") == KD.DECODE_FAST_MAXNREG
+    k = triton.compile(src, target=target, options=opts)
+    assert "ptx" in k.asm
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
 @pytest.mark.parametrize("d,out", [(64, "bfloat16"), (128, "bfloat16"), (128, "float32"),
                                    (256, "float16"), (512, "bfloat16")])
 def test_combine_kernel_compiles(d, out, target):
     consts = dict(D=d, G=64, S=16, S_P2=16, MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT,
-                  JC=max(1, min(d, 4096 // d)))
+                  **KD.combine_consts(d, 16))
     sig = {"ws_ptr": "*fp32", "seq_ptr": "*i32", "out_ptr": Q[out], "lse_numel": "i32",
            "rows_per_request": "i32", **dict.fromkeys(consts, "constexpr")}
     src = triton.compiler.ASTSource(fn=KD._decode_combine_kernel, signature=sig,

@@ -9,13 +9,28 @@ Two launches per call:
    request's full blocks (packed records) and, in the last split, the exact tail, and writes
    a normalized partial output and its log-sum-exp (base 2) to the workspace.
 2. ``_decode_combine_kernel``, grid ``(B * T * Hq,)``: merges the live splits of one query row
-   and rotates the result back to the model frame.
+   (partial rows read by tiles of ``SC`` splits, one memory round trip per tile) and rotates
+   the result back to the model frame.
 
 The split count follows the live context length read on the device: with ``n`` work units
 (full blocks, plus one for a non-empty tail), ``per = cdiv(n, min(S, cdiv(n, MIN_UNITS)))``
 units go to each split and only ``cdiv(n, per)`` splits run; the other programs of the fixed
 grid return at once. Both kernels evaluate the same formula, so nothing is synchronized with
 the host and the call can be captured in a CUDA graph.
+
+4- or 8-bit K with 2-, 4- or 8-bit V, a whole block per token chunk and T * GQA <= 16 (k4v2,
+k4v4, k8v8 at d <= 256) take a software-pipelined loop (``FAST``): a block's codes are loaded
+as int32
+words and its scales as fp16 vectors one iteration ahead (the block-table entry two ahead), so
+every load of an iteration depends only on the loop index and a block costs no exposed memory
+latency after the first; the codes enter the dots as fp16 ``1024 + code`` built by masking
+them into the mantissa of 0x6400 (two codes per lop3 in inline PTX on the GPU, a plain-Triton
+twin of one code per op under the interpreter), with the 1024 offsets folded into the
+zero-point terms. Columns of those tiles hold bytes 0, 2, 1, 3 of each word
+(``_slot_byte``), so K tokens and V channels are permuted consistently: column i of the V
+accumulators is channel ``ivc[i] * NPV + e`` (also in the tail), and the workspace is written
+in channel order. Other widths (and T * GQA > 16, where the pipelined loop spills) take the
+byte-load loop.
 
 Dequantization folds into the dot products (kvarn-method.md section 7)::
 
@@ -39,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -62,6 +78,8 @@ DECODE_MAX_GQA = 8
 DECODE_MIN_UNITS_PER_SPLIT = 2
 """A split gets at least this many work units (blocks) when the context allows: below that the
 fixed per-program cost (rotating q, writing a partial row) outweighs the blocks it reads."""
+DECODE_FAST_MAXNREG = 168
+"""Register cap of the pipelined loop when batch * KV heads >= 64 (see kernel_config)."""
 DECODE_MAX_SPLITS = 128
 """Upper bound on the split count a workspace is sized for."""
 _CODE_REG_BUDGET = 8192
@@ -132,19 +150,52 @@ def _pv_phase(p, srow_v, zp_v, v_rows_ptr, va0, va1, va2, va3, pz,
 
 
 @triton.jit
-def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """Codes of a [M, W] tile of little-endian int32 words as fp16 ``1024 + code``: element
-    ``[m, 4 * j + i]`` of the [M, 4 * W] result is the ``BITS``-bit field at bit
-    ``8 * i + SHIFT`` of word ``[m, j]`` (byte ``i`` of the word, code ``SHIFT / BITS`` of that
-    byte). OR-ing the code into the mantissa of fp16 1024.0 (bits 0x6400) replaces the
-    int-to-float convert (a quarter-rate instruction) by one logic op; the 1024 offset folds
-    into the zero-point terms of the caller."""
+def _slot_byte(c):
+    """Byte (within its word run) whose code lands in column ``c`` of a :func:`_words_to_f16`
+    tile: the 4 columns of a word hold bytes 0, 2, 1, 3 (the order in which one 32-bit logic
+    op yields two codes)."""
+    return (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
+
+
+@triton.jit
+def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Codes of a [M, W] tile of little-endian int32 words as fp16 ``1024 + code``, [M, 4 * W]:
+    columns ``4 * j .. 4 * j + 3`` hold the ``BITS``-bit fields at bit ``SHIFT`` of bytes 0, 2,
+    1, 3 of word ``[m, j]`` (see :func:`_slot_byte`). Masking two fields of a word into the
+    mantissas of fp16 1024.0 (bits 0x6400) gives two codes per 32-bit logic op and no
+    int-to-float convert (a quarter-rate instruction); the 1024 offset folds into the caller's
+    zero-point terms. ``ASM`` does it with lop3 in inline PTX (GPU); the plain twin (one code
+    per op) is what the interpreter runs; both give the same bits."""
     M: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
-    sh = tl.arange(0, 4) * 8 + SHIFT
-    x = ((w[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)) | 0x6400
-    x = tl.reshape(x, [M, 4 * W])
-    return x.to(tl.int16).to(tl.float16, bitcast=True)
+    mask: tl.constexpr = (1 << BITS) - 1
+    if ASM:
+        m2: tl.constexpr = mask | (mask << 16)
+        c0, c1 = tl.inline_asm_elementwise(
+            asm=f"{{ .reg .b32 t; shr.u32 t, $2, {SHIFT}; "
+                f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 {{$0, $1}}, t; }}",
+            constraints="=h,=h,r", args=[w], dtype=(tl.float16, tl.float16), is_pure=True,
+            pack=1)
+        c2, c3 = tl.inline_asm_elementwise(
+            asm=f"{{ .reg .b32 t; shr.u32 t, $2, {SHIFT + 8}; "
+                f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 {{$0, $1}}, t; }}",
+            constraints="=h,=h,r", args=[w], dtype=(tl.float16, tl.float16), is_pure=True,
+            pack=1)
+        # join stacks along a new last axis: slot 2 * i + k of a word is
+        # (c0, c2)[i] for k = 0 and (c1, c3)[i] for k = 1, so the slots are c0, c1, c2, c3
+        # and each lop3 result stays one register
+        x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [M, W, 2, 2]
+        return tl.reshape(x, [M, 4 * W])
+    else:
+        # tl.join puts the new minor axis in one thread's registers, so the 4 codes of a word
+        # stay in the thread that loaded it and the reshape moves no data
+        c0 = ((w >> SHIFT) & mask) | 0x6400
+        c1 = ((w >> (16 + SHIFT)) & mask) | 0x6400
+        c2 = ((w >> (8 + SHIFT)) & mask) | 0x6400
+        c3 = ((w >> (24 + SHIFT)) & mask) | 0x6400
+        x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # slots c0, c1, c2, c3 as above
+        x = tl.reshape(x, [M, 4 * W])
+        return x.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -170,7 +221,7 @@ def _decode_split_kernel(
     K_OFF: tl.constexpr, KCS_OFF: tl.constexpr, KZP_OFF: tl.constexpr, KRS_OFF: tl.constexpr,
     V_OFF: tl.constexpr, VCS_OFF: tl.constexpr, VRS_OFF: tl.constexpr, VZP_OFF: tl.constexpr,
     S: tl.constexpr, MIN_UNITS: tl.constexpr, TC: tl.constexpr, QC: tl.constexpr,
-    POOL_FP8: tl.constexpr, FAST: tl.constexpr,
+    POOL_FP8: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -216,6 +267,12 @@ def _decode_split_kernel(
     DV: tl.constexpr = D // NPV
     JK: tl.constexpr = TC // NPK  # tokens of one K phase in a chunk
     iv = tl.arange(0, DV)
+    # channel of column i of the V accumulators: acc_e[:, i] is channel ivc[i] * NPV + e (the
+    # word-load loop's tiles hold bytes in _slot_byte order)
+    if FAST:
+        ivc = _slot_byte(iv)
+    else:
+        ivc = iv
 
     m = tl.full([R_PAD], -1.0e30, dtype=tl.float32)
     l = tl.zeros([R_PAD], dtype=tl.float32)
@@ -237,8 +294,9 @@ def _decode_split_kernel(
         REC2: tl.constexpr = REC // 2
         wk = tl.arange(0, WK)
         wv = tl.arange(0, WV)
-        tokA = jk * NPK  # K phase 0 tokens (even tokens for 4-bit K)
-        tokB = jk * NPK + (NPK - 1)  # K phase 1 tokens (NPK == 2); unused when NPK == 1
+        # column c of a K phase tile is byte _slot_byte(c) of its K row
+        tokA = _slot_byte(jk) * NPK  # K phase 0 tokens (even tokens for 4-bit K)
+        tokB = tokA + (NPK - 1)  # K phase 1 tokens (NPK == 2); unused when NPK == 1
         u_end = tl.minimum(u1, n_full)
         have = u_end > u0
         bt_row = bt_ptr + b.to(tl.int64) * bt_stride
@@ -276,52 +334,56 @@ def _decode_split_kernel(
             vzpA_n = tl.load(n16 + VZP_OFF // 2 + tokA)
             vzpB_n = tl.load(n16 + VZP_OFF // 2 + tokB)
             # V column scales of block u: only needed at the end of this iteration
-            vcs0 = tl.load(r16 + VCS_OFF // 2 + iv * NPV).to(tl.float32)
+            vcs0 = tl.load(r16 + VCS_OFF // 2 + ivc * NPV).to(tl.float32)
             if NPV >= 2:
-                vcs1 = tl.load(r16 + VCS_OFF // 2 + iv * NPV + 1).to(tl.float32)
+                vcs1 = tl.load(r16 + VCS_OFF // 2 + ivc * NPV + 1).to(tl.float32)
             if NPV >= 4:
-                vcs2 = tl.load(r16 + VCS_OFF // 2 + iv * NPV + 2).to(tl.float32)
-                vcs3 = tl.load(r16 + VCS_OFF // 2 + iv * NPV + 3).to(tl.float32)
+                vcs2 = tl.load(r16 + VCS_OFF // 2 + ivc * NPV + 2).to(tl.float32)
+                vcs3 = tl.load(r16 + VCS_OFF // 2 + ivc * NPV + 3).to(tl.float32)
 
-            # ---- block u: scores (codes enter the dot as 1024 + code)
+            # ---- block u: scores (codes enter the dot as 1024 + code; one cross-warp
+            # reduction per quantity and block, both K phases together)
             qs = (q_rot * kcs.to(tl.float32)[None, :]).to(tl.float16)
-            qz = (tl.sum(q_rot * kzp.to(tl.float32)[None, :], axis=1)
-                  - 1024.0 * tl.sum(qs.to(tl.float32), axis=1))
+            qz = tl.sum(q_rot * kzp.to(tl.float32)[None, :] - 1024.0 * qs.to(tl.float32),
+                        axis=1)
             kpos = u * G + tokA
-            s0 = (tl.dot(qs, _words_to_f16(kw, 0, KB)) + qz[:, None]) \
+            s0 = (tl.dot(qs, _words_to_f16(kw, 0, KB, ASM)) + qz[:, None]) \
                 * krsA.to(tl.float32)[None, :]
             s0 = tl.where(kpos[None, :] <= q_pos[:, None], s0, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s0, axis=1))
             if NPK == 2:
-                s1 = (tl.dot(qs, _words_to_f16(kw, KB, KB)) + qz[:, None]) \
+                s1 = (tl.dot(qs, _words_to_f16(kw, KB, KB, ASM)) + qz[:, None]) \
                     * krsB.to(tl.float32)[None, :]
                 s1 = tl.where(kpos[None, :] + 1 <= q_pos[:, None], s1, float("-inf"))
-                m_new = tl.maximum(m_new, tl.max(s1, axis=1))
+                m_new = tl.maximum(m, tl.max(tl.maximum(s0, s1), axis=1))
+            else:
+                m_new = tl.maximum(m, tl.max(s0, axis=1))
             alpha = tl.exp2(m - m_new)
             m = m_new
             p = tl.exp2(s0 - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
             pw = (p * vrsA.to(tl.float32)[None, :]).to(tl.float16)
-            pz = (tl.sum(p * vzpA.to(tl.float32)[None, :], axis=1)
-                  - 1024.0 * tl.sum(pw.to(tl.float32), axis=1))
-            va0 = tl.dot(pw, _words_to_f16(vwA, 0, VB))
+            # row sums: [:, 0] softmax denominator, [:, 1] zero-point term minus the 1024
+            # offset of the V codes (exact: pw is what the dot sees)
+            pl = p
+            pzt = p * vzpA.to(tl.float32)[None, :] - 1024.0 * pw.to(tl.float32)
+            va0 = tl.dot(pw, _words_to_f16(vwA, 0, VB, ASM))
             if NPV >= 2:
-                va1 = tl.dot(pw, _words_to_f16(vwA, VB, VB))
+                va1 = tl.dot(pw, _words_to_f16(vwA, VB, VB, ASM))
             if NPV >= 4:
-                va2 = tl.dot(pw, _words_to_f16(vwA, 2 * VB, VB))
-                va3 = tl.dot(pw, _words_to_f16(vwA, 3 * VB, VB))
+                va2 = tl.dot(pw, _words_to_f16(vwA, 2 * VB, VB, ASM))
+                va3 = tl.dot(pw, _words_to_f16(vwA, 3 * VB, VB, ASM))
             if NPK == 2:
                 p = tl.exp2(s1 - m_new[:, None])
-                l += tl.sum(p, axis=1)
                 pw = (p * vrsB.to(tl.float32)[None, :]).to(tl.float16)
-                pz += (tl.sum(p * vzpB.to(tl.float32)[None, :], axis=1)
-                       - 1024.0 * tl.sum(pw.to(tl.float32), axis=1))
-                va0 = tl.dot(pw, _words_to_f16(vwB, 0, VB), va0)
+                pl += p
+                pzt += p * vzpB.to(tl.float32)[None, :] - 1024.0 * pw.to(tl.float32)
+                va0 = tl.dot(pw, _words_to_f16(vwB, 0, VB, ASM), va0)
                 if NPV >= 2:
-                    va1 = tl.dot(pw, _words_to_f16(vwB, VB, VB), va1)
+                    va1 = tl.dot(pw, _words_to_f16(vwB, VB, VB, ASM), va1)
                 if NPV >= 4:
-                    va2 = tl.dot(pw, _words_to_f16(vwB, 2 * VB, VB), va2)
-                    va3 = tl.dot(pw, _words_to_f16(vwB, 3 * VB, VB), va3)
+                    va2 = tl.dot(pw, _words_to_f16(vwB, 2 * VB, VB, ASM), va2)
+                    va3 = tl.dot(pw, _words_to_f16(vwB, 3 * VB, VB, ASM), va3)
+            l = l * alpha + tl.sum(pl, axis=1)
+            pz = tl.sum(pzt, axis=1)
             acc0 = acc0 * alpha[:, None] + vcs0[None, :] * (va0 + pz[:, None])
             if NPV >= 2:
                 acc1 = acc1 * alpha[:, None] + vcs1[None, :] * (va1 + pz[:, None])
@@ -459,15 +521,15 @@ def _decode_split_kernel(
             if POOL_FP8:
                 p = p * tl.load(vs_ptr + slot, mask=t_ok, other=0.0)[None, :]
             vrow = ev_ptr + slot[:, None] * D
-            vx = tl.load(vrow + iv[None, :] * NPV, mask=t_ok[:, None], other=0.0)
+            vx = tl.load(vrow + ivc[None, :] * NPV, mask=t_ok[:, None], other=0.0)
             acc0 = acc0 * alpha[:, None] + tl.dot(p, vx.to(tl.float32))
             if NPV >= 2:
-                vx = tl.load(vrow + iv[None, :] * NPV + 1, mask=t_ok[:, None], other=0.0)
+                vx = tl.load(vrow + ivc[None, :] * NPV + 1, mask=t_ok[:, None], other=0.0)
                 acc1 = acc1 * alpha[:, None] + tl.dot(p, vx.to(tl.float32))
             if NPV >= 4:
-                vx = tl.load(vrow + iv[None, :] * NPV + 2, mask=t_ok[:, None], other=0.0)
+                vx = tl.load(vrow + ivc[None, :] * NPV + 2, mask=t_ok[:, None], other=0.0)
                 acc2 = acc2 * alpha[:, None] + tl.dot(p, vx.to(tl.float32))
-                vx = tl.load(vrow + iv[None, :] * NPV + 3, mask=t_ok[:, None], other=0.0)
+                vx = tl.load(vrow + ivc[None, :] * NPV + 3, mask=t_ok[:, None], other=0.0)
                 acc3 = acc3 * alpha[:, None] + tl.dot(p, vx.to(tl.float32))
 
     # normalized partial rows + log2-sum-exp; a row that saw no key writes lse = -inf
@@ -476,7 +538,7 @@ def _decode_split_kernel(
     lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))
     ws_row = q_row * S + split
     tl.store(ws_ptr + ws_row, lse, mask=row_ok)
-    out_base = ws_ptr + lse_numel + ws_row[:, None] * D + iv[None, :] * NPV
+    out_base = ws_ptr + lse_numel + ws_row[:, None] * D + ivc[None, :] * NPV
     tl.store(out_base, acc0 * inv_l[:, None], mask=row_ok[:, None])
     if NPV >= 2:
         tl.store(out_base + 1, acc1 * inv_l[:, None], mask=row_ok[:, None])
@@ -498,7 +560,7 @@ def _rescale5(va0, va1, va2, va3, pz, alpha):
 def _decode_combine_kernel(
     ws_ptr, seq_ptr, out_ptr, lse_numel, rows_per_request,
     D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, S_P2: tl.constexpr,
-    MIN_UNITS: tl.constexpr, JC: tl.constexpr,
+    MIN_UNITS: tl.constexpr, JC: tl.constexpr, SC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // rows_per_request
@@ -516,9 +578,14 @@ def _decode_combine_kernel(
     inv_w = 1.0 / tl.sum(w, axis=0)
     d = tl.arange(0, D)
     o = tl.zeros([D], dtype=tl.float32)
-    for s in range(n_live):
-        ws_s = tl.exp2(tl.load(ws_ptr + row * S + s) - lse_max)
-        o += ws_s * tl.load(ws_ptr + lse_numel + (row * S + s) * D + d)
+    # partial rows by tiles of SC splits: one memory round trip per tile, not per split
+    for s0 in range(0, n_live, SC):
+        sc = s0 + tl.arange(0, SC)
+        live = sc < n_live
+        w_s = tl.exp2(tl.load(ws_ptr + row * S + sc, mask=live, other=float("-inf")) - lse_max)
+        part = tl.load(ws_ptr + lse_numel + (row * S + sc)[:, None] * D + d[None, :],
+                       mask=live[:, None], other=0.0)
+        o += tl.sum(w_s[:, None] * part, axis=0)
     o = o * (inv_w / tl.sqrt(D * 1.0))
     # back to the model frame: out[j] = sum_i o[i] * H[i, j], by column chunks of JC
     for j0 in range(0, D, JC):
@@ -531,6 +598,11 @@ def _decode_combine_kernel(
 # --------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    """inline PTX does not run under the Triton interpreter: its plain twins are used there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -550,9 +622,10 @@ def _layout_consts(format_name: str, head_dim: int) -> dict:
 
 
 def kernel_config(format_name: str, head_dim: int, gqa: int, query_len: int,
-                  num_splits: int, pool_fp8: bool) -> tuple[dict, dict]:
+                  num_splits: int, pool_fp8: bool, kv_rows: int | None = None
+                  ) -> tuple[dict, dict]:
     """Constexprs and launch options of the split kernel for one geometry (also used by the
-    offline compile tests)."""
+    offline compile tests). ``kv_rows`` is batch * KV heads (programs per split), when known."""
     c = _layout_consts(format_name, head_dim)
     kb, g, d = c["KB"], c["G"], head_dim
     npk = 8 // kb if 8 % kb == 0 else 1
@@ -561,16 +634,33 @@ def kernel_config(format_name: str, head_dim: int, gqa: int, query_len: int,
     tc = min(g, max(16 * npk, _next_pow2(_CODE_REG_BUDGET * npk // d) if d else g))
     tc = min(g, max(tc, 16 * npk))
     # pipelined word-load path: widths dividing 8, a whole block per chunk, K codes in one or
-    # two phases per byte (4- and 8-bit K); everything else takes the byte-load loop
+    # two phases per byte (4- and 8-bit K), at most 16 query rows (T * GQA > 16 spills
+    # registers there: 552 B of stack at T=8 GQA4 d128 on sm_90, vs 288 B in the byte-load
+    # loop); everything else takes the byte-load loop
     fast = (8 % kb == 0 and 8 % c["VB"] == 0 and tc == g and npk <= 2
-            and (g * kb) % 32 == 0 and (d * c["VB"]) % 32 == 0)
+            and (g * kb) % 32 == 0 and (d * c["VB"]) % 32 == 0 and query_len * gqa <= 16)
     consts = dict(
         T=query_len, GQA=gqa, R_PAD=max(16, _next_pow2(query_len * gqa)), D=d,
         S=num_splits, MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT, TC=tc, QC=min(d, 32),
-        POOL_FP8=pool_fp8, FAST=fast, **c,
+        POOL_FP8=pool_fp8, FAST=fast, ASM=fast and not _interpreting(), **c,
     )
     opts = dict(num_warps=4 if d <= 128 else 8, num_stages=1)
+    if (fast and opts["num_warps"] == 4 and kv_rows is not None and kv_rows >= 64
+            and not _interpreting()):
+        # 168 registers (from ~210): 3 programs per SM instead of 2, at 16 B of spill. H200,
+        # k4v2 g64 d128: B=64 32K 17.5 -> 18.8% of copy BW, B=32 16K 16.9 -> 18.6%, B=8 32K
+        # 12.7 -> 15.8%; but batch 1 (8 KV heads) lost 4.0 -> 3.7% at 32K, 13.5 -> 11.9% at
+        # 128K, hence the row-count gate
+        opts["maxnreg"] = DECODE_FAST_MAXNREG
     return consts, opts
+
+
+def combine_consts(head_dim: int, num_splits: int) -> dict:
+    """Tile sizes of the combine kernel: JC output columns per Hadamard chunk, SC splits per
+    partial-row tile (both keep a tile at <= 4096 fp32 elements, 32 registers a thread at 4
+    warps)."""
+    return dict(JC=max(1, min(head_dim, 4096 // head_dim)),
+                SC=max(1, min(_next_pow2(num_splits), 4096 // head_dim)))
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_size: int,
@@ -661,7 +751,8 @@ def _launch(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale
     b, t, hq, d = q.shape
     hkv = packed.shape[1]
     pool_fp8 = exact_k.dtype == torch.float8_e4m3fn
-    consts, opts = kernel_config(format_name, d, hq // hkv, t, num_splits, pool_fp8)
+    consts, opts = kernel_config(format_name, d, hq // hkv, t, num_splits, pool_fp8,
+                                 kv_rows=b * hkv)
     lse_numel = num_splits * b * t * hq
     ks = k_scale if pool_fp8 else exact_k
     vs = v_scale if pool_fp8 else exact_v
@@ -674,7 +765,7 @@ def _launch(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale
     _decode_combine_kernel[(b * t * hq,)](
         workspace, seq_lens, out, lse_numel, t * hq,
         D=d, G=consts["G"], S=num_splits, S_P2=_next_pow2(num_splits),
-        MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT, JC=max(1, min(d, 4096 // d)), num_warps=4,
+        MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT, **combine_consts(d, num_splits), num_warps=4,
     )
 
 
