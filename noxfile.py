@@ -561,8 +561,8 @@ def _skew_runs_differ() -> bool:
     """Whether any skew run uses a release tag (otherwise it repeats the package sessions)."""
     try:
         runs = rel.plan_skew(ROOT)
-    except kvrepo.RepoError:
-        return True
+    except (kvrepo.RepoError, OSError):  # e.g. no git here: skew has nothing to compare
+        return False
     return any(r.consumer.tag or any(p.tag for p in r.providers) for r in runs)
 
 
