@@ -561,7 +561,9 @@ def _skew_runs_differ() -> bool:
     """Whether any skew run uses a release tag (otherwise it repeats the package sessions)."""
     try:
         runs = rel.plan_skew(ROOT)
-    except (kvrepo.RepoError, OSError):  # e.g. no git here: skew has nothing to compare
+    except kvrepo.RepoError:  # e.g. a tag's pyproject.toml cannot be read: let skew say so
+        return True
+    except OSError:  # no git here: nothing to compare with
         return False
     return any(r.consumer.tag or any(p.tag for p in r.providers) for r in runs)
 
