@@ -4,10 +4,10 @@ invariant, and the default unchanged."""
 
 from __future__ import annotations
 
-import kvarn_formats as kf
 import pytest
 import torch
 
+import kvarn_formats as kf
 from kvarn_ops import reference as ref
 from kvarn_ops.reference.rounding import ROUNDING_MODES, round_rows, weighted_row_error
 
@@ -83,3 +83,34 @@ def test_mse_clip_records_same_layout(gen):
     # V (2-bit) improves markedly, K (4-bit) does not get worse.
     assert (vd - v).norm() < 0.85 * (vd0 - v).norm()
     assert (kd - k).norm() <= 1.001 * (kd0 - k).norm()
+
+
+def test_unbiased_clip_has_unit_slope(gen):
+    """mse_clip shrinks the reconstruction towards the row mean (slope ~0.9 at 2 bits);
+    unbiased_clip keeps the slope at 1 with most of the error reduction."""
+    x = _rotated_tiles(gen)
+
+    def slope_and_err(cfg):
+        r = ref.dequantize_tiles(ref.quantize_tiles(x, 2, cfg))
+        xc, rc = x - x.mean(-1, keepdim=True), r - r.mean(-1, keepdim=True)
+        return float((rc * xc).sum() / (xc * xc).sum()), float((r - x).norm() / x.norm())
+
+    s_mse, e_mse = slope_and_err(ref.NormalizeConfig(rounding="mse_clip"))
+    s_ub, e_ub = slope_and_err(ref.NormalizeConfig(rounding="unbiased_clip"))
+    _, e_rtn = slope_and_err(ref.NormalizeConfig())
+    assert s_mse < 0.95
+    assert abs(s_ub - 1.0) < 0.01
+    assert e_mse < e_ub < 0.85 * e_rtn
+
+
+def test_rounding_v_only_changes_v(gen):
+    lay = kf.dense_layout("kvarn_k4v2_g64", 64)
+    k, v = _rotated_tiles(gen, n=2), _rotated_tiles(gen, n=2)
+    rec0 = ref.encode_records(k, v, lay)
+    rec1 = ref.encode_records(k, v, lay, config=ref.NormalizeConfig(rounding_v="unbiased_clip"))
+    f0, f1 = ref.record_fields(rec0, lay), ref.record_fields(rec1, lay)
+    for name in ("k_codes", "k_col_scale", "k_zero_point", "k_row_scale"):
+        assert torch.equal(f0[name], f1[name])
+    assert not torch.equal(f0["v_codes"], f1["v_codes"])
+    with pytest.raises(ValueError, match="rounding_v"):
+        ref.NormalizeConfig(rounding_v="floor")

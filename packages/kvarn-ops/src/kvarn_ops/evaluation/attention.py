@@ -15,7 +15,6 @@ quantization of each full tile once.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch

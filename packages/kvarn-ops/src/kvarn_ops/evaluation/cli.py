@@ -20,7 +20,8 @@ from pathlib import Path
 __all__ = ["main"]
 
 DEFAULT_FORMATS = ("kvarn_k4v4_g64", "kvarn_k4v2_g64", "kvarn_k2v2_g64")
-DEFAULT_METHODS = ("fp8", "kivi", "kivi_h", "published", "kvarn", "kvarn_mse")
+DEFAULT_METHODS = ("fp8", "kivi", "kivi_h", "published", "kvarn", "kvarn_ub_v")
+DEFAULT_DETAIL = ("fp8", "published/kvarn_k4v2_g64", "kvarn_ub_v/kvarn_k4v2_g64")
 
 
 def _machine() -> str:
@@ -81,11 +82,14 @@ def _run(args) -> int:
         "variants": [],
     }
     bar = tqdm(variants, desc="variants", unit="variant", file=sys.stderr)
+    detail = set(args.detail.split(",")) if args.detail != "all" else None
     for v in bar:
         bar.set_postfix_str(v.name)
+        key = v.method if v.fmt is None else f"{v.method}/{v.fmt}"
+        full = detail is None or key in detail
         results["variants"].append(h.run_variant(
-            v, generation=args.gen_tokens > 0, static=not args.no_static,
-            accumulated_split=args.split))
+            v, generation=full and args.gen_tokens > 0, static=full and not args.no_static,
+            accumulated_split=full and args.split))
         save_json(out / "results.json", results)  # partial results survive an interruption
     results["comparisons"] = report.comparisons(results)
     save_json(out / "results.json", results)
@@ -99,7 +103,16 @@ def _run(args) -> int:
 def _report(args) -> int:
     from kvarn_ops.evaluation import report
 
-    results = json.loads(Path(args.results).read_text())
+    results = json.loads(Path(args.results[0]).read_text())
+    for extra in args.results[1:]:  # runs of the same model and text, merged
+        more = json.loads(Path(extra).read_text())
+        if more["exact"]["chunk_nll_sums"] != results["exact"]["chunk_nll_sums"]:
+            raise SystemExit(f"{extra}: not the same model and text as {args.results[0]}")
+        names = {v["name"] for v in results["variants"]}
+        results["variants"] += [v for v in more["variants"] if v["name"] not in names]
+    results["comparisons"] = report.comparisons(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     print(report.markdown_tables(results))
     if args.plot:
         report.plot(results, Path(args.plot))
@@ -130,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help="comma-separated dense kvarn formats")
     r.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated: fp8, kivi, kivi_h, published, published_noclip, "
-                        "kvarn, kvarn_mse, kvarn_grid, kvarn_refit, kivi_h_mse")
+                   help="comma-separated: fp8 or keys of kvarn_ops.evaluation.variants.METHODS "
+                        "(kivi, kivi_h, published, kvarn, kvarn_ub, kvarn_mse, ...)")
     r.add_argument("--sink", choices=("on", "off", "both"), default="both",
                    help="first tile exact: on, off or both (default)")
     r.add_argument("--text-ids", help="JSON file {'ids': [...], 'source': ...} "
@@ -143,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--static-queries", type=int, default=512,
                    help="queries (the last ones) for the static attention error")
     r.add_argument("--no-static", action="store_true", help="skip the static attention error")
+    r.add_argument("--detail", default=",".join(DEFAULT_DETAIL),
+                   help="variants (method[/format], both sink settings) that also get the "
+                        "static attention error, greedy generation and --split; 'all' for "
+                        "every variant (the others get PPL and the accumulated error)")
     r.add_argument("--split", action="store_true",
                    help="also run K-only and V-only caches (accumulated error split)")
     r.add_argument("--no-plot", action="store_true")
@@ -151,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "were measured up to 20x slower)")
     r.add_argument("--out", default="kvarn-eval-results", help="output directory")
     t = sub.add_parser("report", help="print the tables of a saved results.json")
-    t.add_argument("results")
+    t.add_argument("results", nargs="+", help="results.json files (merged)")
+    t.add_argument("--json", help="write the merged results here")
     t.add_argument("--plot", help="also write the PNG plot here")
     return p
 

@@ -168,7 +168,7 @@ def ensure_smollm2(root: Path | None = None, *, force: bool = False, log=print) 
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelSetupError(
             f"converting {gguf_path} failed while {step}: {type(exc).__name__}: {exc}; "
-            f"transformers {transformers.__version__} (tested: 5.19-5.24)"
+            f"transformers {transformers.__version__} (tested with 5.24)"
         ) from exc
     (tmp / _DONE_MARKER).write_text(json.dumps({
         "source": PYPI_PACKAGE, "gguf": GGUF_FILE, "sha256": GGUF_SHA256,

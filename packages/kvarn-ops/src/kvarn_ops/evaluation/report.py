@@ -11,6 +11,11 @@ __all__ = ["comparisons", "markdown_tables", "plot"]
 
 #: (better, baseline) method pairs compared in the report, per format and sink setting.
 COMPARED = (
+    ("kvarn_ub", "published"),
+    ("kvarn_ub", "kvarn"),
+    ("kvarn_ub_v", "kvarn"),
+    ("kvarn_ub", "kivi_h_ub"),
+    ("kvarn_mse_v", "kvarn"),
     ("kvarn_mse", "published"),
     ("kvarn_mse", "kvarn"),
     ("kvarn", "published"),

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import kvarn_formats as kf
 import torch
 
+import kvarn_formats as kf
 from kvarn_ops.reference import (
     PUBLISHED_CONFIG,
     NormalizeConfig,
@@ -38,11 +38,13 @@ METHODS = {
     "kivi": NormalizeConfig(iters=0, prescale=False, rebalance_fp16=False),
     "kivi_h": NormalizeConfig(iters=0, prescale=False, rebalance_fp16=False),
     "kivi_h_mse": NormalizeConfig(iters=0, rounding="mse_clip"),
-    "kvarn_mse_v": (NormalizeConfig(), NormalizeConfig(rounding="mse_clip")),
-    "kvarn_mse_k": (NormalizeConfig(rounding="mse_clip"), NormalizeConfig()),
-    "kvarn_refit_v": (NormalizeConfig(), NormalizeConfig(rounding="rtn_refit")),
-    "kvarn_ub": NormalizeConfig(rounding="unbiased_clip"),
-    "kvarn_ub_v": (NormalizeConfig(), NormalizeConfig(rounding="unbiased_clip")),
+    "kvarn_mse_v": NormalizeConfig(rounding_v="mse_clip"),
+    "kvarn_mse_k": NormalizeConfig(rounding="mse_clip", rounding_v="rtn"),
+    "kvarn_refit_v": NormalizeConfig(rounding_v="rtn_refit"),
+    "published_ub_v": replace(PUBLISHED_CONFIG, rounding_v="unbiased_clip"),
+    "kivi_h_ub_v": NormalizeConfig(iters=0, rounding_v="unbiased_clip"),
+    "kvarn_ub": NormalizeConfig(rounding="unbiased_clip"),  # K and V
+    "kvarn_ub_v": NormalizeConfig(rounding_v="unbiased_clip"),
     "kivi_h_ub": NormalizeConfig(iters=0, rounding="unbiased_clip"),
 }
 """Method name -> NormalizeConfig of the record path. ``kvarn``: the project's default

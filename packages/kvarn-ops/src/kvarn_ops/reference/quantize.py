@@ -45,7 +45,7 @@ Algorithm (fp32; every step is what a kernel must reproduce):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -87,7 +87,10 @@ class NormalizeConfig:
         Spread of a line = ``max(std, std_floor * rms)``.
     rounding : str
         How codes and per-row (step, zero point) are chosen (``reference/rounding.py``):
-        ``"rtn"`` (default) is min/max RTN (step 4); ``"mse_clip"`` minimizes the error.
+        ``"rtn"`` (default) is min/max RTN (step 4); ``"unbiased_clip"`` and ``"mse_clip"``
+        choose the clipping range by error.
+    rounding_v : str or None
+        Overrides ``rounding`` for V tiles (``None``: same as K).
     """
 
     iters: int = 8
@@ -96,6 +99,7 @@ class NormalizeConfig:
     rebalance_fp16: bool = True
     std_floor: float = 1e-3
     rounding: str = "rtn"
+    rounding_v: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.iters, int) or self.iters < 0:
@@ -104,6 +108,9 @@ class NormalizeConfig:
             raise ValueError(f"std_floor: must be > 0, got {self.std_floor!r}")
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"rounding: must be one of {ROUNDING_MODES}, got {self.rounding!r}")
+        if self.rounding_v is not None and self.rounding_v not in ROUNDING_MODES:
+            raise ValueError(
+                f"rounding_v: must be None or one of {ROUNDING_MODES}, got {self.rounding_v!r}")
 
 
 DEFAULT_CONFIG = NormalizeConfig()
@@ -321,6 +328,8 @@ def quantize_v(v: torch.Tensor, bits: int, config: NormalizeConfig = DEFAULT_CON
     Returns ``v_codes`` uint8 [N, G, D], ``v_col_scale`` [N, D], ``v_row_scale`` [N, G],
     ``v_zero_point`` [N, G] (float16).
     """
+    if config.rounding_v is not None:
+        config = replace(config, rounding=config.rounding_v)
     q = quantize_tiles(zero_nonfinite_tokens(v.to(torch.float32)), bits, config)
     return {
         "v_codes": q.codes,
