@@ -90,9 +90,14 @@ CPU_BROKEN_LEFTOVERS: dict[str, tuple[str, ...]] = {
     "vllm": ("torchvision", "torchaudio", "torchcodec"),
 }
 PYTEST = ("pytest", "-ra", "-p", "no:cacheprovider", "--durations=5")
-#: Sessions that repeat a package's tests in another setting (integration, wheels, skew) leave
-#: out tests marked slow; the package's own session and `release` run everything.
-NOT_SLOW = ("-m", "not slow")
+#: Marker selections, so the suite runs each long test once (markers are declared in the root
+#: pyproject.toml): the package's own session leaves out end-to-end tests, which integration
+#: runs with every package installed; integration leaves out long sweeps, which the package's
+#: own session runs; wheels and skew, which repeat the tests in another install, leave out
+#: both. `release` runs everything.
+PACKAGE_MARKS = ("-m", "not e2e")
+INTEGRATION_MARKS = ("-m", "not slow")
+REPEAT_MARKS = ("-m", "not slow and not e2e")
 DIST = ROOT / "dist"
 
 
@@ -354,7 +359,7 @@ def _package_session(short: str) -> None:
         venv = Venv(session)
         install_from_tree(venv, [short])
         assert_installed(venv, pkg)
-        run_package_tests(venv, pkg)
+        run_package_tests(venv, pkg, pytest_args=[*PACKAGE_MARKS, *session.posargs])
 
     session_fn.__doc__ = f"kvarn-{short} alone: fresh venv, its declared deps only, its tests."
     session_fn.__name__ = short
@@ -373,7 +378,7 @@ def ops_triton_latest(session: nox.Session) -> None:
     install_from_tree(venv, ["ops"], triton="")
     session.run("python", "-c", "import triton; print('triton', triton.__version__)")
     assert_installed(venv, pkg)
-    run_package_tests(venv, pkg)
+    run_package_tests(venv, pkg, pytest_args=[*PACKAGE_MARKS, *session.posargs])
 
 
 @nox.session
@@ -386,7 +391,7 @@ def integration(session: nox.Session) -> None:
     for pkg in PACKAGES.values():
         assert_installed(venv, pkg)
     for pkg in PACKAGES.values():
-        run_package_tests(venv, pkg, pytest_args=[*NOT_SLOW, *session.posargs])
+        run_package_tests(venv, pkg, pytest_args=[*INTEGRATION_MARKS, *session.posargs])
     root_tests = ROOT / "tests"
     if root_tests.is_dir() and any(root_tests.rglob("test_*.py")):
         env = dict(TEST_ENV)
@@ -484,7 +489,7 @@ def wheels(session: nox.Session) -> None:
         built[short] = wheel
     tmp = Path(session.create_tmp())
     for short in PACKAGES:
-        install_and_test_wheel(session, short, built, tmp, [*NOT_SLOW, *session.posargs])
+        install_and_test_wheel(session, short, built, tmp, [*REPEAT_MARKS, *session.posargs])
 
 
 # --------------------------------------------------------------------------- release tooling
@@ -614,7 +619,7 @@ def skew(session: nox.Session) -> None:
                 consumer_pkg,
                 consumer_path / "tests",
                 copy=True,
-                pytest_args=[*NOT_SLOW, *session.posargs],
+                pytest_args=[*REPEAT_MARKS, *session.posargs],
             )
         except nox.command.CommandFailed:
             failures.append(f"{run.title()}: tests failed")
