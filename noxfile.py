@@ -3,10 +3,11 @@
 `nox` with no arguments runs the CPU suite that CI runs (`nox -l` lists it):
 
 - `formats`, `ops`, `cutedsl`, `vllm`: one package alone, installed (not editable) from
-  packages/kvarn-<x> with its `test` extra into a fresh venv that holds only what it
-  declares, then its tests/. A package that does not exist yet is not in the default list,
-  and asking for its session fails with a message.
-- `integration`: every package installed together; every package's tests, then tests/.
+  packages/kvarn-<x> with its `test` (and `cpu`) extra into a fresh venv that holds only what
+  it declares, then its tests/ (all but those marked e2e). A package that does not exist yet
+  is not in the default list, and asking for its session fails with a message.
+- `integration`: every package installed together; every package's tests (all but those
+  marked slow, so the e2e runs happen here), then the root tests/.
 - `lint`: ruff check and ruff format --check. `typecheck`: mypy on every package's src/.
 - `wheels`: build each package's sdist and wheel (the wheel from the sdist), install each
   wheel alone in a clean venv with only its declared dependencies, and run its tests from a
