@@ -498,11 +498,14 @@ def wheels(session: nox.Session) -> None:
 
 @nox.session
 def tools(session: nox.Session) -> None:
-    """Tests of tools/ (release, skew, changed) and the release checks of every package."""
+    """Tests of tools/ (release, skew, changed); release checks and skew plan of every package."""
     session.install("pytest", "packaging")
     session.run(*PYTEST, "tools/tests", *session.posargs)
     if PACKAGES:
         session.run("python", "tools/release.py", "check", "--all")
+        # The skew plan's static checks (oldest admitted versions exist, FORMAT_API new
+        # enough) are cheap: run them on every change; the `skew` session installs and tests.
+        session.run("python", "tools/release.py", "skew")
 
 
 @nox.session
