@@ -70,8 +70,9 @@ def test_single_pass_equals_chunked_serving(harness):
         cache = DynamicCache()
         logits = []
         for s in range(0, TOKENS, 64):
-            out = harness.model(input_ids=harness.ids[:, s : s + 64], past_key_values=cache,
-                                use_cache=True)
+            out = harness.model(
+                input_ids=harness.ids[:, s : s + 64], past_key_values=cache, use_cache=True
+            )
             logits.append(out.logits[0])
     finally:
         att.use_state(None)
@@ -84,10 +85,12 @@ def test_single_pass_equals_chunked_serving(harness):
 
 def test_quantized_variants(harness):
     ex = harness.exact()
-    k2 = harness.run_variant(make_variant("kvarn", "kvarn_k2v2_g64"), generation=False,
-                             accumulated_split=True)
-    k2s = harness.run_variant(make_variant("kvarn", "kvarn_k2v2_g64", sink=True),
-                              generation=False, static=False)
+    k2 = harness.run_variant(
+        make_variant("kvarn", "kvarn_k2v2_g64"), generation=False, accumulated_split=True
+    )
+    k2s = harness.run_variant(
+        make_variant("kvarn", "kvarn_k2v2_g64", sink=True), generation=False, static=False
+    )
     fp8 = harness.run_variant(make_variant("fp8"), generation=False, static=False)
     n_chunks = -(-(TOKENS - 1) // 64)
     for r in (k2, k2s, fp8):
@@ -104,8 +107,12 @@ def test_quantized_variants(harness):
     assert all(e > 0.01 for e in k2["attn_error_accumulated"])
     st = k2["attn_error_static"]
     assert all(0 < st[p][0] < 2 for p in ("k", "v", "kv"))
-    assert set(k2) >= {"attn_error_accumulated_k", "attn_error_accumulated_v",
-                       "vs_exact_k_only", "vs_exact_v_only"}
+    assert set(k2) >= {
+        "attn_error_accumulated_k",
+        "attn_error_accumulated_v",
+        "vs_exact_k_only",
+        "vs_exact_v_only",
+    }
     assert k2["bits_per_element"] == pytest.approx(2816 * 8 / (2 * 64 * 64))
 
 
@@ -121,10 +128,29 @@ def test_cli_run_writes_outputs(tiny_dir, tmp_path):
     from kvarn_ops.evaluation.cli import main
 
     out = tmp_path / "res"
-    rc = main(["run", "--model", str(tiny_dir), "--tokens", "192", "--formats",
-               "kvarn_k4v2_g64", "--methods", "fp8,published,kvarn_mse", "--sink", "both",
-               "--gen-prompt", "64", "--gen-tokens", "4", "--static-queries", "64",
-               "--out", str(out)])
+    rc = main(
+        [
+            "run",
+            "--model",
+            str(tiny_dir),
+            "--tokens",
+            "192",
+            "--formats",
+            "kvarn_k4v2_g64",
+            "--methods",
+            "fp8,published,kvarn_mse",
+            "--sink",
+            "both",
+            "--gen-prompt",
+            "64",
+            "--gen-tokens",
+            "4",
+            "--static-queries",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert len(res["variants"]) == 6

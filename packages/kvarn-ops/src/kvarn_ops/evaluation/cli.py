@@ -15,7 +15,9 @@ import datetime
 import json
 import platform
 import sys
+from importlib import import_module
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -29,14 +31,16 @@ def _machine() -> str:
 
     import torch
 
-    return (f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+    return (
+        f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
+    )
 
 
-def _variants(formats, methods, sinks):
+def _variants(formats: list[str], methods: list[str], sinks: tuple[bool, ...]) -> list:
     from kvarn_ops.evaluation.variants import make_variant
 
-    out = []
+    out: list = []
     for m in methods:
         for sink in sinks:
             if m == "fp8":
@@ -46,9 +50,10 @@ def _variants(formats, methods, sinks):
     return out
 
 
-def _run(args) -> int:
+def _run(args: argparse.Namespace) -> int:
     import torch
-    from tqdm import tqdm
+
+    tqdm = import_module("tqdm").tqdm
 
     from kvarn_ops.evaluation import report
     from kvarn_ops.evaluation.harness import Harness, default_token_ids, save_json
@@ -56,8 +61,10 @@ def _run(args) -> int:
 
     torch.set_num_threads(args.threads)
     if args.model == "smollm2":
-        model_dir, model_name = ensure_smollm2(log=lambda s: print(s, file=sys.stderr)), \
-            "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
+        model_dir, model_name = (
+            ensure_smollm2(log=lambda s: print(s, file=sys.stderr)),
+            "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)",
+        )
     else:
         model_dir, model_name = Path(args.model), Path(args.model).name
     if args.text_ids:
@@ -68,16 +75,29 @@ def _run(args) -> int:
     ids = ids[: args.tokens]
     sinks = {"on": (True,), "off": (False,), "both": (False, True)}[args.sink]
     variants = _variants(args.formats.split(","), args.methods.split(","), sinks)
-    h = Harness(model_dir, ids, group=args.group, gen_prompt=args.gen_prompt,
-                gen_tokens=args.gen_tokens, static_queries=args.static_queries,
-                threads=args.threads)
+    h = Harness(
+        model_dir,
+        ids,
+        group=args.group,
+        gen_prompt=args.gen_prompt,
+        gen_tokens=args.gen_tokens,
+        static_queries=args.static_queries,
+        threads=args.threads,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {
-        "meta": {"model": model_name, "text": text, "tokens": len(ids), "group": args.group,
-                 "date": datetime.date.today().isoformat(), "machine": _machine(),
-                 "gen_prompt": h.gen_prompt, "gen_tokens": args.gen_tokens,
-                 "static_queries": args.static_queries},
+    results: dict[str, Any] = {
+        "meta": {
+            "model": model_name,
+            "text": text,
+            "tokens": len(ids),
+            "group": args.group,
+            "date": datetime.date.today().isoformat(),
+            "machine": _machine(),
+            "gen_prompt": h.gen_prompt,
+            "gen_tokens": args.gen_tokens,
+            "static_queries": args.static_queries,
+        },
         "exact": h.exact_summary(),
         "variants": [],
     }
@@ -87,9 +107,14 @@ def _run(args) -> int:
         bar.set_postfix_str(v.name)
         key = v.method if v.fmt is None else f"{v.method}/{v.fmt}"
         full = detail is None or key in detail
-        results["variants"].append(h.run_variant(
-            v, generation=full and args.gen_tokens > 0, static=full and not args.no_static,
-            accumulated_split=full and args.split))
+        results["variants"].append(
+            h.run_variant(
+                v,
+                generation=full and args.gen_tokens > 0,
+                static=full and not args.no_static,
+                accumulated_split=full and args.split,
+            )
+        )
         save_json(out / "results.json", results)  # partial results survive an interruption
     results["comparisons"] = report.comparisons(results)
     save_json(out / "results.json", results)
@@ -100,7 +125,7 @@ def _run(args) -> int:
     return 0
 
 
-def _report(args) -> int:
+def _report(args: argparse.Namespace) -> int:
     from kvarn_ops.evaluation import report
 
     results = json.loads(Path(args.results[0]).read_text())
@@ -119,12 +144,17 @@ def _report(args) -> int:
     return 0
 
 
-def _setup(args) -> int:
+def _setup(args: argparse.Namespace) -> int:
     from kvarn_ops.evaluation.model_setup import ModelSetupError, ensure_smollm2
 
     try:
-        print(ensure_smollm2(Path(args.root) if args.root else None, force=args.force,
-                             log=lambda s: print(s, file=sys.stderr)))
+        print(
+            ensure_smollm2(
+                Path(args.root) if args.root else None,
+                force=args.force,
+                log=lambda s: print(s, file=sys.stderr),
+            )
+        )
     except ModelSetupError as exc:
         print(f"kvarn-eval setup: {exc}", file=sys.stderr)
         return 1
@@ -138,34 +168,61 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--root", help="models directory (default: the user cache)")
     s.add_argument("--force", action="store_true", help="convert again")
     r = sub.add_parser("run", help="measure cache variants against the exact cache")
-    r.add_argument("--model", default="smollm2",
-                   help="'smollm2' (built by setup if needed) or a model directory")
-    r.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
-                   help="comma-separated dense kvarn formats")
-    r.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated: fp8 or keys of kvarn_ops.evaluation.variants.METHODS "
-                        "(kivi, kivi_h, published, kvarn, kvarn_ub, kvarn_mse, ...)")
-    r.add_argument("--sink", choices=("on", "off", "both"), default="both",
-                   help="first tile exact: on, off or both (default)")
-    r.add_argument("--text-ids", help="JSON file {'ids': [...], 'source': ...} "
-                                      "(default: the shipped 2048 token ids)")
+    r.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (built by setup if needed) or a model directory",
+    )
+    r.add_argument(
+        "--formats", default=",".join(DEFAULT_FORMATS), help="comma-separated dense kvarn formats"
+    )
+    r.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated: fp8 or keys of kvarn_ops.evaluation.variants.METHODS "
+        "(kivi, kivi_h, published, kvarn, kvarn_ub, kvarn_mse, ...)",
+    )
+    r.add_argument(
+        "--sink",
+        choices=("on", "off", "both"),
+        default="both",
+        help="first tile exact: on, off or both (default)",
+    )
+    r.add_argument(
+        "--text-ids",
+        help="JSON file {'ids': [...], 'source': ...} (default: the shipped 2048 token ids)",
+    )
     r.add_argument("--tokens", type=int, default=2048, help="context length (default 2048)")
     r.add_argument("--group", type=int, default=64, help="tile size G (default 64)")
     r.add_argument("--gen-prompt", type=int, default=1024, help="prompt tokens for greedy")
     r.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens (0: skip)")
-    r.add_argument("--static-queries", type=int, default=512,
-                   help="queries (the last ones) for the static attention error")
+    r.add_argument(
+        "--static-queries",
+        type=int,
+        default=512,
+        help="queries (the last ones) for the static attention error",
+    )
     r.add_argument("--no-static", action="store_true", help="skip the static attention error")
-    r.add_argument("--detail", default=",".join(DEFAULT_DETAIL),
-                   help="variants (method[/format], both sink settings) that also get the "
-                        "static attention error, greedy generation and --split; 'all' for "
-                        "every variant (the others get PPL and the accumulated error)")
-    r.add_argument("--split", action="store_true",
-                   help="also run K-only and V-only caches (accumulated error split)")
+    r.add_argument(
+        "--detail",
+        default=",".join(DEFAULT_DETAIL),
+        help="variants (method[/format], both sink settings) that also get the "
+        "static attention error, greedy generation and --split; 'all' for "
+        "every variant (the others get PPL and the accumulated error)",
+    )
+    r.add_argument(
+        "--split",
+        action="store_true",
+        help="also run K-only and V-only caches (accumulated error split)",
+    )
     r.add_argument("--no-plot", action="store_true")
-    r.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: on a busy shared machine more threads "
-                        "were measured up to 20x slower)")
+    r.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a busy shared machine more threads "
+        "were measured up to 20x slower)",
+    )
     r.add_argument("--out", default="kvarn-eval-results", help="output directory")
     t = sub.add_parser("report", help="print the tables of a saved results.json")
     t.add_argument("results", nargs="+", help="results.json files (merged)")

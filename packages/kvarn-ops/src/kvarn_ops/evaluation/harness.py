@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
+from importlib import import_module, resources
 from pathlib import Path
 
 import torch
@@ -44,8 +45,13 @@ def paired_stats(chunk_a: list[float], chunk_b: list[float], n_tokens: int) -> d
     d = float(s.sum()) / n_tokens
     se = math.sqrt(n * float(s.var(unbiased=True))) / n_tokens if n > 1 else float("nan")
     ratio = math.exp(d)
-    return {"dnll": d, "dnll_se": se, "ppl_increase": ratio - 1.0, "ppl_increase_se": ratio * se,
-            "significant": abs(d) > 2 * se}
+    return {
+        "dnll": d,
+        "dnll_se": se,
+        "ppl_increase": ratio - 1.0,
+        "ppl_increase_se": ratio * se,
+        "significant": abs(d) > 2 * se,
+    }
 
 
 @dataclass
@@ -68,9 +74,18 @@ class Harness:
     threads : torch threads.
     """
 
-    def __init__(self, model_dir, ids, *, group=64, gen_prompt=1024, gen_tokens=256,
-                 static_queries=512, threads=1):
-        import transformers
+    def __init__(
+        self,
+        model_dir: str | Path,
+        ids: Sequence[int],
+        *,
+        group: int = 64,
+        gen_prompt: int = 1024,
+        gen_tokens: int = 256,
+        static_queries: int = 512,
+        threads: int = 1,
+    ) -> None:
+        transformers = import_module("transformers")
 
         torch.set_num_threads(threads)
         self.ids = torch.tensor([list(ids)], dtype=torch.long)
@@ -124,8 +139,9 @@ class Harness:
         att.use_state(st)
         try:
             cache = DynamicCache()
-            out = self.model(input_ids=self.ids[:, : self.gen_prompt], past_key_values=cache,
-                             use_cache=True)
+            out = self.model(
+                input_ids=self.ids[:, : self.gen_prompt], past_key_values=cache, use_cache=True
+            )
             toks = []
             nxt = out.logits[0, -1].argmax()
             for _ in range(self.gen_tokens):
@@ -141,7 +157,8 @@ class Harness:
         """Per layer, relative attention-output error with exact history K/V quantized (K
         only, V only, both) against exact attention, on the last ``static_queries`` queries."""
         self.exact()
-        res = {"k": [], "v": [], "kv": []}
+        res: dict[str, list[float]] = {"k": [], "v": [], "kv": []}
+        assert self._recorded is not None
         for layer in range(self.num_layers):
             q, k, v, _, scaling = self._recorded[layer]
             length = k.shape[1]
@@ -154,14 +171,23 @@ class Harness:
                 st = att.EvalState(variant=variant)
                 kq, vq = st.dequantized(layer, k, v, n)
             ref = att.mixed_attention(qs, k, v, k[:, :0], v[:, :0], t0, variant, scaling)
-            for part, (kk, vv) in {"k": (kq, v[:, : kq.shape[1]]), "v": (k[:, : vq.shape[1]], vq),
-                                   "kv": (kq, vq)}.items():
+            for part, (kk, vv) in {
+                "k": (kq, v[:, : kq.shape[1]]),
+                "v": (k[:, : vq.shape[1]], vq),
+                "kv": (kq, vq),
+            }.items():
                 o = att.mixed_attention(qs, k, v, kk, vv, t0, variant, scaling)
                 res[part].append(float((o - ref).norm() / ref.norm()))
         return res
 
-    def run_variant(self, variant: CacheVariant, *, generation=True, static=True,
-                    accumulated_split=False) -> dict:
+    def run_variant(
+        self,
+        variant: CacheVariant,
+        *,
+        generation: bool = True,
+        static: bool = True,
+        accumulated_split: bool = False,
+    ) -> dict:
         """Every measurement of one variant against the exact cache."""
         ex = self.exact()
         t0 = time.time()
@@ -169,9 +195,13 @@ class Harness:
         nll = self._forward_nll(st)
         n = nll.numel()
         out = {
-            "name": variant.name, "method": variant.method, "format": variant.fmt,
-            "sink": variant.sink, "bits_per_element": variant.bits_per_element(self.head_dim),
-            "nll": float(nll.mean()), "ppl": math.exp(float(nll.mean())),
+            "name": variant.name,
+            "method": variant.method,
+            "format": variant.fmt,
+            "sink": variant.sink,
+            "bits_per_element": variant.bits_per_element(self.head_dim),
+            "nll": float(nll.mean()),
+            "ppl": math.exp(float(nll.mean())),
             "chunk_nll_sums": self._chunks(nll),
             "vs_exact": paired_stats(self._chunks(nll), self._chunks(ex.nll), n),
             "attn_error_accumulated": [
@@ -184,9 +214,11 @@ class Harness:
                 sp = att.EvalState(variant=pv, reference_out=ex.attn_out)
                 pn = self._forward_nll(sp)
                 out[f"attn_error_accumulated_{part}"] = [
-                    math.sqrt(sp.err2[i] / sp.ref2[i]) for i in range(self.num_layers)]
-                out[f"vs_exact_{part}_only"] = paired_stats(self._chunks(pn),
-                                                            self._chunks(ex.nll), n)
+                    math.sqrt(sp.err2[i] / sp.ref2[i]) for i in range(self.num_layers)
+                ]
+                out[f"vs_exact_{part}_only"] = paired_stats(
+                    self._chunks(pn), self._chunks(ex.nll), n
+                )
         if static and not variant.exact:
             out["attn_error_static"] = self.static_error(variant)
         if generation and self.gen_tokens:
@@ -195,7 +227,8 @@ class Harness:
             toks = self.greedy(variant)
             same = [a == b for a, b in zip(toks, self._exact_gen, strict=True)]
             out["generation"] = {
-                "tokens": len(toks), "identical_fraction": sum(same) / len(same),
+                "tokens": len(toks),
+                "identical_fraction": sum(same) / len(same),
                 "first_divergence": next((i for i, s in enumerate(same) if not s), None),
             }
         out["seconds"] = time.time() - t0
@@ -203,9 +236,13 @@ class Harness:
 
     def exact_summary(self) -> dict:
         ex = self.exact()
-        return {"name": "exact", "nll": float(ex.nll.mean()),
-                "ppl": math.exp(float(ex.nll.mean())), "chunk_nll_sums": self._chunks(ex.nll),
-                "tokens": ex.nll.numel()}
+        return {
+            "name": "exact",
+            "nll": float(ex.nll.mean()),
+            "ppl": math.exp(float(ex.nll.mean())),
+            "chunk_nll_sums": self._chunks(ex.nll),
+            "tokens": ex.nll.numel(),
+        }
 
 
 def save_json(path: Path, payload: dict) -> None:

@@ -17,7 +17,10 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "GGUF_FILE",
@@ -106,10 +109,10 @@ def _verify(path: Path) -> None:
         )
 
 
-def _import_transformers():
+def _import_transformers() -> Any:
     try:
-        import gguf  # noqa: F401
-        import transformers
+        import_module("gguf")
+        transformers = import_module("transformers")
     except ImportError as exc:
         raise ModelSetupError(
             f"converting the GGUF needs transformers and gguf ({exc}); install the extra with: "
@@ -118,7 +121,9 @@ def _import_transformers():
     return transformers
 
 
-def ensure_smollm2(root: Path | None = None, *, force: bool = False, log=print) -> Path:
+def ensure_smollm2(
+    root: Path | None = None, *, force: bool = False, log: Callable[[str], None] = print
+) -> Path:
     """Build (once) and return the directory of SmolLM2-135M-Instruct as float32 safetensors.
 
     Parameters
@@ -170,10 +175,17 @@ def ensure_smollm2(root: Path | None = None, *, force: bool = False, log=print) 
             f"converting {gguf_path} failed while {step}: {type(exc).__name__}: {exc}; "
             f"transformers {transformers.__version__} (tested with 5.24)"
         ) from exc
-    (tmp / _DONE_MARKER).write_text(json.dumps({
-        "source": PYPI_PACKAGE, "gguf": GGUF_FILE, "sha256": GGUF_SHA256,
-        "transformers": transformers.__version__,
-    }, indent=1))
+    (tmp / _DONE_MARKER).write_text(
+        json.dumps(
+            {
+                "source": PYPI_PACKAGE,
+                "gguf": GGUF_FILE,
+                "sha256": GGUF_SHA256,
+                "transformers": transformers.__version__,
+            },
+            indent=1,
+        )
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     log(f"model ready in {out}")
@@ -188,9 +200,16 @@ def write_tiny_llama(path: Path, *, vocab_size: int = 49152, seed: int = 0) -> P
     import torch
 
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        max_position_embeddings=4096, rope_theta=1e5, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=1e5,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).to(torch.float32)

@@ -3,7 +3,9 @@ plot of PPL increase against bits per element."""
 
 from __future__ import annotations
 
+from importlib import import_module
 from pathlib import Path
+from typing import Any
 
 from kvarn_ops.evaluation.harness import paired_stats
 
@@ -31,7 +33,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.2f}%"
 
 
-def _by_key(results):
+def _by_key(results: dict) -> dict:
     return {(r["method"], r["format"], r["sink"]): r for r in results["variants"]}
 
 
@@ -71,8 +73,9 @@ def markdown_tables(results: dict) -> str:
         sig = "" if s["significant"] else " (n.s.)"
         acc = r["attn_error_accumulated"]
         st = r.get("attn_error_static")
-        st_txt = (f"{sum(st['k']) / len(st['k']):.3f} / {sum(st['v']) / len(st['v']):.3f}"
-                  if st else "")
+        st_txt = (
+            f"{sum(st['k']) / len(st['k']):.3f} / {sum(st['v']) / len(st['v']):.3f}" if st else ""
+        )
         gen = r.get("generation")
         gen_txt = f"{100 * gen['identical_fraction']:.1f}%" if gen else ""
         div = gen["first_divergence"] if gen else ""
@@ -85,35 +88,45 @@ def markdown_tables(results: dict) -> str:
     if comps:
         lines += ["", "| variant | vs | PPL change | significant |", "|---|---|---|---|"]
         for c in comps:
-            lines.append(f"| {c['a']} | {c['b']} | {_pct(c['ppl_increase'])} +- "
-                         f"{100 * c['ppl_increase_se']:.2f} | "
-                         f"{'yes' if c['significant'] else 'no'} |")
+            lines.append(
+                f"| {c['a']} | {c['b']} | {_pct(c['ppl_increase'])} +- "
+                f"{100 * c['ppl_increase_se']:.2f} | "
+                f"{'yes' if c['significant'] else 'no'} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:
     """PPL increase (%) against bits per element, one marker per method, hollow = every full
     tile quantized, filled = first tile exact; error bars are one paired SE."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import_module("matplotlib").use("Agg")
+    plt: Any = import_module("matplotlib.pyplot")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     methods = sorted({r["method"] for r in results["variants"]})
     colors = dict(zip(methods, plt.cm.tab10.colors, strict=False))
     for m in methods:
         for sink in (False, True):
-            rows = sorted((r for r in results["variants"] if r["method"] == m
-                           and r["sink"] == sink), key=lambda r: r["bits_per_element"])
+            rows = sorted(
+                (r for r in results["variants"] if r["method"] == m and r["sink"] == sink),
+                key=lambda r: r["bits_per_element"],
+            )
             if not rows:
                 continue
             x = [r["bits_per_element"] for r in rows]
             y = [100 * r["vs_exact"]["ppl_increase"] for r in rows]
             e = [100 * r["vs_exact"]["ppl_increase_se"] for r in rows]
-            ax.errorbar(x, y, yerr=e, marker="o", linestyle="-" if sink else ":",
-                        color=colors[m], mfc=colors[m] if sink else "white",
-                        label=f"{m}{' +sink' if sink else ''}", capsize=2)
+            ax.errorbar(
+                x,
+                y,
+                yerr=e,
+                marker="o",
+                linestyle="-" if sink else ":",
+                color=colors[m],
+                mfc=colors[m] if sink else "white",
+                label=f"{m}{' +sink' if sink else ''}",
+                capsize=2,
+            )
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel("cache bits per K/V element")
     ax.set_ylabel("PPL increase vs exact cache (%)")

@@ -94,6 +94,7 @@ class CacheVariant:
             return 32.0
         if self.per_token:
             return 8.0
+        assert self.fmt is not None
         lay = kf.dense_layout(self.fmt, head_dim)
         return lay.record_bytes * 8.0 / (2 * lay.block_size * head_dim)
 
@@ -106,13 +107,14 @@ class CacheVariant:
             kq = k.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(k.dtype)
             vq = v.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(v.dtype)
         else:
+            assert self.fmt is not None
             lay = kf.dense_layout(self.fmt, k.shape[-1])
             rot = self.method != "kivi"
             kr = hadamard(k) if rot else k.float()
             vr = hadamard(v) if rot else v.float()
             kcfg, vcfg = self.config if isinstance(self.config, tuple) else (self.config,) * 2
-            fields = quantize_k(kr, lay.field("k_codes").bits, kcfg)
-            fields.update(quantize_v(vr, lay.field("v_codes").bits, vcfg))
+            fields = quantize_k(kr, int(lay.field("k_codes").bits or 0), kcfg)
+            fields.update(quantize_v(vr, int(lay.field("v_codes").bits or 0), vcfg))
             rec = fields_to_records(fields, lay)  # the bytes encode_records writes
             kq, vq = decode_records(rec, lay)
             if rot:
@@ -120,8 +122,9 @@ class CacheVariant:
         return (kq if "k" in self.parts else k), (vq if "v" in self.parts else v)
 
 
-def make_variant(method: str, fmt: str | None = None, sink: bool = False,
-                 parts: str = "kv") -> CacheVariant:
+def make_variant(
+    method: str, fmt: str | None = None, sink: bool = False, parts: str = "kv"
+) -> CacheVariant:
     """Build a variant; ``fmt`` is required for record methods."""
     if method in ("exact", "fp8"):
         name = method

@@ -110,7 +110,8 @@ class NormalizeConfig:
             raise ValueError(f"rounding: must be one of {ROUNDING_MODES}, got {self.rounding!r}")
         if self.rounding_v is not None and self.rounding_v not in ROUNDING_MODES:
             raise ValueError(
-                f"rounding_v: must be None or one of {ROUNDING_MODES}, got {self.rounding_v!r}")
+                f"rounding_v: must be None or one of {ROUNDING_MODES}, got {self.rounding_v!r}"
+            )
 
 
 DEFAULT_CONFIG = NormalizeConfig()

@@ -43,19 +43,23 @@ REFIT_ITERS = 6
 """Least-squares refit / re-round alternations after the clipping search."""
 
 
-def _codes(b, lo, step, levels):
+def _codes(b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: float) -> torch.Tensor:
     inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
     return torch.round((b - lo[..., None]) * inv[..., None]).clamp_(0, levels)
 
 
-def weighted_row_error(b, codes, step, lo, weight):
+def weighted_row_error(
+    b: torch.Tensor, codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
     """``sum_c weight[c] * (b - (codes * step + lo))**2`` per row; ``b [..., R, C]``,
     ``weight [..., C]``."""
     err = b - (codes * step[..., None] + lo[..., None])
     return (err * err * weight[..., None, :]).sum(-1)
 
 
-def _refit(b, codes, weight):
+def _refit(
+    b: torch.Tensor, codes: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted least squares of ``b ~= step * codes + lo`` per row; ``ok`` is False where the
     system is degenerate (all codes equal) or the step would not be positive."""
     w = weight[..., None, :]
@@ -72,7 +76,9 @@ def _refit(b, codes, weight):
     return step, lo, ok & (step > 0)
 
 
-def round_rows(b: torch.Tensor, lc: torch.Tensor, bits: int, mode: str):
+def round_rows(
+    b: torch.Tensor, lc: torch.Tensor, bits: int, mode: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes and per-row ``(step, lo)`` for the balanced tiles ``b [N, R, C]`` (float32).
 
     Parameters
@@ -106,7 +112,7 @@ def round_rows(b: torch.Tensor, lc: torch.Tensor, bits: int, mode: str):
     mid = 0.5 * (hi0 + lo0)
     half = 0.5 * rng
 
-    def keep(c, s, z):
+    def keep(c: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
         nonlocal best_err, best_codes, best_step, best_lo
         e = weighted_row_error(b, c, s, z, weight)
         better = (e < best_err) & live
