@@ -171,3 +171,11 @@ def test_setup_errors_are_clear(monkeypatch, tmp_path):
         ms._verify(bad)
     monkeypatch.setenv("KVARN_CACHE_DIR", str(tmp_path / "c"))
     assert ms.cache_dir() == tmp_path / "c"
+
+
+def test_external_result_hook(harness):
+    ex = harness.exact()
+    r = harness.external_result("vllm-exact", ex.nll.tolist(), 32.0, engine="test")
+    assert r["vs_exact"]["dnll"] == 0.0 and r["engine"] == "test"
+    with pytest.raises(ValueError, match="token_nll"):
+        harness.external_result("short", [1.0, 2.0], 8.0)

@@ -234,6 +234,33 @@ class Harness:
         out["seconds"] = time.time() - t0
         return out
 
+    def external_result(
+        self, name: str, token_nll: Sequence[float], bits_per_element: float, **extra: object
+    ) -> dict:
+        """A result row for per-token NLLs measured by another engine on the same ids (the
+        hook for vLLM: ``prompt_logprobs`` of the kvarn plugin or of vLLM's fp8 cache), paired
+        with this harness's exact-cache run. ``token_nll[i]`` is the NLL of ``ids[i + 1]``."""
+        ex = self.exact()
+        nll = torch.tensor(list(token_nll), dtype=torch.float64)
+        if nll.shape != ex.nll.shape:
+            raise ValueError(
+                f"token_nll: expected {ex.nll.numel()} values (one per predicted token of the "
+                f"{self.ids.shape[1]} ids), got {nll.numel()}"
+            )
+        return {
+            "name": name,
+            "method": name,
+            "format": None,
+            "sink": False,
+            "bits_per_element": bits_per_element,
+            "nll": float(nll.mean()),
+            "ppl": math.exp(float(nll.mean())),
+            "chunk_nll_sums": self._chunks(nll),
+            "vs_exact": paired_stats(self._chunks(nll), self._chunks(ex.nll), nll.numel()),
+            "attn_error_accumulated": [],
+            **extra,
+        }
+
     def exact_summary(self) -> dict:
         ex = self.exact()
         return {

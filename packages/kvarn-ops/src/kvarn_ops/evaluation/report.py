@@ -71,7 +71,7 @@ def markdown_tables(results: dict) -> str:
     for r in results["variants"]:
         s = r["vs_exact"]
         sig = "" if s["significant"] else " (n.s.)"
-        acc = r["attn_error_accumulated"]
+        acc = r["attn_error_accumulated"] or [float("nan")]
         st = r.get("attn_error_static")
         st_txt = (
             f"{sum(st['k']) / len(st['k']):.3f} / {sum(st['v']) / len(st['v']):.3f}" if st else ""
