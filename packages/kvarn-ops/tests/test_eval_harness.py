@@ -179,3 +179,16 @@ def test_external_result_hook(harness):
     assert r["vs_exact"]["dnll"] == 0.0 and r["engine"] == "test"
     with pytest.raises(ValueError, match="token_nll"):
         harness.external_result("short", [1.0, 2.0], 8.0)
+
+
+@pytest.mark.parametrize("spec", ["fp8", "fp8+sink", "kvarn/kvarn_k4v2_g64+sink"])
+def test_mixed_attention_without_quantized_keys_is_causal_attention(gen, spec):
+    """With no quantized keys given (Lq = 0), every variant reads exact keys: plain causal
+    attention (the static error's reference)."""
+    var = parse_variant(spec)
+    q, k, v = (torch.randn(h, 150, 64, generator=gen) for h in (4, 2, 2))
+    got = att.mixed_attention(q[:, 100:], k, v, k[:, :0], v[:, :0], 100, var, 0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], is_causal=True, scale=0.125, enable_gqa=True
+    )[0, :, 100:]
+    assert torch.allclose(got, want, atol=1e-5)

@@ -98,8 +98,10 @@ def mixed_attention(
     g = variant.group
     lq = kq.shape[1]
     if variant.per_token:
-        pk = torch.cat((k[:, :g], kq[:, g:]), 1) if variant.sink else torch.cat((kq, k[:, lq:]), 1)
-        pv = torch.cat((v[:, :g], vq[:, g:]), 1) if variant.sink else torch.cat((vq, v[:, lq:]), 1)
+        # Every key quantized (the sink tile exact when asked); keys past Lq read exact.
+        pk, pv = torch.cat((kq, k[:, lq:]), 1), torch.cat((vq, v[:, lq:]), 1)
+        if variant.sink:
+            pk, pv = torch.cat((k[:, :g], pk[:, g:]), 1), torch.cat((v[:, :g], pv[:, g:]), 1)
         k, v, kq, vq, lq = pk, pv, pk, pv, pk.shape[1]
     out = torch.empty_like(q)
     pos = qpos0
