@@ -126,7 +126,11 @@ def test_pack_matches_reference(gen, bits, dtype):
     la, _ = ref.decode_mla_records(a[dst.long()], layout)
     lb, _ = ref.decode_mla_records(b[dst.long()], layout)
     rms = la.pow(2).mean(dim=(1, 2)).sqrt()[:, None, None]
-    assert bool(((la - lb).abs() <= 0.02 * rms).all())
+    # Where a code differs (allowed above), the value differs by one step of its channel:
+    # |col_scale[d] * row_scale[t]| (latent [t, d]); at 2 bits that is far above 2% of the rms.
+    lsb = (fa["col_scale"].float()[:, None, :] * fa["row_scale"].float()[:, :, None]).abs()
+    allowed = 0.02 * rms + code_diff.transpose(1, 2).float() * lsb * 1.01
+    assert bool(((la - lb).abs() <= allowed).all())
 
 
 @pytest.mark.parametrize("bits,dtype", [(4, BF16), (5, FP8)])

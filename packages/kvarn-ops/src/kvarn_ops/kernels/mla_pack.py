@@ -21,7 +21,6 @@ import triton.language as tl
 from kvarn_ops.kernels._common import (
     check_device,
     frexp_exponent,
-    pack_codes_store,
     pack_geometry,
     pow2,
     round_half_even,
@@ -71,6 +70,31 @@ def _imbalance(y, R: tl.constexpr, C: tl.constexpr, STD_FLOOR: tl.constexpr):
 
 
 @triton.jit
+def _store_code_rows(ptr, codes, BITS: tl.constexpr):
+    """Bit-pack int32 ``codes [512, 64]`` (values < 2**BITS) as stream ``d*64 + t`` at uint8
+    ``ptr``, one store per byte and no reshape.
+
+    Row ``d`` fills exactly the ``8*BITS`` bytes ``[d*8*BITS, (d+1)*8*BITS)``. Code ``t`` starts
+    at bit ``o = BITS*t``: its low piece ``(code << o%8) & 0xFF`` belongs to byte ``o // 8`` of
+    the row, its high piece ``code >> (8 - o%8)`` (0 unless the code straddles) to the next
+    byte. Byte ``j`` of every row is the sum (= OR, the pieces hold disjoint bits) of the
+    pieces that belong to it: one row reduction and one [512] store per ``j``."""
+    t = tl.arange(0, 64)
+    d = tl.arange(0, 512)
+    o = t * BITS
+    first = o >> 3
+    sh = o & 7
+    lo_piece = (codes << sh[None, :]) & 0xFF
+    hi_piece = codes >> (8 - sh)[None, :]
+    ROW_BYTES: tl.constexpr = 8 * BITS
+    for j in range(ROW_BYTES):
+        piece = tl.where(first[None, :] == j, lo_piece, 0) + \
+            tl.where(first[None, :] + 1 == j, hi_piece, 0)
+        byte = tl.sum(piece, axis=1)
+        tl.store(ptr + d * ROW_BYTES + j, byte.to(tl.uint8))
+
+
+@triton.jit
 def _mla_pack_kernel(pool_ptr, pscale_ptr, prope_ptr, src_ptr, dst_ptr, rec_ptr, rec16_ptr,
                      ITERS: tl.constexpr, STD_FLOOR: tl.constexpr, BITS: tl.constexpr,
                      CS_OFF: tl.constexpr, ZP_OFF: tl.constexpr, RS_OFF: tl.constexpr,
@@ -110,8 +134,10 @@ def _mla_pack_kernel(pool_ptr, pscale_ptr, prope_ptr, src_ptr, dst_ptr, rec_ptr,
     LEVELS: tl.constexpr = (1 << BITS) - 1
     lo = tl.min(b, axis=1)
     rng = tl.max(b, axis=1) - lo
-    inv = tl.where(rng > 0.0, tl.div_rn(tl.full([512], LEVELS, tl.float32),
-                                        tl.where(rng > 0.0, rng, 1.0)), 0.0)
+    # The reference's ``levels / rng`` is torch's reversed division: reciprocal(rng) * levels
+    # (two IEEE roundings, on every device).
+    inv = tl.where(rng > 0.0, tl.div_rn(tl.full([512], 1.0, tl.float32),
+                                        tl.where(rng > 0.0, rng, 1.0)) * LEVELS, 0.0)
     q = round_half_even((b - lo[:, None]) * inv[:, None])
     codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
     step = tl.div_rn(rng, tl.full([512], LEVELS, tl.float32))
@@ -135,7 +161,7 @@ def _mla_pack_kernel(pool_ptr, pscale_ptr, prope_ptr, src_ptr, dst_ptr, rec_ptr,
     upper = tl.where(has_a, tl.minimum(15 - a_hi, b_lo + 13), b_lo + 13)
     j = (lower + upper) >> 1
     base = dst * REC
-    pack_codes_store(rec_ptr + base, codes, 512, 64, BITS, L, NB, NBP)
+    _store_code_rows(rec_ptr + base, codes, BITS)
     b16 = dst * (REC // 2)
     tl.store(rec16_ptr + b16 + CS_OFF // 2 + d,
              (s * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True))
