@@ -4,7 +4,8 @@ Tolerances (the reasons are those of tests/test_mla_ops.py; GPU-specific numbers
 - stage_fp8, rehydrate: byte-exact (the same dequantization, exact products, RNE casts).
 - scatter: 1 ulp of the pool dtype (the Hadamard sums run in another order).
 - pack: codes identical for >= 99.5%, differences 1 LSB; dequantized tiles within 2% of the
-  tile rms of the reference's (the best iterate can differ where imbalances tie to noise).
+  tile rms of the reference's (the best iterate can differ where imbalances tie to noise),
+  plus one quantization step where a code flipped.
 - materialize: 1 bf16 ulp plus 8 fp32 epsilons of the largest magnitude.
 - decode: the kernel's dots may run in tf32 (10-bit mantissa) on the GPU: relative error
   against the fp64 oracle at most 2 * 2**-10 + the bf16 rounding of the output (2**-8).
@@ -131,8 +132,13 @@ def test_pack_and_rehydrate(gen, bits, dtype):
     glat, grope = ref.decode_mla_records(got[dst.long()], layout)
     wlat, wrope = ref.decode_mla_records(want[dst.long()], layout)
     assert torch.equal(grope.view(torch.int16), wrope.view(torch.int16))
+    # Elementwise: within 2% of the tile rms (scales traded between the two sides), plus one
+    # quantization step |col_scale[d] * row_scale[t]| where a code flipped (the 0.5% above).
     rms = wlat.pow(2).mean(dim=(1, 2), keepdim=True).sqrt()
-    assert ((glat - wlat).abs() / rms).amax() <= 0.02 * 8  # elementwise within 16% of rms
+    step = (wt["col_scale"].float()[:, None, :] * wt["row_scale"].float()[:, :, None]).abs()
+    flipped = (gt["codes"] != wt["codes"]).transpose(1, 2)
+    bound = 0.02 * rms + torch.where(flipped, 1.01 * step, torch.zeros_like(step))
+    assert ((glat - wlat).abs() <= bound).all()
     assert rel_err(glat, wlat) <= 0.02
 
     # Rehydrate the reference's records into fresh pool blocks: byte-exact.

@@ -58,7 +58,9 @@ def quantize_pool_tokens(
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype), None
     amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Tensor / tensor: a correctly rounded division on every device (CUDA turns division by
+    # a Python scalar into a multiplication by its reciprocal, one bit off half the time).
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     vals = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return vals, scale
 

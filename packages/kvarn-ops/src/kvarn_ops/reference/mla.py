@@ -108,8 +108,9 @@ def check_mla_pool(pool_latent, pool_scale, pool_rope, *, device=None) -> int:
     p = pool_latent.shape[0]
     check_tensor("pool_latent", pool_latent, shape=(p, GROUP, LATENT_DIM))
     dev = pool_latent.device
-    check_tensor("pool_rope", pool_rope, dtypes=torch.bfloat16, shape=(p, GROUP, ROPE_DIM),
-                 device=dev)
+    check_tensor(
+        "pool_rope", pool_rope, dtypes=torch.bfloat16, shape=(p, GROUP, ROPE_DIM), device=dev
+    )
     if pool_latent.dtype == torch.float8_e4m3fn:
         if pool_scale is None:
             raise ValueError(
@@ -156,7 +157,9 @@ def quantize_pool_latent(x: torch.Tensor, dtype: torch.dtype):
     if dtype == torch.bfloat16:
         return x.to(torch.bfloat16), None
     amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Tensor / tensor: a correctly rounded division on every device (CUDA turns division by
+    # a Python scalar into a multiplication by its reciprocal, one bit off half the time).
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     vals = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return vals, scale
 
@@ -206,8 +209,9 @@ def refit_affine(x: torch.Tensor, fields: dict) -> dict:
     return out
 
 
-def encode_mla_records(latent: torch.Tensor, rope: torch.Tensor, layout, *,
-                       refit: bool = False) -> torch.Tensor:
+def encode_mla_records(
+    latent: torch.Tensor, rope: torch.Tensor, layout, *, refit: bool = False
+) -> torch.Tensor:
     """Quantize N latent tiles into MLA records.
 
     Parameters
@@ -262,8 +266,14 @@ def decode_mla_records(records: torch.Tensor, layout) -> tuple[torch.Tensor, tor
     rope bfloat16 [N, 64, 64])``; ``latent[t, d] = (code*col_scale[d] + zp[d]) * row_scale[t]``
     with each product and sum rounded to fp32 (exact: code*col_scale fits in fp32)."""
     f = record_tensors(records, layout)
-    lat = dequantize_k({"k_codes": f["codes"], "k_col_scale": f["col_scale"],
-                        "k_zero_point": f["zero_point"], "k_row_scale": f["row_scale"]})
+    lat = dequantize_k(
+        {
+            "k_codes": f["codes"],
+            "k_col_scale": f["col_scale"],
+            "k_zero_point": f["zero_point"],
+            "k_row_scale": f["row_scale"],
+        }
+    )
     return lat, f["rope"]
 
 
@@ -299,8 +309,9 @@ def mla_exact_scatter(latent, rope, slots, pool_latent, pool_rope, pool_scale=No
     pool_rope[blk, off] = rope[sel].to(torch.bfloat16)
 
 
-def _check_block_pairs(src, dst, src_high: int, dst_high: int, src_name: str, dst_name: str,
-                       device) -> int:
+def _check_block_pairs(
+    src, dst, src_high: int, dst_high: int, src_name: str, dst_name: str, device
+) -> int:
     check_tensor(src_name, src, dtypes=torch.int32, ndim=1, device=device)
     n = src.shape[0]
     check_tensor(dst_name, dst, dtypes=torch.int32, shape=(n,), device=device)
@@ -309,8 +320,17 @@ def _check_block_pairs(src, dst, src_high: int, dst_high: int, src_name: str, ds
     return n
 
 
-def mla_pack(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed, layout,
-             *, refit: bool = False) -> None:
+def mla_pack(
+    pool_latent,
+    pool_scale,
+    pool_rope,
+    src_pool_blocks,
+    dst_blocks,
+    packed,
+    layout,
+    *,
+    refit: bool = False,
+) -> None:
     """Pack N full pool blocks: ``packed[dst_blocks[i]] = record of pool block
     src_pool_blocks[i]`` (normalize + RTN + fold + bit-pack the [512, 64] latent tile, RoPE
     copied as bf16).
@@ -325,8 +345,7 @@ def mla_pack(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, pa
     p = check_mla_pool(pool_latent, pool_scale, pool_rope)
     dev = pool_latent.device
     nb = check_packed(packed, layout, device=dev)
-    n = _check_block_pairs(src_pool_blocks, dst_blocks, p, nb, "src_pool_blocks", "dst_blocks",
-                           dev)
+    n = _check_block_pairs(src_pool_blocks, dst_blocks, p, nb, "src_pool_blocks", "dst_blocks", dev)
     if n == 0:
         return
     lat = read_pool_latent(pool_latent, pool_scale, src_pool_blocks)
@@ -334,16 +353,16 @@ def mla_pack(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, pa
     packed[dst_blocks.to(torch.long)] = encode_mla_records(lat, rope, layout, refit=refit)
 
 
-def mla_rehydrate(packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope,
-                  layout) -> None:
+def mla_rehydrate(
+    packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope, layout
+) -> None:
     """Inverse of pack: write the dequantized rows of record ``src_blocks[i]`` (rounded to the
     pool dtype as ``mla_exact_scatter`` does, rotated frame) and its RoPE into pool block
     ``dst_pool_blocks[i]`` (all 64 rows)."""
     p = check_mla_pool(pool_latent, pool_scale, pool_rope)
     dev = pool_latent.device
     nb = check_packed(packed, layout, device=dev)
-    n = _check_block_pairs(src_blocks, dst_pool_blocks, nb, p, "src_blocks", "dst_pool_blocks",
-                           dev)
+    n = _check_block_pairs(src_blocks, dst_pool_blocks, nb, p, "src_blocks", "dst_pool_blocks", dev)
     if n == 0:
         return
     lat, rope = decode_mla_records(packed[src_blocks.to(torch.long)], layout)
@@ -414,8 +433,9 @@ def _check_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, sl
     return slots.shape[0]
 
 
-def mla_materialize(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout,
-                    out) -> None:
+def mla_materialize(
+    packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout, out
+) -> None:
     """Gather tokens into bf16 ``[N, 576]``: ``out[i, :512]`` = latent of physical slot
     ``slots[i]`` in the model frame (dequantized, rotated back by ``H_512``), ``out[i, 512:]`` its
     RoPE. ``slots[i] == -1`` leaves row i untouched.
@@ -430,8 +450,9 @@ def mla_materialize(packed, block_pool_map, pool_latent, pool_scale, pool_rope, 
     ok = slots >= 0
     if not bool(ok.any()):
         return
-    lat, rope = read_tokens(packed, block_pool_map, pool_latent, pool_scale, pool_rope,
-                            slots[ok], layout)
+    lat, rope = read_tokens(
+        packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots[ok], layout
+    )
     out[ok] = torch.cat((hadamard(lat).to(torch.bfloat16), rope), dim=1)
 
 
@@ -442,14 +463,23 @@ def stage_records_from_latent(lat: torch.Tensor, rope: torch.Tensor) -> torch.Te
     n = lat.shape[0]
     x = lat.to(torch.bfloat16).to(torch.float32).view(n, 4, 128)
     amax = x.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Tensor / tensor: a correctly rounded division on every device (CUDA turns division by
+    # a Python scalar into a multiplication by its reciprocal, one bit off half the time).
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return torch.cat((q.view(n, 512).view(torch.uint8), scale.contiguous().view(torch.uint8),
-                      rope.contiguous().view(torch.uint8)), dim=1)
+    return torch.cat(
+        (
+            q.view(n, 512).view(torch.uint8),
+            scale.contiguous().view(torch.uint8),
+            rope.contiguous().view(torch.uint8),
+        ),
+        dim=1,
+    )
 
 
-def mla_stage_fp8(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout,
-                  out) -> None:
+def mla_stage_fp8(
+    packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout, out
+) -> None:
     """Gather tokens into 656-byte staged fp8 records (``kvarn_formats.STAGED_MLA_FP8``).
 
     The latent stays in the rotated frame (the consumer rotates its absorbed query latent by
@@ -466,8 +496,9 @@ def mla_stage_fp8(packed, block_pool_map, pool_latent, pool_scale, pool_rope, sl
     ok = slots >= 0
     if not bool(ok.any()):
         return
-    lat, rope = read_tokens(packed, block_pool_map, pool_latent, pool_scale, pool_rope,
-                            slots[ok], layout)
+    lat, rope = read_tokens(
+        packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots[ok], layout
+    )
     out[ok] = stage_records_from_latent(lat, rope)
 
 
@@ -491,8 +522,9 @@ class MlaDecodeWorkspace:
         return self.part_lse.shape[2]
 
 
-def mla_decode_workspace(batch: int, num_heads: int, num_splits: int = 32,
-                         device=None) -> MlaDecodeWorkspace:
+def mla_decode_workspace(
+    batch: int, num_heads: int, num_splits: int = 32, device=None
+) -> MlaDecodeWorkspace:
     """Workspace for ``mla_decode`` with ``num_splits`` split-K partitions per request."""
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
@@ -504,8 +536,20 @@ def mla_decode_workspace(batch: int, num_heads: int, num_splits: int = 32,
     )
 
 
-def check_decode_args(q, packed, block_table, seq_lens, block_pool_map, pool_latent, pool_scale,
-                      pool_rope, layout, out, workspace, indices):
+def check_decode_args(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    block_pool_map,
+    pool_latent,
+    pool_scale,
+    pool_rope,
+    layout,
+    out,
+    workspace,
+    indices,
+):
     """Shared checks of the decode reference and launcher; returns ``(B, H)``."""
     p = check_mla_pool(pool_latent, pool_scale, pool_rope)
     dev = pool_latent.device
@@ -517,19 +561,35 @@ def check_decode_args(q, packed, block_table, seq_lens, block_pool_map, pool_lat
         raise ValueError(f"q: last dim must be {MLA_DIM} (512 latent + 64 RoPE), got {dq}")
     check_tensor("block_table", block_table, dtypes=torch.int32, ndim=2, device=dev)
     if block_table.shape[0] != b:
-        raise ValueError(f"block_table: expected {b} rows (one per request), got "
-                         f"{block_table.shape[0]}")
+        raise ValueError(
+            f"block_table: expected {b} rows (one per request), got {block_table.shape[0]}"
+        )
     mb = block_table.shape[1]
     check_tensor("seq_lens", seq_lens, dtypes=torch.int32, shape=(b,), device=dev)
     check_tensor("out", out, dtypes=MODEL_DTYPES, shape=(b, h, LATENT_DIM), device=dev)
     if workspace is not None:
         s = workspace.part_lse.shape[2] if workspace.part_lse.dim() == 3 else 0
-        check_tensor("workspace.q_rot", workspace.q_rot, dtypes=torch.float32,
-                     shape=(b, h, LATENT_DIM), device=dev)
-        check_tensor("workspace.part_out", workspace.part_out, dtypes=torch.float32,
-                     shape=(b, h, s, LATENT_DIM), device=dev)
-        check_tensor("workspace.part_lse", workspace.part_lse, dtypes=torch.float32,
-                     shape=(b, h, s), device=dev)
+        check_tensor(
+            "workspace.q_rot",
+            workspace.q_rot,
+            dtypes=torch.float32,
+            shape=(b, h, LATENT_DIM),
+            device=dev,
+        )
+        check_tensor(
+            "workspace.part_out",
+            workspace.part_out,
+            dtypes=torch.float32,
+            shape=(b, h, s, LATENT_DIM),
+            device=dev,
+        )
+        check_tensor(
+            "workspace.part_lse",
+            workspace.part_lse,
+            dtypes=torch.float32,
+            shape=(b, h, s),
+            device=dev,
+        )
         if s < 1:
             raise ValueError("workspace: needs at least one split")
     if seq_lens.device.type == "cpu" and b:
@@ -537,8 +597,10 @@ def check_decode_args(q, packed, block_table, seq_lens, block_pool_map, pool_lat
         if lo < 1:
             raise ValueError(f"seq_lens: every entry must be >= 1, found {lo}")
         if -(-hi // GROUP) > mb:
-            raise ValueError(f"seq_lens: a length of {hi} tokens needs {-(-hi // GROUP)} blocks, "
-                             f"but block_table has {mb} columns")
+            raise ValueError(
+                f"seq_lens: a length of {hi} tokens needs {-(-hi // GROUP)} blocks, "
+                f"but block_table has {mb} columns"
+            )
         used = torch.arange(mb)[None, :] < (-(-seq_lens // GROUP))[:, None]
         check_index_range("block_table", block_table, nb, used=used)
     if indices is not None:
@@ -552,9 +614,21 @@ def check_decode_args(q, packed, block_table, seq_lens, block_pool_map, pool_lat
     return b, h
 
 
-def mla_decode(q, packed, block_table, seq_lens, block_pool_map, pool_latent, pool_scale,
-               pool_rope, layout, softmax_scale: float, out, workspace=None,
-               indices=None) -> None:
+def mla_decode(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    block_pool_map,
+    pool_latent,
+    pool_scale,
+    pool_rope,
+    layout,
+    softmax_scale: float,
+    out,
+    workspace=None,
+    indices=None,
+) -> None:
     """MLA decode with absorbed queries over packed tiles and exact-pool rows.
 
     ``out[b, h] = sum_t p[b, h, t] * latent[t]`` (model frame), ``p = softmax(softmax_scale *
@@ -573,8 +647,20 @@ def mla_decode(q, packed, block_table, seq_lens, block_pool_map, pool_latent, po
     workspace : ignored by the reference.
     indices : int32 [B, K] or None.
     """
-    b, h = check_decode_args(q, packed, block_table, seq_lens, block_pool_map, pool_latent,
-                             pool_scale, pool_rope, layout, out, workspace, indices)
+    b, h = check_decode_args(
+        q,
+        packed,
+        block_table,
+        seq_lens,
+        block_pool_map,
+        pool_latent,
+        pool_scale,
+        pool_rope,
+        layout,
+        out,
+        workspace,
+        indices,
+    )
     q_rot = hadamard(q[..., :LATENT_DIM].to(torch.float64))
     q_rope = q[..., LATENT_DIM:].to(torch.float64)
     for r in range(b):
@@ -587,8 +673,9 @@ def mla_decode(q, packed, block_table, seq_lens, block_pool_map, pool_latent, po
             out[r] = 0
             continue
         phys = block_table[r, logical // GROUP].to(torch.long) * GROUP + logical % GROUP
-        lat, rope = read_tokens(packed, block_pool_map, pool_latent, pool_scale, pool_rope,
-                                phys, layout)
+        lat, rope = read_tokens(
+            packed, block_pool_map, pool_latent, pool_scale, pool_rope, phys, layout
+        )
         lat, rope = lat.to(torch.float64), rope.to(torch.float64)
         s = (q_rot[r] @ lat.T + q_rope[r] @ rope.T) * softmax_scale
         pr = torch.softmax(s, dim=-1)
