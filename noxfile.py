@@ -44,7 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import nox
@@ -351,6 +351,15 @@ def run_package_tests(
         shutil.rmtree(work, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def collect_failure(failed: list[str], what: str) -> Iterator[None]:
+    """Note a failed command under `what` and go on, so one session reports every failure."""
+    try:
+        yield
+    except nox.command.CommandFailed:
+        failed.append(what)
+
+
 # --------------------------------------------------------------------------- per package
 
 
@@ -391,17 +400,22 @@ def integration(session: nox.Session) -> None:
     install_from_tree(venv, list(PACKAGES))
     for pkg in PACKAGES.values():
         assert_installed(venv, pkg)
+    failed: list[str] = []
     for pkg in PACKAGES.values():
-        run_package_tests(venv, pkg, pytest_args=[*INTEGRATION_MARKS, *session.posargs])
+        with collect_failure(failed, pkg.name):
+            run_package_tests(venv, pkg, pytest_args=[*INTEGRATION_MARKS, *session.posargs])
     root_tests = ROOT / "tests"
     if root_tests.is_dir() and any(root_tests.rglob("test_*.py")):
         env = dict(TEST_ENV)
         for short in PACKAGES:
             env.update(PACKAGE_TEST_ENV.get(short, {}))
-        venv.run(*PYTEST, "-c", str(ROOT / "pyproject.toml"), str(root_tests), *session.posargs,
-                 env=env)  # fmt: skip
+        with collect_failure(failed, "tests/"):
+            config = ("-c", str(ROOT / "pyproject.toml"))
+            venv.run(*PYTEST, *config, str(root_tests), *session.posargs, env=env)
     else:
         session.log("no root tests/ yet: the end-to-end tests land there")
+    if failed:
+        session.error(f"tests failed for: {', '.join(failed)}")
 
 
 # --------------------------------------------------------------------------- static checks
@@ -489,8 +503,12 @@ def wheels(session: nox.Session) -> None:
         session.log(f"built {sdist.name} and {wheel.name}")
         built[short] = wheel
     tmp = Path(session.create_tmp())
+    failed: list[str] = []
     for short in PACKAGES:
-        install_and_test_wheel(session, short, built, tmp, [*REPEAT_MARKS, *session.posargs])
+        with collect_failure(failed, PACKAGES[short].name):
+            install_and_test_wheel(session, short, built, tmp, [*REPEAT_MARKS, *session.posargs])
+    if failed:
+        session.error(f"installed wheels failed their tests: {', '.join(failed)}")
 
 
 # --------------------------------------------------------------------------- release tooling
@@ -617,7 +635,7 @@ def skew(session: nox.Session) -> None:
         venv.install(*reqs)
         venv.drop_cpu_broken_leftovers([run.consumer.short])
         assert_installed(venv, consumer_pkg)
-        try:
+        with collect_failure(failures, f"{run.title()}: tests failed"):
             run_package_tests(
                 venv,
                 consumer_pkg,
@@ -625,8 +643,6 @@ def skew(session: nox.Session) -> None:
                 copy=True,
                 pytest_args=[*REPEAT_MARKS, *session.posargs],
             )
-        except nox.command.CommandFailed:
-            failures.append(f"{run.title()}: tests failed")
     if failures:
         session.error("skew failed:\n  " + "\n  ".join(failures))
 
