@@ -104,7 +104,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     methods = sorted({r["method"] for r in results["variants"]})
-    colors = dict(zip(methods, plt.cm.tab10.colors, strict=False))
+    colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
     for m in methods:
         for sink in (False, True):
             rows = sorted(

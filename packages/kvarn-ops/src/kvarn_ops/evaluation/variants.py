@@ -42,6 +42,8 @@ METHODS = {
     "kvarn_mse_k": NormalizeConfig(rounding="mse_clip", rounding_v="rtn"),
     "kvarn_refit_v": NormalizeConfig(rounding_v="rtn_refit"),
     "published_ub_v": replace(PUBLISHED_CONFIG, rounding_v="unbiased_clip"),
+    # The published clip, made scale invariant by the prescale (bounds relative to the tile max).
+    "kvarn_clip_ub_v": NormalizeConfig(log_scale_clip=(-0.3, 10.0), rounding_v="unbiased_clip"),
     "kivi_h_ub_v": NormalizeConfig(iters=0, rounding_v="unbiased_clip"),
     "kvarn_ub": NormalizeConfig(rounding="unbiased_clip"),  # K and V
     "kvarn_ub_v": NormalizeConfig(rounding_v="unbiased_clip"),
