@@ -17,6 +17,19 @@ from kvarn_ops import reference as ref
 # load, 0.024 s with 1). Override with KVARN_TEST_THREADS.
 torch.set_num_threads(int(os.environ.get("KVARN_TEST_THREADS", "1")))
 
+# The offline-compile tests import kernel modules with the interpreter off. In the same
+# process as the interpreter tests, whichever mode imports a shared helper module first wins,
+# and the other mode then fails ("Cannot call @triton.jit'd outside of the scope of a
+# kernel"). So those files run in their own process (test_compile_offline.py), and are
+# collected directly only there.
+OFFLINE_COMPILE_FILES = ("test_compile_decode.py", "test_compile_kernels.py")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.name in OFFLINE_COMPILE_FILES:
+        return os.environ.get("KVARN_OFFLINE_COMPILE_PROCESS") != "1"
+    return None
+
 
 @pytest.fixture
 def seed(request) -> int:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the eval extra is not installed")
+pytest.importorskip("gguf", reason="the eval extra is not installed")
 
 from kvarn_ops.evaluation import attention as att  # noqa: E402
 from kvarn_ops.evaluation.harness import Harness, default_token_ids, paired_stats  # noqa: E402

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two arch sweeps of ~1 min each: the package session only
+
 TARGETS = [90, 120]
 SHARED_LIMIT = {90: 232448, 120: 101376}
 """Largest dynamic shared memory per block (bytes): 227 KiB on sm_90, 99 KiB on sm_120."""
@@ -115,7 +117,8 @@ def test_every_mla_kernel_compiles(arch):
     assert all(r["ptx"] for r in results.values()), results
     over = {n: r["shared"] for n, r in results.items() if r["shared"] > SHARED_LIMIT[arch]}
     known = {n for n in over if arch == 120 and n.startswith("decode-")}
-    assert not set(over) - known, f"shared memory over the sm_{arch} limit {SHARED_LIMIT[arch]}: {over}"
+    limit = SHARED_LIMIT[arch]
+    assert not set(over) - known, f"shared memory over the sm_{arch} limit {limit}: {over}"
     if known:  # known: the decode kernel needs ~150-160 KB; it does not launch on sm_120 yet
         pytest.xfail(f"decode over the sm_120 shared-memory limit: {over}")
 

@@ -3,16 +3,23 @@ fresh random inputs (seed printed by the ``seed`` fixture), poisoned outputs, ba
 
 Tolerance table (kernel vs reference):
 
-| op | what may differ | bound | why |
-|---|---|---|---|
-| stage_fp8 | nothing | byte-exact | same fp32 dequant (code*scale is exact), RNE bf16/e4m3 |
-| rehydrate | nothing | byte-exact | same dequant and pool rounding, no reduction in the value |
-| pack codes | flips where exp/log/sum order moves a value across a rounding boundary | < 0.5% of codes, by 1 | measured: 0 in most runs |
-| pack scales | the best iterate can change where two iterates' imbalances tie to float noise; near convergence they differ by a factor traded between channel and token scales | dequant within 2% of the tile rms | the product is what decodes |
-| scatter bf16 | the Hadamard sums run in another order (last fp32 bit) | 1 bf16 ulp | a flip of the bf16 rounding |
-| scatter fp8 | amax (hence the scale) by a few fp32 ulps | scale rel 1e-6, dequant within 1 e4m3 step | same |
-| materialize | the rotation back runs as two small products | 1 bf16 ulp + 1e-6*rms | rounding of the bf16 output |
-| decode | fp32 dots and online softmax vs the fp64 oracle | 2e-4 * max abs(out) (interpreter fp32) | GPU tf32 needs more; gpu_parity |
+- stage_fp8: nothing. Bound: byte-exact (same fp32 dequant (code*scale is exact), RNE
+  bf16/e4m3).
+- rehydrate: nothing. Bound: byte-exact (same dequant and pool rounding, no reduction in the
+  value).
+- pack codes: flips where exp/log/sum order moves a value across a rounding boundary. Bound: <
+  0.5% of codes, by 1 (measured: 0 in most runs).
+- pack scales: the best iterate can change where two iterates' imbalances tie to float noise;
+  near convergence they differ by a factor traded between channel and token scales. Bound:
+  dequant within 2% of the tile rms (the product is what decodes).
+- scatter bf16: the Hadamard sums run in another order (last fp32 bit). Bound: 1 bf16 ulp (a
+  flip of the bf16 rounding).
+- scatter fp8: amax (hence the scale) by a few fp32 ulps. Bound: scale rel 1e-6, dequant within
+  1 e4m3 step (same).
+- materialize: the rotation back runs as two small products. Bound: 1 bf16 ulp + 1e-6*rms
+  (rounding of the bf16 output).
+- decode: fp32 dots and online softmax vs the fp64 oracle. Bound: 2e-4 * max abs(out)
+  (interpreter fp32) (GPU tf32 needs more; gpu_parity).
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from kvarn_ops.kernels import mla_gather as kgat  # noqa: E402
 from kvarn_ops.kernels import mla_pack as kpack  # noqa: E402
 from kvarn_ops.kernels import mla_scatter as kscat  # noqa: E402
 from kvarn_ops.reference import mla as ref  # noqa: E402
-from kvarn_ops.reference.hadamard import hadamard  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
@@ -142,7 +148,7 @@ def test_rehydrate_exact_and_round_trip(gen, bits, dtype):
     a, b = make_pool(2, dtype), make_pool(2, dtype)
     ref.mla_rehydrate(packed, i32(2, 0), i32(1, 0), a[0], a[1], a[2], layout)
     kpack.mla_rehydrate(packed, i32(2, 0), i32(1, 0), b[0], b[1], b[2], layout)
-    for x, y in zip(pool_bits(a), pool_bits(b)):
+    for x, y in zip(pool_bits(a), pool_bits(b), strict=True):
         if x is not None:
             assert torch.equal(x, y), "rehydrate is not byte-exact"
     # round trip: pack(rehydrate(pack(x))) against pack(x)

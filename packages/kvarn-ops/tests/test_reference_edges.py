@@ -3,10 +3,10 @@ single block (a non-contiguous view of the pool) and contexts shorter than one b
 
 import os
 
-import kvarn_formats as kf
 import pytest
 import torch
 
+import kvarn_formats as kf
 from kvarn_ops import reference as R
 
 

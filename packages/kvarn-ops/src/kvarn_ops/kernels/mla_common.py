@@ -41,8 +41,7 @@ def pool_round(y, FP8: tl.constexpr):
     when amax is 0), values = e4m3(clamp(y/scale)); bf16: values rounded to bf16, scale 1."""
     if FP8:
         amax = tl.max(tl.abs(y), axis=1)
-        scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
-                         1.0)
+        scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
         q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
         q = round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
         return q, scale
@@ -56,10 +55,24 @@ def token_mask_rows(ok, N: tl.constexpr):
 
 
 @triton.jit
-def load_tokens(slot, ok, rec_ptr, rec16_ptr, map_ptr, pool_ptr, pscale_ptr, prope_ptr,
-                BLOCK_T: tl.constexpr, BITS: tl.constexpr, CS_OFF: tl.constexpr,
-                ZP_OFF: tl.constexpr, RS_OFF: tl.constexpr, ROPE_OFF: tl.constexpr,
-                REC: tl.constexpr, FP8: tl.constexpr):
+def load_tokens(
+    slot,
+    ok,
+    rec_ptr,
+    rec16_ptr,
+    map_ptr,
+    pool_ptr,
+    pscale_ptr,
+    prope_ptr,
+    BLOCK_T: tl.constexpr,
+    BITS: tl.constexpr,
+    CS_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr,
+    RS_OFF: tl.constexpr,
+    ROPE_OFF: tl.constexpr,
+    REC: tl.constexpr,
+    FP8: tl.constexpr,
+):
     """Latent (fp32 ``[BLOCK_T, 512]``, rotated frame) and RoPE bits (int16 ``[BLOCK_T, 64]``)
     of the tokens at physical ``slot [BLOCK_T]`` (lanes with ``ok`` false return zeros).
 
@@ -104,9 +117,14 @@ def load_tokens(slot, ok, rec_ptr, rec16_ptr, map_ptr, pool_ptr, pscale_ptr, pro
     rv = (code.to(tl.float32) * cs.to(tl.float32) + zp.to(tl.float32)) * rs.to(tl.float32)[:, None]
     lat = tl.where(pm, pv, tl.where(rm, rv, 0.0))
     # RoPE bits: int16 views of the pool and of the records
-    pr = tl.load(prope_ptr + prow[:, None] * ROPE + r[None, :], mask=token_mask_rows(in_pool, ROPE),
-                 other=0)
-    rr = tl.load(rec16_ptr + r16[:, None] + ROPE_OFF // 2 + off[:, None] * ROPE + r[None, :], mask=token_mask_rows(in_rec, ROPE), other=0)
+    pr = tl.load(
+        prope_ptr + prow[:, None] * ROPE + r[None, :], mask=token_mask_rows(in_pool, ROPE), other=0
+    )
+    rr = tl.load(
+        rec16_ptr + r16[:, None] + ROPE_OFF // 2 + off[:, None] * ROPE + r[None, :],
+        mask=token_mask_rows(in_rec, ROPE),
+        other=0,
+    )
     rope = tl.where(token_mask_rows(in_pool, ROPE), pr, rr)
     return lat, rope
 

@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from kvarn_ops._validate import check_index_range, check_tensor
-from kvarn_ops.kernels._common import cast_rne, check_device, rotate_rows, round_to_bf16, round_to_e4m3
+from kvarn_ops.kernels._common import (
+    cast_rne,
+    check_device,
+    rotate_rows,
+    round_to_bf16,
+    round_to_e4m3,
+)
 from kvarn_ops.kernels.mla_common import field_offsets, load_tokens, pool_views
 from kvarn_ops.reference.mla import (
     GROUP,
@@ -32,8 +38,9 @@ BLOCK_T = 16
 
 
 @triton.jit
-def _mla_remap_kernel(idx_ptr, req_ptr, bt_ptr, out_ptr, K, bt_stride, max_blocks,
-                      BLOCK_K: tl.constexpr):
+def _mla_remap_kernel(
+    idx_ptr, req_ptr, bt_ptr, out_ptr, K, bt_stride, max_blocks, BLOCK_K: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     inb = j < K
@@ -47,26 +54,60 @@ def _mla_remap_kernel(idx_ptr, req_ptr, bt_ptr, out_ptr, K, bt_stride, max_block
 
 
 @triton.jit
-def _mla_gather_kernel(slots_ptr, N, num_slots, rec_ptr, rec16_ptr, map_ptr, pool_ptr,
-                       pscale_ptr, prope_ptr, out_ptr, out8_ptr, out32_ptr, out16_ptr,
-                       STAGE: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
-                       CS_OFF: tl.constexpr, ZP_OFF: tl.constexpr, RS_OFF: tl.constexpr,
-                       ROPE_OFF: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr):
+def _mla_gather_kernel(
+    slots_ptr,
+    N,
+    num_slots,
+    rec_ptr,
+    rec16_ptr,
+    map_ptr,
+    pool_ptr,
+    pscale_ptr,
+    prope_ptr,
+    out_ptr,
+    out8_ptr,
+    out32_ptr,
+    out16_ptr,
+    STAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BITS: tl.constexpr,
+    CS_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr,
+    RS_OFF: tl.constexpr,
+    ROPE_OFF: tl.constexpr,
+    REC: tl.constexpr,
+    FP8: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     inb = i < N
     i = tl.where(inb, i, 0)
     slot = tl.load(slots_ptr + i, mask=inb, other=-1)
     ok = inb & (slot >= 0) & (slot < num_slots)
-    lat, rope = load_tokens(slot, ok, rec_ptr, rec16_ptr, map_ptr, pool_ptr, pscale_ptr,
-                            prope_ptr, BLOCK_T, BITS, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF, REC, FP8)
+    lat, rope = load_tokens(
+        slot,
+        ok,
+        rec_ptr,
+        rec16_ptr,
+        map_ptr,
+        pool_ptr,
+        pscale_ptr,
+        prope_ptr,
+        BLOCK_T,
+        BITS,
+        CS_OFF,
+        ZP_OFF,
+        RS_OFF,
+        ROPE_OFF,
+        REC,
+        FP8,
+    )
     d = tl.arange(0, 512)
     r = tl.arange(0, 64)
     if STAGE:
         # 656-byte record: e4m3 latent [0, 512), 4 fp32 scales [512, 528), bf16 RoPE [528, 656).
         x = tl.reshape(round_to_bf16(lat), [BLOCK_T, 4, 128])
         amax = tl.max(tl.abs(x), axis=2)
-        scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
-                         1.0)
+        scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
         q = tl.div_rn(x, tl.broadcast_to(scale[:, :, None], x.shape))
         q = round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
         q = tl.reshape(q, [BLOCK_T, 512])
@@ -76,13 +117,23 @@ def _mla_gather_kernel(slots_ptr, N, num_slots, rec_ptr, rec16_ptr, map_ptr, poo
         tl.store(out16_ptr + i[:, None] * 328 + 264 + r[None, :], rope, mask=ok[:, None])
     else:
         y = rotate_rows(lat, BLOCK_T, 512, False)
-        tl.store(out_ptr + i[:, None] * 576 + d[None, :], cast_rne(y, tl.bfloat16),
-                 mask=ok[:, None])
+        tl.store(
+            out_ptr + i[:, None] * 576 + d[None, :], cast_rne(y, tl.bfloat16), mask=ok[:, None]
+        )
         tl.store(out16_ptr + i[:, None] * 576 + 512 + r[None, :], rope, mask=ok[:, None])
 
 
-def _launch_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots,
-                   format_name: str, out, stage: bool) -> None:
+def _launch_gather(
+    packed,
+    block_pool_map,
+    pool_latent,
+    pool_scale,
+    pool_rope,
+    slots,
+    format_name: str,
+    out,
+    stage: bool,
+) -> None:
     import kvarn_formats as kf
 
     n = slots.shape[0]
@@ -91,55 +142,102 @@ def _launch_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, s
     layout = kf.mla_layout(format_name)
     pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
     if stage:
-        o, o8, o32, o16 = out, out.view(torch.float8_e4m3fn), out.view(torch.float32), \
-            out.view(torch.int16)
+        o, o8, o32, o16 = (
+            out,
+            out.view(torch.float8_e4m3fn),
+            out.view(torch.float32),
+            out.view(torch.int16),
+        )
     else:
         o, o8, o32, o16 = out, out, out, out.view(torch.int16)
     grid = (triton.cdiv(n, BLOCK_T),)
-    _mla_gather_kernel[grid](slots, n, packed.shape[0] * GROUP, packed, packed.view(torch.int16),
-                             block_pool_map, pl, ps, pr, o, o8, o32, o16, STAGE=stage,
-                             BLOCK_T=BLOCK_T, FP8=fp8, num_warps=4, **field_offsets(layout))
+    _mla_gather_kernel[grid](
+        slots,
+        n,
+        packed.shape[0] * GROUP,
+        packed,
+        packed.view(torch.int16),
+        block_pool_map,
+        pl,
+        ps,
+        pr,
+        o,
+        o8,
+        o32,
+        o16,
+        STAGE=stage,
+        BLOCK_T=BLOCK_T,
+        FP8=fp8,
+        num_warps=4,
+        **field_offsets(layout),
+    )
 
 
 @torch.library.custom_op("kvarn::mla_materialize", mutates_args=("out",))
-def _materialize_op(packed: torch.Tensor, block_pool_map: torch.Tensor,
-                    pool_latent: torch.Tensor, pool_scale: torch.Tensor | None,
-                    pool_rope: torch.Tensor, slots: torch.Tensor, format_name: str,
-                    out: torch.Tensor) -> None:
-    _launch_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots,
-                   format_name, out, False)
+def _materialize_op(
+    packed: torch.Tensor,
+    block_pool_map: torch.Tensor,
+    pool_latent: torch.Tensor,
+    pool_scale: torch.Tensor | None,
+    pool_rope: torch.Tensor,
+    slots: torch.Tensor,
+    format_name: str,
+    out: torch.Tensor,
+) -> None:
+    _launch_gather(
+        packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, format_name, out, False
+    )
 
 
 @_materialize_op.register_fake
-def _materialize_fake(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots,
-                      format_name, out) -> None:
+def _materialize_fake(
+    packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, format_name, out
+) -> None:
     return None
 
 
 @torch.library.custom_op("kvarn::mla_stage_fp8", mutates_args=("out",))
-def _stage_op(packed: torch.Tensor, block_pool_map: torch.Tensor, pool_latent: torch.Tensor,
-              pool_scale: torch.Tensor | None, pool_rope: torch.Tensor, slots: torch.Tensor,
-              format_name: str, out: torch.Tensor) -> None:
-    _launch_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots,
-                   format_name, out, True)
+def _stage_op(
+    packed: torch.Tensor,
+    block_pool_map: torch.Tensor,
+    pool_latent: torch.Tensor,
+    pool_scale: torch.Tensor | None,
+    pool_rope: torch.Tensor,
+    slots: torch.Tensor,
+    format_name: str,
+    out: torch.Tensor,
+) -> None:
+    _launch_gather(
+        packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, format_name, out, True
+    )
 
 
 @_stage_op.register_fake
-def _stage_fake(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, format_name,
-                out) -> None:
+def _stage_fake(
+    packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, format_name, out
+) -> None:
     return None
 
 
 @torch.library.custom_op("kvarn::mla_remap_indices", mutates_args=("out",))
-def _remap_op(indices: torch.Tensor, req_ids: torch.Tensor, block_table: torch.Tensor,
-              out: torch.Tensor) -> None:
+def _remap_op(
+    indices: torch.Tensor, req_ids: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor
+) -> None:
     t, k = indices.shape
     if t == 0 or k == 0:
         return
     block_k = 128
-    _mla_remap_kernel[(t, triton.cdiv(k, block_k))](indices, req_ids, block_table, out, k,
-                                                   block_table.stride(0), block_table.shape[1],
-                                                   BLOCK_K=block_k, num_warps=4)
+    _mla_remap_kernel[(t, triton.cdiv(k, block_k))](
+        indices,
+        req_ids,
+        block_table,
+        out,
+        k,
+        block_table.stride(0),
+        block_table.shape[1],
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
 
 
 @_remap_op.register_fake
@@ -147,27 +245,31 @@ def _remap_fake(indices, req_ids, block_table, out) -> None:
     return None
 
 
-def mla_materialize(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout,
-                    out) -> None:
+def mla_materialize(
+    packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout, out
+) -> None:
     """Triton ``mla_materialize`` (contract of :func:`kvarn_ops.reference.mla.mla_materialize`):
     ``out`` bfloat16 ``[N, 576]``, model frame; rows whose slot is -1 are not written."""
     n = _check_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout)
     check_tensor("out", out, dtypes=torch.bfloat16, shape=(n, MLA_DIM), device=packed.device)
     check_device(packed)
-    torch.ops.kvarn.mla_materialize(packed, block_pool_map, pool_latent, pool_scale, pool_rope,
-                                    slots, layout.format_name, out)
+    torch.ops.kvarn.mla_materialize(
+        packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout.format_name, out
+    )
 
 
-def mla_stage_fp8(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout,
-                  out) -> None:
+def mla_stage_fp8(
+    packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout, out
+) -> None:
     """Triton ``mla_stage_fp8`` (contract of :func:`kvarn_ops.reference.mla.mla_stage_fp8`):
     ``out`` uint8 ``[N, 656]`` staged fp8 records, rotated frame, byte-exact; rows whose slot
     is -1 are not written."""
     n = _check_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout)
     check_tensor("out", out, dtypes=torch.uint8, shape=(n, STAGED_BYTES), device=packed.device)
     check_device(packed)
-    torch.ops.kvarn.mla_stage_fp8(packed, block_pool_map, pool_latent, pool_scale, pool_rope,
-                                  slots, layout.format_name, out)
+    torch.ops.kvarn.mla_stage_fp8(
+        packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout.format_name, out
+    )
 
 
 def mla_remap_indices(indices, req_ids, block_table, out) -> None:

@@ -65,8 +65,9 @@ def _apply(xp, lr, lc):
 def _imbalance(y, R: tl.constexpr, C: tl.constexpr, STD_FLOOR: tl.constexpr):
     col = _spread(y, 0, R, STD_FLOOR)
     row = _spread(y, 1, C, STD_FLOOR)
-    return tl.div_rn(tl.max(col, axis=0), tl.min(col, axis=0)) + \
-        tl.div_rn(tl.max(row, axis=0), tl.min(row, axis=0))
+    return tl.div_rn(tl.max(col, axis=0), tl.min(col, axis=0)) + tl.div_rn(
+        tl.max(row, axis=0), tl.min(row, axis=0)
+    )
 
 
 @triton.jit
@@ -88,18 +89,35 @@ def _store_code_rows(ptr, codes, BITS: tl.constexpr):
     hi_piece = codes >> (8 - sh)[None, :]
     ROW_BYTES: tl.constexpr = 8 * BITS
     for j in range(ROW_BYTES):
-        piece = tl.where(first[None, :] == j, lo_piece, 0) + \
-            tl.where(first[None, :] + 1 == j, hi_piece, 0)
+        piece = tl.where(first[None, :] == j, lo_piece, 0) + tl.where(
+            first[None, :] + 1 == j, hi_piece, 0
+        )
         byte = tl.sum(piece, axis=1)
         tl.store(ptr + d * ROW_BYTES + j, byte.to(tl.uint8))
 
 
 @triton.jit
-def _mla_pack_kernel(pool_ptr, pscale_ptr, prope_ptr, src_ptr, dst_ptr, rec_ptr, rec16_ptr,
-                     ITERS: tl.constexpr, STD_FLOOR: tl.constexpr, BITS: tl.constexpr,
-                     CS_OFF: tl.constexpr, ZP_OFF: tl.constexpr, RS_OFF: tl.constexpr,
-                     ROPE_OFF: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr,
-                     L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+def _mla_pack_kernel(
+    pool_ptr,
+    pscale_ptr,
+    prope_ptr,
+    src_ptr,
+    dst_ptr,
+    rec_ptr,
+    rec16_ptr,
+    ITERS: tl.constexpr,
+    STD_FLOOR: tl.constexpr,
+    BITS: tl.constexpr,
+    CS_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr,
+    RS_OFF: tl.constexpr,
+    ROPE_OFF: tl.constexpr,
+    REC: tl.constexpr,
+    FP8: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+):
     pid = tl.program_id(0)
     src = tl.load(src_ptr + pid).to(tl.int64)
     dst = tl.load(dst_ptr + pid).to(tl.int64)
@@ -136,8 +154,11 @@ def _mla_pack_kernel(pool_ptr, pscale_ptr, prope_ptr, src_ptr, dst_ptr, rec_ptr,
     rng = tl.max(b, axis=1) - lo
     # The reference's ``levels / rng`` is torch's reversed division: reciprocal(rng) * levels
     # (two IEEE roundings, on every device).
-    inv = tl.where(rng > 0.0, tl.div_rn(tl.full([512], 1.0, tl.float32),
-                                        tl.where(rng > 0.0, rng, 1.0)) * LEVELS, 0.0)
+    inv = tl.where(
+        rng > 0.0,
+        tl.div_rn(tl.full([512], 1.0, tl.float32), tl.where(rng > 0.0, rng, 1.0)) * LEVELS,
+        0.0,
+    )
     q = round_half_even((b - lo[:, None]) * inv[:, None])
     codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
     step = tl.div_rn(rng, tl.full([512], LEVELS, tl.float32))
@@ -163,12 +184,17 @@ def _mla_pack_kernel(pool_ptr, pscale_ptr, prope_ptr, src_ptr, dst_ptr, rec_ptr,
     base = dst * REC
     _store_code_rows(rec_ptr + base, codes, BITS)
     b16 = dst * (REC // 2)
-    tl.store(rec16_ptr + b16 + CS_OFF // 2 + d,
-             (s * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True))
-    tl.store(rec16_ptr + b16 + ZP_OFF // 2 + d,
-             (z * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True))
-    tl.store(rec16_ptr + b16 + RS_OFF // 2 + t,
-             (w * pow2(-j)).to(tl.float16).to(tl.int16, bitcast=True))
+    tl.store(
+        rec16_ptr + b16 + CS_OFF // 2 + d,
+        (s * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True),
+    )
+    tl.store(
+        rec16_ptr + b16 + ZP_OFF // 2 + d,
+        (z * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True),
+    )
+    tl.store(
+        rec16_ptr + b16 + RS_OFF // 2 + t, (w * pow2(-j)).to(tl.float16).to(tl.int16, bitcast=True)
+    )
     # RoPE: bit copy of the pool rows.
     rr = tl.arange(0, 64)
     rope = tl.load(prope_ptr + (src * 64 + t[:, None]) * 64 + rr[None, :])
@@ -176,11 +202,26 @@ def _mla_pack_kernel(pool_ptr, pscale_ptr, prope_ptr, src_ptr, dst_ptr, rec_ptr,
 
 
 @triton.jit
-def _mla_rehydrate_kernel(rec_ptr, rec16_ptr, src_ptr, dst_ptr, pool_ptr, pscale_ptr,
-                          prope_ptr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
-                          CS_OFF: tl.constexpr, ZP_OFF: tl.constexpr, RS_OFF: tl.constexpr,
-                          ROPE_OFF: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr,
-                          L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+def _mla_rehydrate_kernel(
+    rec_ptr,
+    rec16_ptr,
+    src_ptr,
+    dst_ptr,
+    pool_ptr,
+    pscale_ptr,
+    prope_ptr,
+    BLOCK_T: tl.constexpr,
+    BITS: tl.constexpr,
+    CS_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr,
+    RS_OFF: tl.constexpr,
+    ROPE_OFF: tl.constexpr,
+    REC: tl.constexpr,
+    FP8: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+):
     pid = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
     src = tl.load(src_ptr + pid).to(tl.int64)
@@ -190,8 +231,7 @@ def _mla_rehydrate_kernel(rec_ptr, rec16_ptr, src_ptr, dst_ptr, pool_ptr, pscale
     base = src * REC
     b16 = src * (REC // 2)
     # codes [512, BLOCK_T] for tokens t0..t0+BLOCK_T (stream index d*64 + t).
-    codes = unpack_codes_load(rec_ptr + base + (t0 * BITS) // 8, 512, BLOCK_T, 64, BITS, L, NB,
-                              NBP)
+    codes = unpack_codes_load(rec_ptr + base + (t0 * BITS) // 8, 512, BLOCK_T, 64, BITS, L, NB, NBP)
     cs = tl.load(rec16_ptr + b16 + CS_OFF // 2 + d).to(tl.float16, bitcast=True).to(tl.float32)
     zp = tl.load(rec16_ptr + b16 + ZP_OFF // 2 + d).to(tl.float16, bitcast=True).to(tl.float32)
     rs = tl.load(rec16_ptr + b16 + RS_OFF // 2 + t).to(tl.float16, bitcast=True).to(tl.float32)
@@ -215,9 +255,15 @@ def _geometry(format_name: str):
 
 
 @torch.library.custom_op("kvarn::mla_pack", mutates_args=("packed",))
-def _pack_op(pool_latent: torch.Tensor, pool_scale: torch.Tensor | None,
-             pool_rope: torch.Tensor, src_pool_blocks: torch.Tensor, dst_blocks: torch.Tensor,
-             packed: torch.Tensor, format_name: str) -> None:
+def _pack_op(
+    pool_latent: torch.Tensor,
+    pool_scale: torch.Tensor | None,
+    pool_rope: torch.Tensor,
+    src_pool_blocks: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    packed: torch.Tensor,
+    format_name: str,
+) -> None:
     n = src_pool_blocks.shape[0]
     if n == 0:
         return
@@ -225,40 +271,74 @@ def _pack_op(pool_latent: torch.Tensor, pool_scale: torch.Tensor | None,
     pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
     cfg = DEFAULT_CONFIG
     # FMA contraction off: the reference rounds every product and sum separately.
-    _mla_pack_kernel[(n,)](pl, ps, pr, src_pool_blocks, dst_blocks, packed,
-                           packed.view(torch.int16), ITERS=cfg.iters, STD_FLOOR=cfg.std_floor,
-                           FP8=fp8, num_warps=16, enable_fp_fusion=False, **offs, **geo)
+    _mla_pack_kernel[(n,)](
+        pl,
+        ps,
+        pr,
+        src_pool_blocks,
+        dst_blocks,
+        packed,
+        packed.view(torch.int16),
+        ITERS=cfg.iters,
+        STD_FLOOR=cfg.std_floor,
+        FP8=fp8,
+        num_warps=16,
+        enable_fp_fusion=False,
+        **offs,
+        **geo,
+    )
 
 
 @_pack_op.register_fake
-def _pack_fake(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed,
-               format_name) -> None:
+def _pack_fake(
+    pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed, format_name
+) -> None:
     return None
 
 
-@torch.library.custom_op("kvarn::mla_rehydrate",
-                         mutates_args=("pool_latent", "pool_scale", "pool_rope"))
-def _rehydrate_op(packed: torch.Tensor, src_blocks: torch.Tensor, dst_pool_blocks: torch.Tensor,
-                  pool_latent: torch.Tensor, pool_scale: torch.Tensor | None,
-                  pool_rope: torch.Tensor, format_name: str) -> None:
+@torch.library.custom_op(
+    "kvarn::mla_rehydrate", mutates_args=("pool_latent", "pool_scale", "pool_rope")
+)
+def _rehydrate_op(
+    packed: torch.Tensor,
+    src_blocks: torch.Tensor,
+    dst_pool_blocks: torch.Tensor,
+    pool_latent: torch.Tensor,
+    pool_scale: torch.Tensor | None,
+    pool_rope: torch.Tensor,
+    format_name: str,
+) -> None:
     n = src_blocks.shape[0]
     if n == 0:
         return
     offs, geo = _geometry(format_name)
     pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
     _mla_rehydrate_kernel[(n, GROUP // REHYDRATE_T)](
-        packed, packed.view(torch.int16), src_blocks, dst_pool_blocks, pl, ps, pr,
-        BLOCK_T=REHYDRATE_T, FP8=fp8, num_warps=4, **offs, **geo)
+        packed,
+        packed.view(torch.int16),
+        src_blocks,
+        dst_pool_blocks,
+        pl,
+        ps,
+        pr,
+        BLOCK_T=REHYDRATE_T,
+        FP8=fp8,
+        num_warps=4,
+        **offs,
+        **geo,
+    )
 
 
 @_rehydrate_op.register_fake
-def _rehydrate_fake(packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope,
-                    format_name) -> None:
+def _rehydrate_fake(
+    packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope, format_name
+) -> None:
     return None
 
 
-def mla_pack(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed,
-             layout) -> None:
+def mla_pack(
+    pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed, layout
+) -> None:
     """Triton ``mla_pack`` (contract of :func:`kvarn_ops.reference.mla.mla_pack`, without the
     reference-only refit). On a GPU, out-of-range block ids are not checked (no host sync)."""
     p = check_mla_pool(pool_latent, pool_scale, pool_rope)
@@ -266,20 +346,26 @@ def mla_pack(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, pa
     nb = check_packed(packed, layout, device=dev)
     _check_block_pairs(src_pool_blocks, dst_blocks, p, nb, "src_pool_blocks", "dst_blocks", dev)
     check_device(pool_latent)
-    if DEFAULT_CONFIG.log_scale_clip is not None or not DEFAULT_CONFIG.prescale or \
-            not DEFAULT_CONFIG.rebalance_fp16:  # pragma: no cover - guards a config change
+    if (
+        DEFAULT_CONFIG.log_scale_clip is not None
+        or not DEFAULT_CONFIG.prescale
+        or not DEFAULT_CONFIG.rebalance_fp16
+    ):  # pragma: no cover - guards a config change
         raise NotImplementedError("the MLA pack kernel implements only the default config")
-    torch.ops.kvarn.mla_pack(pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks,
-                             packed, layout.format_name)
+    torch.ops.kvarn.mla_pack(
+        pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed, layout.format_name
+    )
 
 
-def mla_rehydrate(packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope,
-                  layout) -> None:
+def mla_rehydrate(
+    packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope, layout
+) -> None:
     """Triton ``mla_rehydrate`` (contract of :func:`kvarn_ops.reference.mla.mla_rehydrate`)."""
     p = check_mla_pool(pool_latent, pool_scale, pool_rope)
     dev = pool_latent.device
     nb = check_packed(packed, layout, device=dev)
     _check_block_pairs(src_blocks, dst_pool_blocks, nb, p, "src_blocks", "dst_pool_blocks", dev)
     check_device(pool_latent)
-    torch.ops.kvarn.mla_rehydrate(packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale,
-                                  pool_rope, layout.format_name)
+    torch.ops.kvarn.mla_rehydrate(
+        packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope, layout.format_name
+    )

@@ -24,9 +24,19 @@ BLOCK_T = 16
 
 
 @triton.jit
-def _mla_scatter_kernel(lat_ptr, rope_ptr, slots_ptr, pool_ptr, pscale_ptr, prope_ptr, T,
-                        num_slots, BLOCK_T: tl.constexpr, EXACT_TF32: tl.constexpr,
-                        FP8: tl.constexpr):
+def _mla_scatter_kernel(
+    lat_ptr,
+    rope_ptr,
+    slots_ptr,
+    pool_ptr,
+    pscale_ptr,
+    prope_ptr,
+    T,
+    num_slots,
+    BLOCK_T: tl.constexpr,
+    EXACT_TF32: tl.constexpr,
+    FP8: tl.constexpr,
+):
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tok < T
     slot = tl.load(slots_ptr + tl.where(in_range, tok, 0), mask=in_range, other=-1)
@@ -38,14 +48,20 @@ def _mla_scatter_kernel(lat_ptr, rope_ptr, slots_ptr, pool_ptr, pscale_ptr, prop
     x = tl.load(lat_ptr + tok[:, None] * 512 + d[None, :], mask=ok[:, None], other=0.0)
     y = rotate_rows(x.to(tl.float32), BLOCK_T, 512, EXACT_TF32)
     vals, scale = pool_round(y, FP8)
-    tl.store(pool_ptr + slot[:, None] * 512 + d[None, :], vals.to(pool_ptr.dtype.element_ty),
-             mask=ok[:, None])
+    tl.store(
+        pool_ptr + slot[:, None] * 512 + d[None, :],
+        vals.to(pool_ptr.dtype.element_ty),
+        mask=ok[:, None],
+    )
     if FP8:
         tl.store(pscale_ptr + slot, scale, mask=ok)
     rp = tl.load(rope_ptr + tok[:, None] * 64 + r[None, :], mask=ok[:, None], other=0.0)
     rb = round_to_bf16(rp.to(tl.float32)).to(tl.uint32, bitcast=True) >> 16
-    tl.store(prope_ptr + slot[:, None] * 64 + r[None, :], rb.to(tl.uint16).to(tl.int16, bitcast=True),
-             mask=ok[:, None])
+    tl.store(
+        prope_ptr + slot[:, None] * 64 + r[None, :],
+        rb.to(tl.uint16).to(tl.int16, bitcast=True),
+        mask=ok[:, None],
+    )
 
 
 def _launch(latent, rope, slots, pool_latent, pool_rope, pool_scale) -> None:
@@ -54,16 +70,33 @@ def _launch(latent, rope, slots, pool_latent, pool_rope, pool_scale) -> None:
         return
     pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
     grid = (triton.cdiv(t, BLOCK_T),)
-    _mla_scatter_kernel[grid](latent, rope, slots, pl, ps, pr, t, pool_latent.shape[0] * GROUP,
-                              BLOCK_T=BLOCK_T, EXACT_TF32=latent.dtype != torch.float32,
-                              FP8=fp8, num_warps=4)
+    _mla_scatter_kernel[grid](
+        latent,
+        rope,
+        slots,
+        pl,
+        ps,
+        pr,
+        t,
+        pool_latent.shape[0] * GROUP,
+        BLOCK_T=BLOCK_T,
+        EXACT_TF32=latent.dtype != torch.float32,
+        FP8=fp8,
+        num_warps=4,
+    )
 
 
-@torch.library.custom_op("kvarn::mla_exact_scatter",
-                         mutates_args=("pool_latent", "pool_rope", "pool_scale"))
-def _scatter_op(latent: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor,
-                pool_latent: torch.Tensor, pool_rope: torch.Tensor,
-                pool_scale: torch.Tensor | None) -> None:
+@torch.library.custom_op(
+    "kvarn::mla_exact_scatter", mutates_args=("pool_latent", "pool_rope", "pool_scale")
+)
+def _scatter_op(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    slots: torch.Tensor,
+    pool_latent: torch.Tensor,
+    pool_rope: torch.Tensor,
+    pool_scale: torch.Tensor | None,
+) -> None:
     _launch(latent, rope, slots, pool_latent, pool_rope, pool_scale)
 
 

@@ -1,0 +1,29 @@
+"""Runs the offline-compile tests (sm_90a and sm_120a, no GPU) in a separate pytest process
+with the Triton interpreter off; see conftest.py for why they cannot share a process with the
+interpreter tests. A failure there fails this test, with the child's output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+# Keep equal to OFFLINE_COMPILE_FILES in conftest.py (conftest is not importable by name).
+OFFLINE_COMPILE_FILES = ("test_compile_decode.py", "test_compile_kernels.py")
+
+
+@pytest.mark.slow
+def test_offline_compiles_in_their_own_process(request):
+    env = dict(os.environ, TRITON_INTERPRET="0", KVARN_OFFLINE_COMPILE_PROCESS="1")
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"]
+    if request.config.inipath is not None:
+        args += ["-c", str(request.config.inipath), "--rootdir", str(HERE)]
+    args += [str(HERE / name) for name in OFFLINE_COMPILE_FILES]
+    proc = subprocess.run(args, cwd=HERE, env=env, capture_output=True, text=True, check=False)
+    summary = proc.stdout.strip().splitlines()[-1:]
+    print("\n".join(summary))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
