@@ -64,14 +64,20 @@ def make_inputs(b, ctx, hq, hkv, d, fmt, pool_dtype=torch.bfloat16, tail=0):
     seq = ctx + tail
     nfull = seq // g
     nblocks = b * nfull + 1
-    packed = torch.randint(0, 256, (nblocks, hkv, lay.record_bytes), dtype=torch.uint8,
-                           device="cuda")
+    packed = torch.randint(
+        0, 256, (nblocks, hkv, lay.record_bytes), dtype=torch.uint8, device="cuda"
+    )
     h16 = packed.view(torch.float16)
-    for name, lo, hi in (("k_col_scale", 0.05, 0.15), ("k_zero_point", -1.2, -0.8),
-                         ("k_row_scale", 0.5, 1.5), ("v_col_scale", 0.5, 1.5),
-                         ("v_row_scale", 0.2, 0.6), ("v_zero_point", -1.2, -0.8)):
+    for name, lo, hi in (
+        ("k_col_scale", 0.05, 0.15),
+        ("k_zero_point", -1.2, -0.8),
+        ("k_row_scale", 0.5, 1.5),
+        ("v_col_scale", 0.5, 1.5),
+        ("v_row_scale", 0.2, 0.6),
+        ("v_zero_point", -1.2, -0.8),
+    ):
         f = lay.field(name)
-        sl = h16[:, :, f.offset // 2: f.offset // 2 + f.count]
+        sl = h16[:, :, f.offset // 2 : f.offset // 2 + f.count]
         sl.uniform_(lo, hi)
     bt = torch.randperm(b * nfull, device="cuda", dtype=torch.int64).to(torch.int32)
     bt = bt.view(b, nfull) if nfull else torch.zeros(b, 1, dtype=torch.int32, device="cuda")
@@ -83,8 +89,10 @@ def make_inputs(b, ctx, hq, hkv, d, fmt, pool_dtype=torch.bfloat16, tail=0):
     out = torch.empty_like(q)
     ws = kd.decode_workspace(b, 1, hq, hkv, d, seq, g, device="cuda")
     args = (q, packed, bt, seq_lens, ek, ev, None, None, tailb, lay, 1 / math.sqrt(d), out, ws)
-    nbytes = (b * hkv * (nfull * lay.record_bytes + (seq % g) * d * 2 * ek.element_size())
-              + 2 * q.numel() * q.element_size())
+    nbytes = (
+        b * hkv * (nfull * lay.record_bytes + (seq % g) * d * 2 * ek.element_size())
+        + 2 * q.numel() * q.element_size()
+    )
     return args, nbytes
 
 
@@ -98,6 +106,7 @@ def bench(fn, graph: bool) -> float:
 
 def sdpa_time(b, ctx, hq, hkv, d, graph=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -120,8 +129,10 @@ def check_gpu() -> list[dict]:
     import os
 
     import numpy as np
+
     os.environ["TRITON_INTERPRET"] = "0"  # the test module defaults it to 1 for CPU runs
     import test_decode as td
+
     rng = np.random.default_rng(int(time.time()))
     cases = [
         ("kvarn_k4v2_g64", 128, 2, 4, 1, [1, 63, 64, 65, 130, 700], torch.bfloat16),
@@ -179,18 +190,28 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--variants", default="",
-                    help="comma list of num_warps=N, rpad=N, stages=N, maxnreg=N, fast=0 (the "
-                         "byte-load loop), asm=0 (plain-Triton unpack on the GPU), splits=N "
-                         "(workspace split count; batch-1 geometries only)")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma list of num_warps=N, rpad=N, stages=N, maxnreg=N, fast=0 (the "
+        "byte-load loop), asm=0 (plain-Triton unpack on the GPU), splits=N "
+        "(workspace split count; batch-1 geometries only)",
+    )
     ap.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
-    ap.add_argument("--graph", action="store_true",
-                    help="time CUDA-graph replay (GPU time) instead of back-to-back calls")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="time CUDA-graph replay (GPU time) instead of back-to-back calls",
+    )
     a = ap.parse_args()
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "timing": "cuda_graph_replay" if a.graph else "do_bench",
-            "triton": triton.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d")}
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "timing": "cuda_graph_replay" if a.graph else "do_bench",
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     checks = check_gpu() if a.check else []
     bw = copy_bandwidth()
     rows = []
@@ -208,8 +229,17 @@ def main() -> None:
             if v and v.startswith("splits="):
                 if b != 1:
                     continue
-                ws = kd.decode_workspace(b, 1, hq, hkv, d, ctx, args[9].block_size,
-                                         device="cuda", num_splits=int(v.split("=")[1]))
+                ws = kd.decode_workspace(
+                    b,
+                    1,
+                    hq,
+                    hkv,
+                    d,
+                    ctx,
+                    args[9].block_size,
+                    device="cuda",
+                    num_splits=int(v.split("=")[1]),
+                )
                 vargs = args[:12] + (ws,)
 
             def cfg(*xs, _v=v, **kw):
@@ -230,6 +260,7 @@ def main() -> None:
                     elif k == "maxnreg":
                         opts["maxnreg"] = int(val)
                 return consts, opts
+
             kd.kernel_config = cfg
             try:
                 if a.graph:
@@ -240,26 +271,43 @@ def main() -> None:
                 continue
             finally:
                 kd.kernel_config = base_cfg
-            rows.append(dict(batch=b, context=ctx, hq=hq, hkv=hkv, head_dim=d, format=fmt,
-                             variant=vname, ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6,
-                             frac_copy=nbytes / (ms * 1e-3) / bw, sdpa_ms=sd_ms,
-                             sdpa_backend=backend, sdpa_frac_copy=sd_bytes / (sd_ms * 1e-3) / bw,
-                             speedup_vs_sdpa=sd_ms / ms,
-                             splits=vargs[12].numel() // (b * hq * (d + 1))))
+            rows.append(
+                dict(
+                    batch=b,
+                    context=ctx,
+                    hq=hq,
+                    hkv=hkv,
+                    head_dim=d,
+                    format=fmt,
+                    variant=vname,
+                    ms=ms,
+                    bytes=nbytes,
+                    gbps=nbytes / ms / 1e6,
+                    frac_copy=nbytes / (ms * 1e-3) / bw,
+                    sdpa_ms=sd_ms,
+                    sdpa_backend=backend,
+                    sdpa_frac_copy=sd_bytes / (sd_ms * 1e-3) / bw,
+                    speedup_vs_sdpa=sd_ms / ms,
+                    splits=vargs[12].numel() // (b * hq * (d + 1)),
+                )
+            )
             print("row", rows[-1], flush=True)
         torch.cuda.empty_cache()
         # written after every geometry so a run cut short still leaves its numbers
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"info": info, "copy_bw": bw, "checks": checks,
-                                           "rows": rows}, indent=1))
+        Path(a.out).write_text(
+            json.dumps({"info": info, "copy_bw": bw, "checks": checks, "rows": rows}, indent=1)
+        )
     print(f"{info}  copy BW {bw / 1e12:.2f} TB/s")
     print(f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} ok")
     print("B     ctx  Hq Hkv   D format           variant      ms   %copy  sdpa_ms sdpa% x_sdpa S")
     for r in rows:
-        print(f"{r['batch']:<3} {r['context']:>6} {r['hq']:>3} {r['hkv']:>3} {r['head_dim']:>3} "
-              f"{r['format']:<16} {r['variant']:<10} {r['ms']:7.3f} {100 * r['frac_copy']:6.1f} "
-              f"{r['sdpa_ms']:7.3f} {100 * r['sdpa_frac_copy']:5.1f} {r['speedup_vs_sdpa']:5.2f} "
-              f"{r['splits']}")
+        print(
+            f"{r['batch']:<3} {r['context']:>6} {r['hq']:>3} {r['hkv']:>3} {r['head_dim']:>3} "
+            f"{r['format']:<16} {r['variant']:<10} {r['ms']:7.3f} {100 * r['frac_copy']:6.1f} "
+            f"{r['sdpa_ms']:7.3f} {100 * r['sdpa_frac_copy']:5.1f} {r['speedup_vs_sdpa']:5.2f} "
+            f"{r['splits']}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,13 @@ def bench_rotate(d: int, rows: int, dtype=torch.bfloat16) -> dict:
     out = torch.empty_like(x)
     ms = do_bench(lambda: kernels.rotate(x, out))
     nbytes = 2 * x.numel() * x.element_size()
-    return dict(op="rotate", shape=f"[{rows}, {d}] {str(dtype)[6:]}", ms=ms, bytes=nbytes,
-                formula="read numel*itemsize(x) + write numel*itemsize(out)")
+    return dict(
+        op="rotate",
+        shape=f"[{rows}, {d}] {str(dtype)[6:]}",
+        ms=ms,
+        bytes=nbytes,
+        formula="read numel*itemsize(x) + write numel*itemsize(out)",
+    )
 
 
 def _pool(p, g, hkv, d, dtype):
@@ -68,9 +73,13 @@ def bench_store(d: int, hkv: int, tokens: int, g: int, pool_dtype) -> dict:
     e = ek.element_size()
     s = 4 if ks is not None else 0
     nbytes = tokens * hkv * d * 2 * 2 + 8 * tokens + 2 * tokens * hkv * (d * e + s)
-    return dict(op="store", shape=f"T={tokens} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]}",
-                ms=ms, bytes=nbytes,
-                formula="read T*Hkv*D*(2+2) + 8T; write 2*T*Hkv*(D*E + s)")
+    return dict(
+        op="store",
+        shape=f"T={tokens} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]}",
+        ms=ms,
+        bytes=nbytes,
+        formula="read T*Hkv*D*(2+2) + 8T; write 2*T*Hkv*(D*E + s)",
+    )
 
 
 def bench_flush(fmt: str, d: int, hkv: int, blocks: int, pool_dtype) -> dict:
@@ -85,10 +94,15 @@ def bench_flush(fmt: str, d: int, hkv: int, blocks: int, pool_dtype) -> dict:
     s = 4 if ks is not None else 0
     moved = 2 * blocks * g * hkv * (d * e + s) + 8 * blocks + blocks * hkv * lay.record_bytes
     bf16_in = 2 * blocks * g * hkv * d * 2
-    return dict(op="flush", shape=f"{fmt} N={blocks} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]}",
-                ms=ms, bytes=moved, target_bytes=bf16_in,
-                formula="target on bf16 input bytes 2*N*G*Hkv*D*2; moved: read "
-                        "2*N*G*Hkv*(D*E + s) + 8N, write N*Hkv*R")
+    return dict(
+        op="flush",
+        shape=f"{fmt} N={blocks} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]}",
+        ms=ms,
+        bytes=moved,
+        target_bytes=bf16_in,
+        formula="target on bf16 input bytes 2*N*G*Hkv*D*2; moved: read "
+        "2*N*G*Hkv*(D*E + s) + 8N, write N*Hkv*R",
+    )
 
 
 def bench_materialize(fmt: str, d: int, hkv: int, batch: int, context: int, pool_dtype) -> dict:
@@ -117,16 +131,27 @@ def bench_materialize(fmt: str, d: int, hkv: int, batch: int, context: int, pool
     total = sum(seq)
     k_out = torch.empty(total, hkv, d, dtype=torch.bfloat16, device="cuda")
     v_out = torch.empty_like(k_out)
-    ms = do_bench(lambda: kernels.materialize(packed, table, seq_t, ek, ev, ks, vs, tail, lay,
-                                              k_out, v_out, cu))
+    ms = do_bench(
+        lambda: kernels.materialize(
+            packed, table, seq_t, ek, ev, ks, vs, tail, lay, k_out, v_out, cu
+        )
+    )
     e = ek.element_size()
     s = 4 if ks is not None else 0
     tails = sum(n % g for n in seq)
-    nbytes = (sum(n_full) * hkv * lay.record_bytes + tails * 2 * hkv * (d * e + s)
-              + 4 * sum(n_full) + 2 * total * hkv * d * 2)
-    return dict(op="materialize", shape=f"{fmt} B={batch} L~{context} Hkv={hkv} D={d}",
-                ms=ms, bytes=nbytes,
-                formula="read full*Hkv*R + tail*2*Hkv*(D*E + s) + table; write 2*L*Hkv*D*2")
+    nbytes = (
+        sum(n_full) * hkv * lay.record_bytes
+        + tails * 2 * hkv * (d * e + s)
+        + 4 * sum(n_full)
+        + 2 * total * hkv * d * 2
+    )
+    return dict(
+        op="materialize",
+        shape=f"{fmt} B={batch} L~{context} Hkv={hkv} D={d}",
+        ms=ms,
+        bytes=nbytes,
+        formula="read full*Hkv*R + tail*2*Hkv*(D*E + s) + table; write 2*L*Hkv*D*2",
+    )
 
 
 def main(argv=None) -> int:
@@ -159,10 +184,16 @@ def main(argv=None) -> int:
         r["target"] = TARGETS[r["op"]]
         r["meets_target"] = None if r["target"] is None else r["target_fraction"] >= r["target"]
     result = dict(
-        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-        torch=torch.__version__, triton=triton.__version__, kvarn_ops=kvarn_ops.__version__,
-        python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        copy_bandwidth_gbps=bw / 1e9, rows=rows)
+        device=torch.cuda.get_device_name(),
+        capability=list(torch.cuda.get_device_capability()),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        kvarn_ops=kvarn_ops.__version__,
+        python=platform.python_version(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        copy_bandwidth_gbps=bw / 1e9,
+        rows=rows,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     try:
@@ -185,8 +216,10 @@ def main(argv=None) -> int:
     print(f"{'op':<12} {'shape':<58} {'ms':>8} {'GB/s':>7} {'% copy':>7} {'target':>7}")
     for r in rows:
         tgt = "-" if r["target"] is None else f"{100 * r['target']:.0f}%"
-        print(f"{r['op']:<12} {r['shape']:<58} {r['ms']:8.3f} {r['gbps']:7.0f} "
-              f"{100 * r['target_fraction']:6.1f}% {tgt:>7}")
+        print(
+            f"{r['op']:<12} {r['shape']:<58} {r['ms']:8.3f} {r['gbps']:7.0f} "
+            f"{100 * r['target_fraction']:6.1f}% {tgt:>7}"
+        )
     return 0
 
 

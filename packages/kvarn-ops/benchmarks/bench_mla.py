@@ -38,8 +38,9 @@ def random_cache(bits: int, num_blocks: int, pool_blocks: int, dtype):
     layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
     dev = "cuda"
     pool_latent = (torch.randn(pool_blocks, 64, 512, device=dev) * 0.5).to(dtype)
-    pool_scale = torch.rand(pool_blocks, 64, device=dev) + 0.5 \
-        if dtype == torch.float8_e4m3fn else None
+    pool_scale = (
+        torch.rand(pool_blocks, 64, device=dev) + 0.5 if dtype == torch.float8_e4m3fn else None
+    )
     pool_rope = torch.randn(pool_blocks, 64, 64, device=dev).to(torch.bfloat16)
     packed = torch.zeros(num_blocks, layout.record_bytes, dtype=torch.uint8, device=dev)
     # Fill records by packing pool blocks round-robin (valid scales, realistic codes).
@@ -68,7 +69,8 @@ def bench_stage(bits, tokens, num_blocks):
     slots = torch.randint(0, num_blocks * 64, (tokens,), device="cuda")
     out = torch.empty(tokens, 656, dtype=torch.uint8, device="cuda")
     ms = triton.testing.do_bench(
-        lambda: mla_gather.mla_stage_fp8(packed, bmap, pl, ps, pr, slots, layout, out))
+        lambda: mla_gather.mla_stage_fp8(packed, bmap, pl, ps, pr, slots, layout, out)
+    )
     nbytes = tokens * (64 * bits + 128 + 2 * 1024 // 64 + 8 + 656)
     return ms, nbytes
 
@@ -82,8 +84,9 @@ def bench_decode(bits, batch, heads, context, splits):
     q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
     ws = ref.mla_decode_workspace(batch, heads, splits, device="cuda")
-    ms = triton.testing.do_bench(lambda: mla_decode.mla_decode(
-        q, packed, bt, seq, bmap, pl, ps, pr, layout, 0.07, out, ws))
+    ms = triton.testing.do_bench(
+        lambda: mla_decode.mla_decode(q, packed, bt, seq, bmap, pl, ps, pr, layout, 0.07, out, ws)
+    )
     nbytes = batch * context * layout.record_bytes // 64 + batch * heads * (576 + 512) * 2
     return ms, nbytes
 
@@ -97,25 +100,37 @@ def main() -> None:
 
     def record(op, case, ms, nbytes):
         gbs = nbytes / (ms * 1e-3) / 1e9
-        rows.append({"op": op, "case": case, "ms": ms, "bytes": nbytes, "GB/s": gbs,
-                     "fraction_of_copy_bw": nbytes / (ms * 1e-3) / bw})
+        rows.append(
+            {
+                "op": op,
+                "case": case,
+                "ms": ms,
+                "bytes": nbytes,
+                "GB/s": gbs,
+                "fraction_of_copy_bw": nbytes / (ms * 1e-3) / bw,
+            }
+        )
 
     for bits in (4, 5):
         for dt in (torch.bfloat16, torch.float8_e4m3fn):
             record("pack", f"k{bits} N=2048 pool={str(dt)[6:]}", *bench_pack(bits, 2048, dt))
         record("stage", f"k{bits} 65536 tokens", *bench_stage(bits, 65536, 8192))
-        for batch, heads, ctx in ((1, 16, 32768), (8, 16, 32768), (32, 128, 8192),
-                                  (64, 16, 16384)):
-            record("decode", f"k{bits} B={batch} H={heads} L={ctx}",
-                   *bench_decode(bits, batch, heads, ctx, 32))
+        for batch, heads, ctx in ((1, 16, 32768), (8, 16, 32768), (32, 128, 8192), (64, 16, 16384)):
+            record(
+                "decode",
+                f"k{bits} B={batch} H={heads} L={ctx}",
+                *bench_decode(bits, batch, heads, ctx, 32),
+            )
     result = {"device": torch.cuda.get_device_name(), "copy_bw_bytes_per_s": bw, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
     print(f"{'op':8} {'case':34} {'ms':>9} {'GB/s':>8} {'% copy':>7}")
     for r in rows:
-        print(f"{r['op']:8} {r['case']:34} {r['ms']:9.4f} {r['GB/s']:8.1f} "
-              f"{100 * r['fraction_of_copy_bw']:7.1f}")
+        print(
+            f"{r['op']:8} {r['case']:34} {r['ms']:9.4f} {r['GB/s']:8.1f} "
+            f"{100 * r['fraction_of_copy_bw']:7.1f}"
+        )
 
 
 if __name__ == "__main__":

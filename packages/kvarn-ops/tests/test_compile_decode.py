@@ -39,24 +39,36 @@ def _load_compiled_module():
 KD = _load_compiled_module()
 
 SPLIT_PTRS = {
-    "q_ptr": None, "rec_ptr": "*u8", "rec16_ptr": "*fp16", "rec32_ptr": "*i32",
-    "bt_ptr": "*i32", "seq_ptr": "*i32",
-    "ek_ptr": None, "ev_ptr": None, "ks_ptr": None, "vs_ptr": None, "tail_ptr": "*i32",
-    "ws_ptr": "*fp32", "qk_scale": "fp32", "bt_stride": "i32", "num_kv_heads": "i32",
-    "num_q_heads": "i32", "lse_numel": "i32",
+    "q_ptr": None,
+    "rec_ptr": "*u8",
+    "rec16_ptr": "*fp16",
+    "rec32_ptr": "*i32",
+    "bt_ptr": "*i32",
+    "seq_ptr": "*i32",
+    "ek_ptr": None,
+    "ev_ptr": None,
+    "ks_ptr": None,
+    "vs_ptr": None,
+    "tail_ptr": "*i32",
+    "ws_ptr": "*fp32",
+    "qk_scale": "fp32",
+    "bt_stride": "i32",
+    "num_kv_heads": "i32",
+    "num_q_heads": "i32",
+    "lse_numel": "i32",
 }
 POOL = {"float16": "*fp16", "bfloat16": "*bf16", "float8_e4m3fn": "*fp8e4nv"}
 Q = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
 
 # (format, head_dim, gqa, T, pool dtype, q dtype)
 CASES = [
-    ("kvarn_k4v2_g64", 128, 4, 1, "bfloat16", "bfloat16"),   # the benchmark target
+    ("kvarn_k4v2_g64", 128, 4, 1, "bfloat16", "bfloat16"),  # the benchmark target
     ("kvarn_k4v2_g64", 128, 4, 8, "float8_e4m3fn", "bfloat16"),
     ("kvarn_k4v4_g128", 128, 8, 1, "float16", "float16"),
     ("kvarn_k2v2_g64", 128, 1, 1, "bfloat16", "bfloat16"),
     ("kvarn_k8v8_g32", 64, 2, 3, "float16", "float32"),
     ("kvarn_k4v2_g64", 64, 3, 1, "bfloat16", "bfloat16"),
-    ("kvarn_k5v5_g64", 128, 4, 1, "bfloat16", "bfloat16"),   # generic path
+    ("kvarn_k5v5_g64", 128, 4, 1, "bfloat16", "bfloat16"),  # generic path
     ("kvarn_k3v6_g64", 64, 4, 2, "float8_e4m3fn", "float16"),
     ("kvarn_k4v4_g64", 256, 4, 1, "bfloat16", "bfloat16"),
     ("kvarn_k4v2_g64", 512, 8, 1, "bfloat16", "bfloat16"),
@@ -66,8 +78,7 @@ TARGETS = [GPUTarget("cuda", 90, 32), GPUTarget("cuda", 120, 32)]
 
 
 def _split_source(fmt, d, gqa, t, pool, qdt, kv_rows=None):
-    consts, opts = KD.kernel_config(fmt, d, gqa, t, 16, pool == "float8_e4m3fn",
-                                    kv_rows=kv_rows)
+    consts, opts = KD.kernel_config(fmt, d, gqa, t, 16, pool == "float8_e4m3fn", kv_rows=kv_rows)
     sig = {}
     for name in KD._decode_split_kernel.arg_names:
         if name in consts:
@@ -80,8 +91,9 @@ def _split_source(fmt, d, gqa, t, pool, qdt, kv_rows=None):
             sig[name] = "*fp32" if pool == "float8_e4m3fn" else POOL[pool]
         else:
             sig[name] = SPLIT_PTRS[name]
-    return triton.compiler.ASTSource(fn=KD._decode_split_kernel, signature=sig,
-                                     constexprs=consts), opts
+    return triton.compiler.ASTSource(
+        fn=KD._decode_split_kernel, signature=sig, constexprs=consts
+    ), opts
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
@@ -99,22 +111,34 @@ def test_split_kernel_compiles(case, target):
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
 def test_split_kernel_compiles_register_capped(target):
     """The large-batch configuration (register cap of the pipelined loop) compiles too."""
-    src, opts = _split_source("kvarn_k4v2_g64", 128, 4, 1, "bfloat16", "bfloat16",
-                              kv_rows=512)
+    src, opts = _split_source("kvarn_k4v2_g64", 128, 4, 1, "bfloat16", "bfloat16", kv_rows=512)
     assert opts.get("maxnreg") == KD.DECODE_FAST_MAXNREG
     k = triton.compile(src, target=target, options=opts)
     assert "ptx" in k.asm
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize("d,out", [(64, "bfloat16"), (128, "bfloat16"), (128, "float32"),
-                                   (256, "float16"), (512, "bfloat16")])
+@pytest.mark.parametrize(
+    "d,out",
+    [(64, "bfloat16"), (128, "bfloat16"), (128, "float32"), (256, "float16"), (512, "bfloat16")],
+)
 def test_combine_kernel_compiles(d, out, target):
-    consts = dict(D=d, G=64, S=16, S_P2=16, MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT,
-                  **KD.combine_consts(d, 16))
-    sig = {"ws_ptr": "*fp32", "seq_ptr": "*i32", "out_ptr": Q[out], "lse_numel": "i32",
-           "rows_per_request": "i32", **dict.fromkeys(consts, "constexpr")}
-    src = triton.compiler.ASTSource(fn=KD._decode_combine_kernel, signature=sig,
-                                    constexprs=consts)
+    consts = dict(
+        D=d,
+        G=64,
+        S=16,
+        S_P2=16,
+        MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT,
+        **KD.combine_consts(d, 16),
+    )
+    sig = {
+        "ws_ptr": "*fp32",
+        "seq_ptr": "*i32",
+        "out_ptr": Q[out],
+        "lse_numel": "i32",
+        "rows_per_request": "i32",
+        **dict.fromkeys(consts, "constexpr"),
+    }
+    src = triton.compiler.ASTSource(fn=KD._decode_combine_kernel, signature=sig, constexprs=consts)
     k = triton.compile(src, target=target, options=dict(num_warps=4))
     assert "ptx" in k.asm

@@ -47,8 +47,10 @@ def _load_offline():
     try:
         common = _exec_source("_kvarn_common_offline", _KERNELS / "_common.py")
         sys.modules["kvarn_ops.kernels._common"] = common
-        return {name: _exec_source(f"_kvarn_{name}_offline", _KERNELS / f"{name}.py")
-                for name in ("rotate", "store", "flush", "materialize")}
+        return {
+            name: _exec_source(f"_kvarn_{name}_offline", _KERNELS / f"{name}.py")
+            for name in ("rotate", "store", "flush", "materialize")
+        }
     finally:
         if old_common is not None:
             sys.modules["kvarn_ops.kernels._common"] = old_common
@@ -81,35 +83,69 @@ def _compile(fn, types_by_name: dict, consts: dict, target, num_warps: int):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize(("d", "x", "out"), _cases([(128, "bfloat16", "bfloat16"),
-                                                     (512, "float32", "float16"),
-                                                     (64, "float16", "float32"),
-                                                     (128, "float32", "bfloat16"),
-                                                     (256, "bfloat16", "bfloat16")], 2))
+@pytest.mark.parametrize(
+    ("d", "x", "out"),
+    _cases(
+        [
+            (128, "bfloat16", "bfloat16"),
+            (512, "float32", "float16"),
+            (64, "float16", "float32"),
+            (128, "float32", "bfloat16"),
+            (256, "bfloat16", "bfloat16"),
+        ],
+        2,
+    ),
+)
 def test_rotate_compiles(d, x, out, target):
     mod = M["rotate"]
     consts = dict(D=d, BLOCK_M=mod.rows_per_program(d), EXACT_TF32=x != "float32")
-    _, spills = _compile(mod._rotate_kernel, {"x_ptr": FLOAT[x], "out_ptr": FLOAT[out],
-                                              "rows": "i32"}, consts, target, 4)
+    _, spills = _compile(
+        mod._rotate_kernel,
+        {"x_ptr": FLOAT[x], "out_ptr": FLOAT[out], "rows": "i32"},
+        consts,
+        target,
+        4,
+    )
     assert spills == 0
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize(("d", "src", "pool"), _cases([(128, "bfloat16", "bfloat16"),
-                                                        (128, "float16", "float8_e4m3fn"),
-                                                        (512, "bfloat16", "bfloat16"),
-                                                        (64, "float32", "float16"),
-                                                        (256, "bfloat16", "float8_e4m3fn")],
-                                                       3))
+@pytest.mark.parametrize(
+    ("d", "src", "pool"),
+    _cases(
+        [
+            (128, "bfloat16", "bfloat16"),
+            (128, "float16", "float8_e4m3fn"),
+            (512, "bfloat16", "bfloat16"),
+            (64, "float32", "float16"),
+            (256, "bfloat16", "float8_e4m3fn"),
+        ],
+        3,
+    ),
+)
 def test_store_compiles(d, src, pool, target):
     mod = M["store"]
     fp8 = pool == "float8_e4m3fn"
     scale = "*fp32" if fp8 else POOL[pool]
-    consts = dict(H=8, D=d, BLOCK_T=mod.tokens_per_program(d), EXACT_K=src != "float32",
-                  EXACT_V=src != "float32", FP8=fp8)
-    types_ = {"k_ptr": FLOAT[src], "v_ptr": FLOAT[src], "slots_ptr": "*i64",
-              "exact_k_ptr": POOL[pool], "exact_v_ptr": POOL[pool], "k_scale_ptr": scale,
-              "v_scale_ptr": scale, "T": "i32", "num_slots": "i64"}
+    consts = dict(
+        H=8,
+        D=d,
+        BLOCK_T=mod.tokens_per_program(d),
+        EXACT_K=src != "float32",
+        EXACT_V=src != "float32",
+        FP8=fp8,
+    )
+    types_ = {
+        "k_ptr": FLOAT[src],
+        "v_ptr": FLOAT[src],
+        "slots_ptr": "*i64",
+        "exact_k_ptr": POOL[pool],
+        "exact_v_ptr": POOL[pool],
+        "k_scale_ptr": scale,
+        "v_scale_ptr": scale,
+        "T": "i32",
+        "num_slots": "i64",
+    }
     _, spills = _compile(mod._store_kernel, types_, consts, target, 4)
     assert spills == 0
 
@@ -130,11 +166,20 @@ def test_flush_compiles(case, target):
     lay = kf.dense_layout(fmt, d)
     fp8 = pool == "float8_e4m3fn"
     scale = "*fp32" if fp8 else POOL[pool]
-    consts = dict(G=lay.block_size, H=8, D=d, FP8=fp8, ITERS=8, STD_FLOOR=1e-3,
-                  **mod.record_constants(lay))
-    types_ = {"exact_k_ptr": POOL[pool], "exact_v_ptr": POOL[pool], "k_scale_ptr": scale,
-              "v_scale_ptr": scale, "src_ptr": "*i32", "dst_ptr": "*i32", "packed_ptr": "*u8",
-              "num_pool_blocks": "i32", "num_blocks": "i32"}
+    consts = dict(
+        G=lay.block_size, H=8, D=d, FP8=fp8, ITERS=8, STD_FLOOR=1e-3, **mod.record_constants(lay)
+    )
+    types_ = {
+        "exact_k_ptr": POOL[pool],
+        "exact_v_ptr": POOL[pool],
+        "k_scale_ptr": scale,
+        "v_scale_ptr": scale,
+        "src_ptr": "*i32",
+        "dst_ptr": "*i32",
+        "packed_ptr": "*u8",
+        "num_pool_blocks": "i32",
+        "num_blocks": "i32",
+    }
     _compile(mod._flush_kernel, types_, consts, target, mod.warps_for(d, lay.block_size))
 
 
@@ -148,20 +193,39 @@ MATERIALIZE_CASES = [
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize("case", _cases(MATERIALIZE_CASES, 1),
-                         ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}")
+@pytest.mark.parametrize(
+    "case", _cases(MATERIALIZE_CASES, 1), ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}"
+)
 def test_materialize_compiles(case, target):
     fmt, d, pool, out = case
     mod = M["materialize"]
     lay = kf.dense_layout(fmt, d)
     fp8 = pool == "float8_e4m3fn"
     scale = "*fp32" if fp8 else POOL[pool]
-    consts = dict(G=lay.block_size, H=8, D=d, BT=mod.tokens_per_chunk(d, lay.block_size),
-                  FP8=fp8, **mod.record_offsets(lay))
-    types_ = {"packed_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-              "exact_k_ptr": POOL[pool], "exact_v_ptr": POOL[pool], "k_scale_ptr": scale,
-              "v_scale_ptr": scale, "tail_ptr": "*i32", "cu_ptr": "*i32",
-              "k_out_ptr": FLOAT[out], "v_out_ptr": FLOAT[out], "num_blocks": "i32",
-              "num_pool_blocks": "i32", "total_rows": "i32", "max_blocks": "i32",
-              "cols": "i32"}
+    consts = dict(
+        G=lay.block_size,
+        H=8,
+        D=d,
+        BT=mod.tokens_per_chunk(d, lay.block_size),
+        FP8=fp8,
+        **mod.record_offsets(lay),
+    )
+    types_ = {
+        "packed_ptr": "*u8",
+        "block_table_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "exact_k_ptr": POOL[pool],
+        "exact_v_ptr": POOL[pool],
+        "k_scale_ptr": scale,
+        "v_scale_ptr": scale,
+        "tail_ptr": "*i32",
+        "cu_ptr": "*i32",
+        "k_out_ptr": FLOAT[out],
+        "v_out_ptr": FLOAT[out],
+        "num_blocks": "i32",
+        "num_pool_blocks": "i32",
+        "total_rows": "i32",
+        "max_blocks": "i32",
+        "cols": "i32",
+    }
     _compile(mod._materialize_kernel, types_, consts, target, 4)

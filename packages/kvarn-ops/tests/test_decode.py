@@ -47,14 +47,13 @@ def _hadamard(d: int) -> torch.Tensor:
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Little-endian bit stream of the last axis (independent of the code under test)."""
     n = codes.shape[-1]
-    bitsarr = ((codes[..., :, None].astype(np.int64) >> np.arange(bits)) & 1)
+    bitsarr = (codes[..., :, None].astype(np.int64) >> np.arange(bits)) & 1
     stream = bitsarr.reshape(*codes.shape[:-1], n * bits)
     nbytes = -(-n * bits // 8)
     pad = nbytes * 8 - n * bits
     if pad:
         stream = np.concatenate([stream, np.zeros((*codes.shape[:-1], pad), np.int64)], -1)
-    return (stream.reshape(*codes.shape[:-1], nbytes, 8) << np.arange(8)).sum(-1).astype(
-        np.uint8)
+    return (stream.reshape(*codes.shape[:-1], nbytes, 8) << np.arange(8)).sum(-1).astype(np.uint8)
 
 
 def make_cache(rng, fmt: str, d: int, nblocks: int, hkv: int):
@@ -81,7 +80,7 @@ def make_cache(rng, fmt: str, d: int, nblocks: int, hkv: int):
         fl = lay.field(name)
         flat = arr.reshape(nblocks, hkv, -1)
         raw = _pack(flat, fl.bits) if fl.dtype == "codes" else flat.view(np.uint8)
-        rec[:, :, fl.offset:fl.offset + raw.shape[-1]] = raw
+        rec[:, :, fl.offset : fl.offset + raw.shape[-1]] = raw
 
     put("k_codes", ck)
     put("k_col_scale", kcs)
@@ -94,12 +93,15 @@ def make_cache(rng, fmt: str, d: int, nblocks: int, hkv: int):
     f64 = np.float64
     kdeq = (ck * kcs[..., :, None].astype(f64) + kzp[..., :, None]) * krs[..., None, :]
     vdeq = (cv * vrs[..., :, None].astype(f64) + vzp[..., :, None]) * vcs[..., None, :]
-    return (torch.from_numpy(rec), torch.from_numpy(kdeq).transpose(-1, -2).contiguous(),
-            torch.from_numpy(vdeq), lay)
+    return (
+        torch.from_numpy(rec),
+        torch.from_numpy(kdeq).transpose(-1, -2).contiguous(),
+        torch.from_numpy(vdeq),
+        lay,
+    )
 
 
-def oracle(q, kq, vq, pool_k, pool_v, block_table, seq_lens, tail_block, g, scale,
-           lowp=False):
+def oracle(q, kq, vq, pool_k, pool_v, block_table, seq_lens, tail_block, g, scale, lowp=False):
     """fp64 attention over the dequantized cache; ``lowp`` rounds where the kernel rounds."""
     b, t, hq, d = q.shape
     hkv = kq.shape[1]
@@ -144,7 +146,7 @@ def build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype=torch.flo
     bt = np.full((b, max_blocks), -7, np.int32)  # unused entries hold garbage
     k = 0
     for i in range(b):
-        bt[i, : nfull[i]] = perm[k:k + nfull[i]]
+        bt[i, : nfull[i]] = perm[k : k + nfull[i]]
         k += nfull[i]
     npool = b + 2
     pk = torch.from_numpy(rng.normal(0, 1.0, (npool, g, hkv, d)))
@@ -162,31 +164,73 @@ def build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype=torch.flo
         pk, pv = ek.double(), ev.double()
     tail = torch.from_numpy(rng.permutation(npool)[:b].astype(np.int32))
     q = torch.from_numpy(rng.normal(0, 1.0, (b, t, hkv * gqa, d))).to(q_dtype)
-    return dict(q=q, packed=packed, block_table=torch.from_numpy(bt),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), exact_k=ek, exact_v=ev,
-                k_scale=ks, v_scale=vs, tail_pool_block=tail, layout=lay,
-                softmax_scale=1.0 / math.sqrt(d)), (kq, vq, pk, pv)
+    return dict(
+        q=q,
+        packed=packed,
+        block_table=torch.from_numpy(bt),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        exact_k=ek,
+        exact_v=ev,
+        k_scale=ks,
+        v_scale=vs,
+        tail_pool_block=tail,
+        layout=lay,
+        softmax_scale=1.0 / math.sqrt(d),
+    ), (kq, vq, pk, pv)
 
 
-def run_and_check(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, out_dtype=torch.float32,
-                  num_splits=None, device="cpu", q_dtype=torch.float32):
-    args, (kq, vq, pk, pv) = build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype,
-                                        q_dtype)
+def run_and_check(
+    rng,
+    fmt,
+    d,
+    hkv,
+    gqa,
+    t,
+    seq_lens,
+    pool_dtype,
+    out_dtype=torch.float32,
+    num_splits=None,
+    device="cpu",
+    q_dtype=torch.float32,
+):
+    args, (kq, vq, pk, pv) = build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype)
     q = args["q"]
     b = q.shape[0]
     g = args["layout"].block_size
     out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
-    ws = kd.decode_workspace(b, t, q.shape[2], hkv, d, max(seq_lens), g, device=device,
-                             num_splits=num_splits)
+    ws = kd.decode_workspace(
+        b, t, q.shape[2], hkv, d, max(seq_lens), g, device=device, num_splits=num_splits
+    )
     ws.fill_(float("nan"))
     dev_args = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     kd.decode(**dev_args, out=out, workspace=ws)
     out = out.cpu()
     assert torch.isfinite(out).all(), "decode left unwritten (NaN) or non-finite elements"
-    ref = oracle(q, kq, vq, pk, pv, args["block_table"], args["seq_lens"],
-                 args["tail_pool_block"], g, args["softmax_scale"])
-    low = oracle(q, kq, vq, pk, pv, args["block_table"], args["seq_lens"],
-                 args["tail_pool_block"], g, args["softmax_scale"], lowp=True)
+    ref = oracle(
+        q,
+        kq,
+        vq,
+        pk,
+        pv,
+        args["block_table"],
+        args["seq_lens"],
+        args["tail_pool_block"],
+        g,
+        args["softmax_scale"],
+    )
+    low = oracle(
+        q,
+        kq,
+        vq,
+        pk,
+        pv,
+        args["block_table"],
+        args["seq_lens"],
+        args["tail_pool_block"],
+        g,
+        args["softmax_scale"],
+        lowp=True,
+    )
     err = (out.double() - ref).abs().max().item()
     base = (low - ref).abs().max().item()
     scale = ref.abs().max().item()
@@ -212,8 +256,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-d{c[1]}-h{c[2]}x{c[3]}-T{c[4]}-"
-                         f"{str(c[5])[6:]}-{str(c[6])[6:]}")
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: f"{c[0]}-d{c[1]}-h{c[2]}x{c[3]}-T{c[4]}-{str(c[5])[6:]}-{str(c[6])[6:]}",
+)
 def test_decode_matches_oracle(case):
     fmt, d, hkv, gqa, t, pool, out_dtype = case
     rng = np.random.default_rng([SEED, CASES.index(case)])
@@ -225,14 +272,16 @@ def test_decode_matches_oracle(case):
 def test_split_counts_agree(num_splits):
     """One split, an odd split count and more splits than blocks give the same answer."""
     rng = np.random.default_rng([SEED, 100 + num_splits])
-    run_and_check(rng, "kvarn_k4v2_g64", 64, 1, 2, 2, [2, 200, 700], torch.bfloat16,
-                  num_splits=num_splits)
+    run_and_check(
+        rng, "kvarn_k4v2_g64", 64, 1, 2, 2, [2, 200, 700], torch.bfloat16, num_splits=num_splits
+    )
 
 
 def test_large_head_dims_and_bf16_query():
     rng = np.random.default_rng([SEED, 7])
-    run_and_check(rng, "kvarn_k4v2_g64", 256, 1, 2, 1, [70, 129], torch.float16,
-                  q_dtype=torch.bfloat16)
+    run_and_check(
+        rng, "kvarn_k4v2_g64", 256, 1, 2, 1, [70, 129], torch.float16, q_dtype=torch.bfloat16
+    )
     run_and_check(rng, "kvarn_k2v2_g64", 512, 1, 1, 2, [130], torch.bfloat16)
 
 

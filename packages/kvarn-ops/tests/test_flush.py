@@ -41,16 +41,32 @@ FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
-def _pack_kernel(codes_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr,
-                 L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+def _pack_kernel(
+    codes_ptr,
+    out_ptr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+):
     offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
     _common.pack_codes_store(out_ptr, tl.load(codes_ptr + offs), R, C, BITS, L, NB, NBP)
 
 
 @triton.jit
-def _unpack_kernel(packed_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr,
-                   ROW_STRIDE: tl.constexpr, BITS: tl.constexpr, L: tl.constexpr,
-                   NB: tl.constexpr, NBP: tl.constexpr):
+def _unpack_kernel(
+    packed_ptr,
+    out_ptr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    BITS: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+):
     codes = _common.unpack_codes_load(packed_ptr, R, C, ROW_STRIDE, BITS, L, NB, NBP)
     tl.store(out_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], codes)
 
@@ -59,8 +75,9 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     r, c = codes.shape
     nbytes = r * c * bits // 8
     buf = torch.full((nbytes + 32,), POISON, dtype=torch.uint8)
-    _pack_kernel[(1,)](codes.to(torch.int32).contiguous(), buf[16:], r, c, bits,
-                       *_common.pack_geometry(bits))
+    _pack_kernel[(1,)](
+        codes.to(torch.int32).contiguous(), buf[16:], r, c, bits, *_common.pack_geometry(bits)
+    )
     assert bool((buf[:16] == POISON).all()) and bool((buf[16 + nbytes :] == POISON).all())
     return buf[16 : 16 + nbytes]
 
@@ -74,16 +91,18 @@ def test_pack_and_unpack_are_bit_exact(bits, gen):
     assert torch.equal(packed, expect)
     # Unpack a window of columns [8, 24) of every row (row stride C codes).
     out = torch.full((r, 16), -1, dtype=torch.int32)
-    _unpack_kernel[(1,)](packed[8 * bits // 8 :], out, r, 16, c, bits,
-                         *_common.pack_geometry(bits))
+    _unpack_kernel[(1,)](packed[8 * bits // 8 :], out, r, 16, c, bits, *_common.pack_geometry(bits))
     assert torch.equal(out, codes[:, 8:24])
 
 
-@pytest.mark.parametrize(("bits", "codes", "expect"), [
-    (2, [0, 1, 2, 3, 0, 1, 2, 3], [228, 228]),
-    (4, [0, 1, 2, 3, 4, 5, 6, 7], [16, 50, 84, 118]),
-    (5, [0, 1, 2, 3, 4, 5, 6, 7], [32, 136, 65, 138, 57]),
-])
+@pytest.mark.parametrize(
+    ("bits", "codes", "expect"),
+    [
+        (2, [0, 1, 2, 3, 0, 1, 2, 3], [228, 228]),
+        (4, [0, 1, 2, 3, 4, 5, 6, 7], [16, 50, 84, 118]),
+        (5, [0, 1, 2, 3, 4, 5, 6, 7], [32, 136, 65, 138, 57]),
+    ],
+)
 def test_pack_published_vectors(bits, codes, expect):
     tile = torch.tensor([codes, codes], dtype=torch.int32)
     assert _pack(tile, bits).tolist() == expect + expect
@@ -126,8 +145,12 @@ def _compare(packed, packed_ref, dst, layout, pool_tiles):
         total += diff.numel()
     agreement = same / total
     assert agreement >= CODE_AGREEMENT, f"code agreement {agreement:.5f}"
-    for got, want, x in zip(ref.decode_records(recs, layout),
-                            ref.decode_records(recs_ref, layout), pool_tiles, strict=True):
+    for got, want, x in zip(
+        ref.decode_records(recs, layout),
+        ref.decode_records(recs_ref, layout),
+        pool_tiles,
+        strict=True,
+    ):
         x = x.reshape(-1, layout.block_size, layout.head_dim)
         err = ((got - x) ** 2).mean(dim=(1, 2)).sqrt()
         err_ref = ((want - x) ** 2).mean(dim=(1, 2)).sqrt()
@@ -159,8 +182,9 @@ def test_flush_matches_reference(case, gen):
     packed_ref = packed.clone()
     flush(ek, ev, ks, vs, src, dst, packed, lay)
     ref.flush(ek, ev, ks, vs, src, dst, packed_ref, lay)
-    tiles = [ref.read_pool_blocks(pool, sc, src).permute(0, 2, 1, 3)
-             for pool, sc in ((ek, ks), (ev, vs))]
+    tiles = [
+        ref.read_pool_blocks(pool, sc, src).permute(0, 2, 1, 3) for pool, sc in ((ek, ks), (ev, vs))
+    ]
     agreement, identical = _compare(packed, packed_ref, dst, lay, tiles)
     print(f"{fmt} d{d}: codes identical {agreement:.5f}, records byte-identical {identical:.3f}")
 
@@ -231,11 +255,16 @@ def test_flush_is_a_registered_custom_op():
 
 def _args(**over):
     lay = kf.dense_layout("kvarn_k4v2_g32", 64)
-    args = dict(exact_k=torch.zeros(3, 32, 2, 64, dtype=torch.float16),
-                exact_v=torch.zeros(3, 32, 2, 64, dtype=torch.float16), k_scale=None,
-                v_scale=None, src_pool_blocks=torch.tensor([0, 2], dtype=torch.int32),
-                dst_blocks=torch.tensor([1, 0], dtype=torch.int32),
-                packed=torch.zeros(2, 2, lay.record_bytes, dtype=torch.uint8), layout=lay)
+    args = dict(
+        exact_k=torch.zeros(3, 32, 2, 64, dtype=torch.float16),
+        exact_v=torch.zeros(3, 32, 2, 64, dtype=torch.float16),
+        k_scale=None,
+        v_scale=None,
+        src_pool_blocks=torch.tensor([0, 2], dtype=torch.int32),
+        dst_blocks=torch.tensor([1, 0], dtype=torch.int32),
+        packed=torch.zeros(2, 2, lay.record_bytes, dtype=torch.uint8),
+        layout=lay,
+    )
     args.update(over)
     return args
 
@@ -247,15 +276,26 @@ BAD = {
     "dst-shape": ("dst_blocks", dict(dst_blocks=torch.tensor([0], dtype=torch.int32))),
     "packed-dtype": ("packed", dict(packed=torch.zeros(2, 2, 7296, dtype=torch.int8))),
     "packed-record": ("packed", dict(packed=torch.zeros(2, 2, 100, dtype=torch.uint8))),
-    "packed-contiguity": ("packed", dict(packed=torch.zeros(2, 2, 2 * kf.dense_layout(
-        "kvarn_k4v2_g32", 64).record_bytes, dtype=torch.uint8)[..., ::2])),
+    "packed-contiguity": (
+        "packed",
+        dict(
+            packed=torch.zeros(
+                2, 2, 2 * kf.dense_layout("kvarn_k4v2_g32", 64).record_bytes, dtype=torch.uint8
+            )[..., ::2]
+        ),
+    ),
     "layout-mla": ("layout", dict(layout=kf.mla_layout("kvarn_mla_k4_g64"))),
     "layout-not-a-layout": ("layout", dict(layout="kvarn_k4v2_g32")),
     "layout-group": ("exact_k", dict(layout=kf.dense_layout("kvarn_k4v2_g64", 64))),
     "layout-head-dim": ("exact_k", dict(layout=kf.dense_layout("kvarn_k4v2_g32", 128))),
     "pool-dtype": ("exact_k", dict(exact_k=torch.zeros(3, 32, 2, 64))),
-    "fp8-scale": ("k_scale", dict(exact_k=torch.zeros(3, 32, 2, 64, dtype=FP8),
-                                  exact_v=torch.zeros(3, 32, 2, 64, dtype=FP8))),
+    "fp8-scale": (
+        "k_scale",
+        dict(
+            exact_k=torch.zeros(3, 32, 2, 64, dtype=FP8),
+            exact_v=torch.zeros(3, 32, 2, 64, dtype=FP8),
+        ),
+    ),
 }
 
 

@@ -43,24 +43,29 @@ def oracle(cache, request: int):
         blocks = cache.block_table[request, :n_full].long()
         fields = ref.record_fields(cache.packed[blocks].reshape(n_full * hkv, -1), lay)
         f64 = {k: v.double() for k, v in fields.items()}
-        k = (f64["k_codes"] * f64["k_col_scale"][:, :, None] + f64["k_zero_point"][:, :, None]
-             ) * f64["k_row_scale"][:, None, :]
-        v = (f64["v_codes"] * f64["v_row_scale"][:, :, None] + f64["v_zero_point"][:, :, None]
-             ) * f64["v_col_scale"][:, None, :]
+        k = (
+            f64["k_codes"] * f64["k_col_scale"][:, :, None] + f64["k_zero_point"][:, :, None]
+        ) * f64["k_row_scale"][:, None, :]
+        v = (
+            f64["v_codes"] * f64["v_row_scale"][:, :, None] + f64["v_zero_point"][:, :, None]
+        ) * f64["v_col_scale"][:, None, :]
         k = k.transpose(1, 2)
         for x, acc in ((k, ks), (v, vs)):
             acc.append(x.reshape(n_full, hkv, g, d).permute(0, 2, 1, 3).reshape(-1, hkv, d))
     if tail:
         pb = cache.tail_pool_block[request : request + 1]
-        for pool, scale, acc in ((cache.exact_k, cache.k_scale, ks),
-                                 (cache.exact_v, cache.v_scale, vs)):
+        for pool, scale, acc in (
+            (cache.exact_k, cache.k_scale, ks),
+            (cache.exact_v, cache.v_scale, vs),
+        ):
             vals = pool[pb.long()][0, :tail].double()
             if scale is not None:
                 vals = vals * scale[pb.long()][0, :tail, :, None].double()
             acc.append(vals)
     if not ks:
-        return torch.zeros(0, hkv, d, dtype=torch.float64), torch.zeros(0, hkv, d,
-                                                                        dtype=torch.float64)
+        return torch.zeros(0, hkv, d, dtype=torch.float64), torch.zeros(
+            0, hkv, d, dtype=torch.float64
+        )
     return torch.cat(ks) @ h, torch.cat(vs) @ h
 
 
@@ -75,8 +80,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-d{c[1]}-{str(c[4])[6:]}-"
-                         f"{str(c[5])[6:]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c[0]}-d{c[1]}-{str(c[4])[6:]}-{str(c[5])[6:]}"
+)
 def test_materialize_matches_oracle(case, make_cache, gen):
     fmt, d, seq_lens, hkv, pdt, odt = case
     cache = make_cache(fmt, d, seq_lens, hkv, pdt)
@@ -114,27 +120,35 @@ def test_materialize_is_a_registered_custom_op():
 def _args(**over):
     lay = kf.dense_layout("kvarn_k4v2_g32", 64)
     hkv, d = 2, 64
-    args = dict(packed=torch.zeros(3, hkv, lay.record_bytes, dtype=torch.uint8),
-                block_table=torch.tensor([[0, 2], [1, -1]], dtype=torch.int32),
-                seq_lens=torch.tensor([64, 40], dtype=torch.int32),
-                exact_k=torch.zeros(2, 32, hkv, d, dtype=torch.float16),
-                exact_v=torch.zeros(2, 32, hkv, d, dtype=torch.float16),
-                k_scale=None, v_scale=None,
-                tail_pool_block=torch.tensor([-1, 1], dtype=torch.int32), layout=lay,
-                k_out=torch.zeros(104, hkv, d, dtype=torch.bfloat16),
-                v_out=torch.zeros(104, hkv, d, dtype=torch.bfloat16),
-                cu_seqlens=torch.tensor([0, 64, 104], dtype=torch.int32))
+    args = dict(
+        packed=torch.zeros(3, hkv, lay.record_bytes, dtype=torch.uint8),
+        block_table=torch.tensor([[0, 2], [1, -1]], dtype=torch.int32),
+        seq_lens=torch.tensor([64, 40], dtype=torch.int32),
+        exact_k=torch.zeros(2, 32, hkv, d, dtype=torch.float16),
+        exact_v=torch.zeros(2, 32, hkv, d, dtype=torch.float16),
+        k_scale=None,
+        v_scale=None,
+        tail_pool_block=torch.tensor([-1, 1], dtype=torch.int32),
+        layout=lay,
+        k_out=torch.zeros(104, hkv, d, dtype=torch.bfloat16),
+        v_out=torch.zeros(104, hkv, d, dtype=torch.bfloat16),
+        cu_seqlens=torch.tensor([0, 64, 104], dtype=torch.int32),
+    )
     args.update(over)
     return args
 
 
 BAD = {
-    "table-range": ("block_table", dict(block_table=torch.tensor([[0, 3], [1, -1]],
-                                                                 dtype=torch.int32))),
+    "table-range": (
+        "block_table",
+        dict(block_table=torch.tensor([[0, 3], [1, -1]], dtype=torch.int32)),
+    ),
     "table-dtype": ("block_table", dict(block_table=torch.tensor([[0, 2], [1, -1]]))),
     "seq-too-long": ("seq_lens", dict(seq_lens=torch.tensor([96, 40], dtype=torch.int32))),
-    "tail-range": ("tail_pool_block", dict(tail_pool_block=torch.tensor([-1, 2],
-                                                                        dtype=torch.int32))),
+    "tail-range": (
+        "tail_pool_block",
+        dict(tail_pool_block=torch.tensor([-1, 2], dtype=torch.int32)),
+    ),
     "cu-range": ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 70, 104], dtype=torch.int32))),
     "cu-shape": ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 64], dtype=torch.int32))),
     "out-dtype": ("k_out", dict(k_out=torch.zeros(104, 2, 64), v_out=torch.zeros(104, 2, 64))),

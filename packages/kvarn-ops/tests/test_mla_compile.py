@@ -38,12 +38,18 @@ def _compile_all(arch: int) -> dict:
         full = {k: ("constexpr" if k in consts else sig[k]) for k in fn.arg_names}
         # Pointers 16-byte aligned, as a launch with torch tensors specializes them: without
         # this the compiler picks other layouts (the pack kernel's shared memory differed 4x).
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                 if a not in consts and full[a].startswith("*")}
+        attrs = {
+            (i,): [["tt.divisibility", 16]]
+            for i, a in enumerate(fn.arg_names)
+            if a not in consts and full[a].startswith("*")
+        }
         src = triton.compiler.ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=target, options=dict(opts))
-        results[name] = {"ptx": "ptx" in k.asm, "cubin": "cubin" in k.asm,
-                         "shared": int(k.metadata.shared)}
+        results[name] = {
+            "ptx": "ptx" in k.asm,
+            "cubin": "cubin" in k.asm,
+            "shared": int(k.metadata.shared),
+        }
 
     def fmt(bits):
         offs = field_offsets(kf.mla_layout(f"kvarn_mla_k{bits}_g64"))
@@ -55,62 +61,145 @@ def _compile_all(arch: int) -> dict:
     # takes minutes on 2 cores); code width only changes constants in the unpack arithmetic.
     for pname, (pt, st, fp8) in pools.items():
         for ldt in ("*fp32",):
-            build(f"scatter-{pname}-{ldt}", mla_scatter._mla_scatter_kernel,
-                  {"lat_ptr": ldt, "rope_ptr": ldt, "slots_ptr": "*i64", "pool_ptr": pt,
-                   "pscale_ptr": st, "prope_ptr": "*i16", "T": "i32", "num_slots": "i64"},
-                  {"BLOCK_T": 16, "EXACT_TF32": ldt != "*fp32", "FP8": fp8}, num_warps=4)
-        for bits in ((4,) if pname == "bf16" else (5,)):
+            build(
+                f"scatter-{pname}-{ldt}",
+                mla_scatter._mla_scatter_kernel,
+                {
+                    "lat_ptr": ldt,
+                    "rope_ptr": ldt,
+                    "slots_ptr": "*i64",
+                    "pool_ptr": pt,
+                    "pscale_ptr": st,
+                    "prope_ptr": "*i16",
+                    "T": "i32",
+                    "num_slots": "i64",
+                },
+                {"BLOCK_T": 16, "EXACT_TF32": ldt != "*fp32", "FP8": fp8},
+                num_warps=4,
+            )
+        for bits in (4,) if pname == "bf16" else (5,):
             offs, geo = fmt(bits)
-            common = {"pool_ptr": pt, "pscale_ptr": st, "prope_ptr": "*i16",
-                      "rec_ptr": "*u8", "rec16_ptr": "*i16"}
-            build(f"pack-k{bits}-{pname}", mla_pack._mla_pack_kernel,
-                  {**common, "src_ptr": "*i32", "dst_ptr": "*i32"},
-                  {"ITERS": 8, "STD_FLOOR": 1e-3, "FP8": fp8, **offs, **geo},
-                  num_warps=16, enable_fp_fusion=False)
-            build(f"rehydrate-k{bits}-{pname}", mla_pack._mla_rehydrate_kernel,
-                  {**common, "src_ptr": "*i32", "dst_ptr": "*i32"},
-                  {"BLOCK_T": 16, "FP8": fp8, **offs, **geo}, num_warps=4)
-            for stage in ((False,) if pname == "bf16" else (True,)):
-                build(f"gather-stage{int(stage)}-k{bits}-{pname}", mla_gather._mla_gather_kernel,
-                      {**common, "slots_ptr": "*i64", "N": "i32", "num_slots": "i64",
-                       "map_ptr": "*i32", "out_ptr": "*u8" if stage else "*bf16",
-                       "out8_ptr": "*fp8e4nv" if stage else "*bf16",
-                       "out32_ptr": "*fp32" if stage else "*bf16", "out16_ptr": "*i16"},
-                      {"STAGE": stage, "BLOCK_T": 16, "FP8": fp8, **offs}, num_warps=4)
-            for sparse in ((False,) if pname == "bf16" else (True,)):
-                build(f"decode-sparse{int(sparse)}-k{bits}-{pname}",
-                      mla_decode._mla_decode_kernel,
-                      {**common, "q_ptr": "*bf16", "qrot_ptr": "*fp32", "map_ptr": "*i32",
-                       "bt_ptr": "*i32", "seq_ptr": "*i32", "idx_ptr": "*i32",
-                       "po_ptr": "*fp32", "plse_ptr": "*fp32", "H": "i32", "S": "i32",
-                       "bt_stride": "i32", "idx_stride": "i32", "max_blocks": "i32",
-                       "sm_scale": "fp32"},
-                      {"SPARSE": sparse, "BLOCK_H": 16, "BLOCK_N": 16, "FP8": fp8, **offs},
-                      num_warps=8)
+            common = {
+                "pool_ptr": pt,
+                "pscale_ptr": st,
+                "prope_ptr": "*i16",
+                "rec_ptr": "*u8",
+                "rec16_ptr": "*i16",
+            }
+            build(
+                f"pack-k{bits}-{pname}",
+                mla_pack._mla_pack_kernel,
+                {**common, "src_ptr": "*i32", "dst_ptr": "*i32"},
+                {"ITERS": 8, "STD_FLOOR": 1e-3, "FP8": fp8, **offs, **geo},
+                num_warps=16,
+                enable_fp_fusion=False,
+            )
+            build(
+                f"rehydrate-k{bits}-{pname}",
+                mla_pack._mla_rehydrate_kernel,
+                {**common, "src_ptr": "*i32", "dst_ptr": "*i32"},
+                {"BLOCK_T": 16, "FP8": fp8, **offs, **geo},
+                num_warps=4,
+            )
+            for stage in (False,) if pname == "bf16" else (True,):
+                build(
+                    f"gather-stage{int(stage)}-k{bits}-{pname}",
+                    mla_gather._mla_gather_kernel,
+                    {
+                        **common,
+                        "slots_ptr": "*i64",
+                        "N": "i32",
+                        "num_slots": "i64",
+                        "map_ptr": "*i32",
+                        "out_ptr": "*u8" if stage else "*bf16",
+                        "out8_ptr": "*fp8e4nv" if stage else "*bf16",
+                        "out32_ptr": "*fp32" if stage else "*bf16",
+                        "out16_ptr": "*i16",
+                    },
+                    {"STAGE": stage, "BLOCK_T": 16, "FP8": fp8, **offs},
+                    num_warps=4,
+                )
+            for sparse in (False,) if pname == "bf16" else (True,):
+                build(
+                    f"decode-sparse{int(sparse)}-k{bits}-{pname}",
+                    mla_decode._mla_decode_kernel,
+                    {
+                        **common,
+                        "q_ptr": "*bf16",
+                        "qrot_ptr": "*fp32",
+                        "map_ptr": "*i32",
+                        "bt_ptr": "*i32",
+                        "seq_ptr": "*i32",
+                        "idx_ptr": "*i32",
+                        "po_ptr": "*fp32",
+                        "plse_ptr": "*fp32",
+                        "H": "i32",
+                        "S": "i32",
+                        "bt_stride": "i32",
+                        "idx_stride": "i32",
+                        "max_blocks": "i32",
+                        "sm_scale": "fp32",
+                    },
+                    {"SPARSE": sparse, "BLOCK_H": 16, "BLOCK_N": 16, "FP8": fp8, **offs},
+                    num_warps=8,
+                )
     # The widest codes (the pack kernel's byte loop is longest), bf16 pool.
     offs, geo = fmt(8)
-    build("pack-k8-bf16", mla_pack._mla_pack_kernel,
-          {"pool_ptr": "*bf16", "pscale_ptr": "*bf16", "prope_ptr": "*i16", "rec_ptr": "*u8",
-           "rec16_ptr": "*i16", "src_ptr": "*i32", "dst_ptr": "*i32"},
-          {"ITERS": 8, "STD_FLOOR": 1e-3, "FP8": False, **offs, **geo},
-          num_warps=16, enable_fp_fusion=False)
-    build("remap", mla_gather._mla_remap_kernel,
-          {"idx_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*i64", "K": "i32",
-           "bt_stride": "i32", "max_blocks": "i32"}, {"BLOCK_K": 128}, num_warps=4)
-    build("qrot", mla_decode._mla_qrot_kernel, {"q_ptr": "*bf16", "qrot_ptr": "*fp32",
-                                                "BH": "i32"}, {"BLOCK_H": 16}, num_warps=4)
+    build(
+        "pack-k8-bf16",
+        mla_pack._mla_pack_kernel,
+        {
+            "pool_ptr": "*bf16",
+            "pscale_ptr": "*bf16",
+            "prope_ptr": "*i16",
+            "rec_ptr": "*u8",
+            "rec16_ptr": "*i16",
+            "src_ptr": "*i32",
+            "dst_ptr": "*i32",
+        },
+        {"ITERS": 8, "STD_FLOOR": 1e-3, "FP8": False, **offs, **geo},
+        num_warps=16,
+        enable_fp_fusion=False,
+    )
+    build(
+        "remap",
+        mla_gather._mla_remap_kernel,
+        {
+            "idx_ptr": "*i32",
+            "req_ptr": "*i32",
+            "bt_ptr": "*i32",
+            "out_ptr": "*i64",
+            "K": "i32",
+            "bt_stride": "i32",
+            "max_blocks": "i32",
+        },
+        {"BLOCK_K": 128},
+        num_warps=4,
+    )
+    build(
+        "qrot",
+        mla_decode._mla_qrot_kernel,
+        {"q_ptr": "*bf16", "qrot_ptr": "*fp32", "BH": "i32"},
+        {"BLOCK_H": 16},
+        num_warps=4,
+    )
     for odt in ("*bf16",):
-        build(f"combine-{odt}", mla_decode._mla_combine_kernel,
-              {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": odt, "BH": "i32", "S": "i32"},
-              {"BLOCK_H": 16}, num_warps=4)
+        build(
+            f"combine-{odt}",
+            mla_decode._mla_combine_kernel,
+            {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": odt, "BH": "i32", "S": "i32"},
+            {"BLOCK_H": 16},
+            num_warps=4,
+        )
     return results
 
 
 @pytest.mark.parametrize("arch", TARGETS, ids=lambda a: f"sm{a}")
 def test_every_mla_kernel_compiles(arch):
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, __file__, str(arch)], env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(arch)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == 14

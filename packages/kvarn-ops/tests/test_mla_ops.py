@@ -67,8 +67,9 @@ def pool_bits(pool):
 def filled_pool(gen, p: int, dtype):
     pool = make_pool(p, dtype)
     lat = realistic_latent(gen, p * 64)
-    ref.mla_exact_scatter(lat, torch.randn(p * 64, 64, generator=gen), torch.arange(p * 64),
-                          pool[0], pool[2], pool[1])
+    ref.mla_exact_scatter(
+        lat, torch.randn(p * 64, 64, generator=gen), torch.arange(p * 64), pool[0], pool[2], pool[1]
+    )
     return pool, lat
 
 
@@ -92,20 +93,22 @@ def test_scatter_matches_reference(gen, dtype):
     written = torch.zeros(p * 64, dtype=torch.bool)
     written[slots[slots >= 0]] = True
     # rows without a slot stay poisoned (3.0 latent, NaN rope) in both
-    assert torch.equal(a[2].view(-1, 64)[~written].view(torch.int16),
-                       b[2].view(-1, 64)[~written].view(torch.int16))
-    assert torch.equal(a[2], b[2]) or torch.equal(a[2][~torch.isnan(a[2])],
-                                                  b[2][~torch.isnan(b[2])])
+    assert torch.equal(
+        a[2].view(-1, 64)[~written].view(torch.int16), b[2].view(-1, 64)[~written].view(torch.int16)
+    )
+    assert torch.equal(a[2], b[2]) or torch.equal(
+        a[2][~torch.isnan(a[2])], b[2][~torch.isnan(b[2])]
+    )
     va = a[0].view(-1, 512)[written].float()
     vb = b[0].view(-1, 512)[written].float()
     if dtype == BF16:
-        ulp = va.abs().clamp_min(1e-30) * 2.0 ** -7
+        ulp = va.abs().clamp_min(1e-30) * 2.0**-7
         assert bool(((va - vb).abs() <= ulp).all())
     else:
         sa, sb = a[1].view(-1)[written], b[1].view(-1)[written]
         assert bool(((sa - sb).abs() <= 1e-6 * sa).all())
         da, db = va * sa[:, None], vb * sb[:, None]
-        step = da.abs().clamp_min(sa[:, None] * 2.0 ** -9) * 2.0 ** -3
+        step = da.abs().clamp_min(sa[:, None] * 2.0**-9) * 2.0**-3
         assert bool(((da - db).abs() <= step * 1.01).all())
     assert bool(torch.isfinite(b[2].view(-1, 64)[written].float()).all())
 
@@ -163,8 +166,10 @@ def test_rehydrate_exact_and_round_trip(gen, bits, dtype):
     q_err = (l1 - x).pow(2).mean().sqrt()
     drift = (l2 - l1).pow(2).mean().sqrt()
     changed = float((f1["codes"] != f2["codes"]).float().mean())
-    print(f"round trip k{bits} {dtype}: codes changed {changed:.4f}, drift/quant error "
-          f"{float(drift / q_err):.3f}")
+    print(
+        f"round trip k{bits} {dtype}: codes changed {changed:.4f}, drift/quant error "
+        f"{float(drift / q_err):.3f}"
+    )
     # Documented bound (docs/contracts.md): the second pack moves the tile by at most 0.5x its
     # first quantization error (bf16 pool) / 0.9x (fp8 pool: e4m3 re-rounding adds error).
     assert float(drift / q_err) <= (0.5 if dtype == BF16 else 0.9)
@@ -178,8 +183,14 @@ def test_recycled_pool_slot_reads_own_values(gen):
     packed = torch.zeros(2, layout.record_bytes, dtype=torch.uint8)
     kpack.mla_pack(pool[0], pool[1], pool[2], i32(0), i32(0), packed, layout)  # block A -> rec 0
     # the slot is recycled: block B's rows overwrite pool block 0
-    kscat.mla_exact_scatter(realistic_latent(gen, 64), torch.randn(64, 64, generator=gen),
-                            torch.arange(64), pool[0], pool[2], pool[1])
+    kscat.mla_exact_scatter(
+        realistic_latent(gen, 64),
+        torch.randn(64, 64, generator=gen),
+        torch.arange(64),
+        pool[0],
+        pool[2],
+        pool[1],
+    )
     kpack.mla_rehydrate(packed, i32(0), i32(0), pool[0], pool[1], pool[2], layout)
     bmap_pool, bmap_rec = i32(0, -1), i32(-1, -1)
     slots = torch.arange(64, dtype=torch.int64)
@@ -228,8 +239,7 @@ def test_stage_zero_token_scale_is_one():
     pool[2].zero_()
     packed = torch.zeros(1, layout.record_bytes, dtype=torch.uint8)
     out = torch.full((2, 656), 0xA5, dtype=torch.uint8)
-    kgat.mla_stage_fp8(packed, i32(0), pool[0], pool[1], pool[2], torch.tensor([0, 5]), layout,
-                       out)
+    kgat.mla_stage_fp8(packed, i32(0), pool[0], pool[1], pool[2], torch.tensor([0, 5]), layout, out)
     assert torch.equal(out[:, 512:528].contiguous().view(torch.float32), torch.ones(2, 4))
     assert bool((out[:, :512] == 0).all()) and bool((out[:, 528:] == 0).all())
 
@@ -247,7 +257,7 @@ def test_materialize_matches_reference(gen, dtype):
     assert torch.equal(a[ok, 512:].view(torch.int16), b[ok, 512:].view(torch.int16))
     x, y = a[ok, :512].float(), b[ok, :512].float()
     rms = x.pow(2).mean().sqrt()
-    assert bool(((x - y).abs() <= x.abs() * 2.0 ** -7 + 1e-6 * rms).all())
+    assert bool(((x - y).abs() <= x.abs() * 2.0**-7 + 1e-6 * rms).all())
 
 
 def test_remap_indices(gen):
@@ -267,14 +277,14 @@ def test_remap_indices(gen):
 # ----------------------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("sparse,dtype,splits", [(False, BF16, 3), (True, FP8, 2),
-                                                 (False, FP8, 1)])
+@pytest.mark.parametrize("sparse,dtype,splits", [(False, BF16, 3), (True, FP8, 2), (False, FP8, 1)])
 def test_decode_matches_oracle(gen, sparse, dtype, splits):
     layout = kf.mla_layout("kvarn_mla_k4_g64")
     pool, _ = filled_pool(gen, 3, dtype)
     packed = torch.zeros(6, layout.record_bytes, dtype=torch.uint8)
-    ref.mla_pack(pool[0], pool[1], pool[2], i32(0, 1, 2, 0, 1, 2), torch.arange(6).int(),
-                 packed, layout)
+    ref.mla_pack(
+        pool[0], pool[1], pool[2], i32(0, 1, 2, 0, 1, 2), torch.arange(6).int(), packed, layout
+    )
     bmap = i32(-1, -1, 2, -1, -1, 1)
     bt = i32(0, 1, 2, 5, 4, 3, 5, 0).view(2, 4)
     seq = i32(201, 129)
@@ -286,12 +296,14 @@ def test_decode_matches_oracle(gen, sparse, dtype, splits):
         idx[1] = -1  # an empty selection gives zeros
         idx[1, :3] = torch.tensor([0, 128, 64])
     o_ref = torch.empty(b, h, 512)
-    ref.mla_decode(q, packed, bt, seq, bmap, pool[0], pool[1], pool[2], layout, 0.04, o_ref,
-                   indices=idx)
+    ref.mla_decode(
+        q, packed, bt, seq, bmap, pool[0], pool[1], pool[2], layout, 0.04, o_ref, indices=idx
+    )
     o = torch.full((b, h, 512), float("nan"))
     ws = ref.mla_decode_workspace(b, h, splits)
-    kdec.mla_decode(q, packed, bt, seq, bmap, pool[0], pool[1], pool[2], layout, 0.04, o, ws,
-                    indices=idx)
+    kdec.mla_decode(
+        q, packed, bt, seq, bmap, pool[0], pool[1], pool[2], layout, 0.04, o, ws, indices=idx
+    )
     assert not bool(o.isnan().any())
     assert float((o - o_ref).abs().max()) <= 2e-4 * float(o_ref.abs().max())
 
@@ -312,36 +324,157 @@ def test_bad_inputs_raise_naming_the_argument():
 
     bad_stride = torch.zeros(3, layout.record_bytes + 16, dtype=torch.uint8)
     raises("packed", kpack.mla_pack, *pool, i32(0), i32(0), bad_stride, layout)
-    raises("packed", kgat.mla_stage_fp8, bad_stride, bmap, *pool, slots, layout,
-           torch.zeros(2, 656, dtype=torch.uint8))
-    raises("out", kgat.mla_stage_fp8, packed, bmap, *pool, slots, layout,
-           torch.zeros(2, 640, dtype=torch.uint8))
-    raises("slots", kgat.mla_materialize, packed, bmap, *pool, torch.tensor([0, 3 * 64]), layout,
-           torch.zeros(2, 576, dtype=BF16))
-    raises("slots", kgat.mla_materialize, packed, bmap, *pool, slots.int(), layout,
-           torch.zeros(2, 576, dtype=BF16))
-    raises("block_pool_map", kgat.mla_materialize, packed, i32(-1, 2, -1), *pool, slots, layout,
-           torch.zeros(2, 576, dtype=BF16))
-    raises("pool_latent", kscat.mla_exact_scatter, torch.zeros(2, 512), torch.zeros(2, 64),
-           slots, pool[0].half(), pool[2], None)
-    raises("pool_scale", kscat.mla_exact_scatter, torch.zeros(2, 512), torch.zeros(2, 64),
-           slots, pool[0].to(FP8), pool[2], None)
-    raises("latent", kscat.mla_exact_scatter, torch.zeros(2, 512).t().contiguous().t()[:, :2],
-           torch.zeros(2, 64), slots, pool[0], pool[2], None)
-    raises("slots", kscat.mla_exact_scatter, torch.zeros(2, 512), torch.zeros(2, 64),
-           torch.tensor([0, 128]), pool[0], pool[2], None)
+    raises(
+        "packed",
+        kgat.mla_stage_fp8,
+        bad_stride,
+        bmap,
+        *pool,
+        slots,
+        layout,
+        torch.zeros(2, 656, dtype=torch.uint8),
+    )
+    raises(
+        "out",
+        kgat.mla_stage_fp8,
+        packed,
+        bmap,
+        *pool,
+        slots,
+        layout,
+        torch.zeros(2, 640, dtype=torch.uint8),
+    )
+    raises(
+        "slots",
+        kgat.mla_materialize,
+        packed,
+        bmap,
+        *pool,
+        torch.tensor([0, 3 * 64]),
+        layout,
+        torch.zeros(2, 576, dtype=BF16),
+    )
+    raises(
+        "slots",
+        kgat.mla_materialize,
+        packed,
+        bmap,
+        *pool,
+        slots.int(),
+        layout,
+        torch.zeros(2, 576, dtype=BF16),
+    )
+    raises(
+        "block_pool_map",
+        kgat.mla_materialize,
+        packed,
+        i32(-1, 2, -1),
+        *pool,
+        slots,
+        layout,
+        torch.zeros(2, 576, dtype=BF16),
+    )
+    raises(
+        "pool_latent",
+        kscat.mla_exact_scatter,
+        torch.zeros(2, 512),
+        torch.zeros(2, 64),
+        slots,
+        pool[0].half(),
+        pool[2],
+        None,
+    )
+    raises(
+        "pool_scale",
+        kscat.mla_exact_scatter,
+        torch.zeros(2, 512),
+        torch.zeros(2, 64),
+        slots,
+        pool[0].to(FP8),
+        pool[2],
+        None,
+    )
+    raises(
+        "latent",
+        kscat.mla_exact_scatter,
+        torch.zeros(2, 512).t().contiguous().t()[:, :2],
+        torch.zeros(2, 64),
+        slots,
+        pool[0],
+        pool[2],
+        None,
+    )
+    raises(
+        "slots",
+        kscat.mla_exact_scatter,
+        torch.zeros(2, 512),
+        torch.zeros(2, 64),
+        torch.tensor([0, 128]),
+        pool[0],
+        pool[2],
+        None,
+    )
     raises("dst_blocks", kpack.mla_pack, *pool, i32(0), i32(3), packed, layout)
-    raises("src_blocks", kpack.mla_rehydrate, packed, i32(5), i32(0), pool[0], pool[1], pool[2],
-           layout)
-    raises("layout", kpack.mla_pack, *pool, i32(0), i32(0), packed,
-           kf.dense_layout("kvarn_k4v4_g64", head_dim=128))
-    raises("indices", kgat.mla_remap_indices, i32(0, 6 * 64).view(1, 2), i32(0),
-           torch.zeros(1, 6, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64))
+    raises(
+        "src_blocks", kpack.mla_rehydrate, packed, i32(5), i32(0), pool[0], pool[1], pool[2], layout
+    )
+    raises(
+        "layout",
+        kpack.mla_pack,
+        *pool,
+        i32(0),
+        i32(0),
+        packed,
+        kf.dense_layout("kvarn_k4v4_g64", head_dim=128),
+    )
+    raises(
+        "indices",
+        kgat.mla_remap_indices,
+        i32(0, 6 * 64).view(1, 2),
+        i32(0),
+        torch.zeros(1, 6, dtype=torch.int32),
+        torch.zeros(1, 2, dtype=torch.int64),
+    )
     q = torch.zeros(1, 16, 576)
     ws = ref.mla_decode_workspace(1, 16, 2)
-    raises("workspace", kdec.mla_decode, q, packed, i32(0, 1).view(1, 2), i32(70), bmap, *pool,
-           layout, 0.1, torch.zeros(1, 16, 512))
-    raises("block_table", kdec.mla_decode, q, packed, i32(0, 7).view(1, 2), i32(70), bmap,
-           *pool, layout, 0.1, torch.zeros(1, 16, 512), ws)
-    raises("q", kdec.mla_decode, torch.zeros(1, 16, 512), packed, i32(0, 1).view(1, 2), i32(70),
-           bmap, *pool, layout, 0.1, torch.zeros(1, 16, 512), ws)
+    raises(
+        "workspace",
+        kdec.mla_decode,
+        q,
+        packed,
+        i32(0, 1).view(1, 2),
+        i32(70),
+        bmap,
+        *pool,
+        layout,
+        0.1,
+        torch.zeros(1, 16, 512),
+    )
+    raises(
+        "block_table",
+        kdec.mla_decode,
+        q,
+        packed,
+        i32(0, 7).view(1, 2),
+        i32(70),
+        bmap,
+        *pool,
+        layout,
+        0.1,
+        torch.zeros(1, 16, 512),
+        ws,
+    )
+    raises(
+        "q",
+        kdec.mla_decode,
+        torch.zeros(1, 16, 512),
+        packed,
+        i32(0, 1).view(1, 2),
+        i32(70),
+        bmap,
+        *pool,
+        layout,
+        0.1,
+        torch.zeros(1, 16, 512),
+        ws,
+    )

@@ -115,8 +115,7 @@ def test_rotate_is_a_registered_custom_op_with_fake_impl():
         (torch.zeros(4, 64), torch.zeros(64, 4).t(), "out"),
         (torch.zeros(4, 64), torch.zeros(4, 64, device="meta"), "out"),
     ],
-    ids=["dtype", "head_dim", "x-contiguity", "out-shape", "out-dtype", "out-contiguity",
-         "device"],
+    ids=["dtype", "head_dim", "x-contiguity", "out-shape", "out-dtype", "out-contiguity", "device"],
 )
 def test_rotate_rejects_bad_input(x, out, name):
     with pytest.raises(ValueError, match=f"^{name}"):

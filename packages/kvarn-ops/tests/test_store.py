@@ -4,7 +4,8 @@ Tolerances (pool contents of kernel vs reference, compared as bits):
 
 - float16, bfloat16: at most 1 ulp apart, on at most 2% of elements (ULP_FRACTION): the
   rotation's fp32 sum order differs from the reference's butterflies; the rounding to the pool
-  dtype flips only near a tie.
+  dtype flips only near a tie. Results near zero (within 8 fp32 epsilons of the largest
+  magnitude) may be further apart in ulps: they carry the rounding of the largest terms.
 - float8_e4m3fn: values as above; scales within 1e-6 relative (SCALE_RTOL): the per-token
   scale is amax/448 of the fp32 rotated row, so it inherits fp32-ulp differences.
 
@@ -65,8 +66,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-"
-                         f"{str(c[5])[6:]}-{str(c[6])[6:]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"T{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-{str(c[5])[6:]}-{str(c[6])[6:]}"
+)
 def test_store_matches_reference(case, gen):
     t, hkv, d, g, p, xdt, pdt = case
     k = realistic_kv(gen, t, hkv, d).to(xdt)
@@ -94,7 +96,12 @@ def test_store_matches_reference(case, gen):
         assert bool((raw_bytes(flat[~used]) == 0xFF).all()), "a slot without a token was written"
         assert not bool(flat[used].float().isnan().any()), "a stored element was not written"
         diff = (as_ordered_int(flat[used]) - as_ordered_int(flat_ref[used])).abs()
-        assert int(diff.max()) <= 1, f"max ulp difference {int(diff.max())}"
+        # More than 1 ulp only for results near zero, whose fp32 sums carry the rounding error
+        # of their largest terms: then within 8 fp32 epsilons of the largest magnitude.
+        a, b = flat[used].double(), flat_ref[used].double()
+        near_zero = (a - b).abs() <= 8 * torch.finfo(torch.float32).eps * float(b.abs().max())
+        worst = int(diff[~near_zero].max()) if bool((~near_zero).any()) else 0
+        assert worst <= 1, f"max ulp difference {worst} away from zero"
         assert float((diff > 0).float().mean()) <= ULP_FRACTION
     if pdt == FP8:
         for s, s_ref in ((ks, ks_ref), (vs, vs_ref)):
@@ -140,11 +147,15 @@ def test_store_is_a_registered_custom_op():
 
 def _args(**over):
     t, hkv, d, p, g = 5, 2, 64, 2, 16
-    args = dict(k=torch.zeros(t, hkv, d), v=torch.zeros(t, hkv, d),
-                pool_slots=torch.arange(t, dtype=torch.int64),
-                exact_k=torch.zeros(p, g, hkv, d, dtype=torch.float16),
-                exact_v=torch.zeros(p, g, hkv, d, dtype=torch.float16), k_scale=None,
-                v_scale=None)
+    args = dict(
+        k=torch.zeros(t, hkv, d),
+        v=torch.zeros(t, hkv, d),
+        pool_slots=torch.arange(t, dtype=torch.int64),
+        exact_k=torch.zeros(p, g, hkv, d, dtype=torch.float16),
+        exact_v=torch.zeros(p, g, hkv, d, dtype=torch.float16),
+        k_scale=None,
+        v_scale=None,
+    )
     args.update(over)
     return args
 
@@ -159,13 +170,25 @@ BAD = {
     "slots-range": ("pool_slots", dict(pool_slots=torch.tensor([0, 1, 32, -1, 2]))),
     "slots-negative": ("pool_slots", dict(pool_slots=torch.tensor([0, 1, -2, 3, 4]))),
     "pool-dtype": ("exact_k", dict(exact_k=torch.zeros(2, 16, 2, 64))),
-    "pool-head-dim": ("exact_k", dict(exact_k=torch.zeros(2, 16, 2, 96, dtype=torch.float16),
-                                      exact_v=torch.zeros(2, 16, 2, 96, dtype=torch.float16))),
+    "pool-head-dim": (
+        "exact_k",
+        dict(
+            exact_k=torch.zeros(2, 16, 2, 96, dtype=torch.float16),
+            exact_v=torch.zeros(2, 16, 2, 96, dtype=torch.float16),
+        ),
+    ),
     "pool-mismatch": ("exact_v", dict(exact_v=torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16))),
-    "fp8-no-scale": ("k_scale", dict(exact_k=torch.zeros(2, 16, 2, 64, dtype=FP8),
-                                     exact_v=torch.zeros(2, 16, 2, 64, dtype=FP8))),
-    "scale-not-fp8": ("k_scale", dict(k_scale=torch.zeros(2, 16, 2),
-                                      v_scale=torch.zeros(2, 16, 2))),
+    "fp8-no-scale": (
+        "k_scale",
+        dict(
+            exact_k=torch.zeros(2, 16, 2, 64, dtype=FP8),
+            exact_v=torch.zeros(2, 16, 2, 64, dtype=FP8),
+        ),
+    ),
+    "scale-not-fp8": (
+        "k_scale",
+        dict(k_scale=torch.zeros(2, 16, 2), v_scale=torch.zeros(2, 16, 2)),
+    ),
 }
 
 

@@ -176,8 +176,7 @@ def rotate_rows(x, M: tl.constexpr, D: tl.constexpr, EXACT_TF32: tl.constexpr):
         else:
             y = tl.dot(flat, hadamard_signs(16), input_precision="tf32x3")
         y = tl.permute(tl.reshape(y, [M, OUTER, 16]), (0, 2, 1))
-        y = tl.dot(tl.reshape(y, [M * 16, OUTER]), hadamard_signs(OUTER),
-                   input_precision="tf32x3")
+        y = tl.dot(tl.reshape(y, [M * 16, OUTER]), hadamard_signs(OUTER), input_precision="tf32x3")
         y = tl.reshape(tl.permute(tl.reshape(y, [M, 16, OUTER]), (0, 2, 1)), [M, D])
     # fp32(1/sqrt(D)), the constant the reference multiplies by.
     if D == 64:
@@ -192,14 +191,21 @@ def rotate_rows(x, M: tl.constexpr, D: tl.constexpr, EXACT_TF32: tl.constexpr):
 
 
 @triton.jit
-def pack_codes_store(ptr, codes, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr,
-                     L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+def pack_codes_store(
+    ptr,
+    codes,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+):
     """Bit-pack int32 ``codes [R, C]`` (values in [0, 2**BITS)) as stream ``r*C + c`` and store
     the ``R*C*BITS/8`` bytes at uint8 ``ptr``. ``(L, NB, NBP) = pack_geometry(BITS)``."""
     CHUNKS: tl.constexpr = R * C // L
     if BITS == 8:
-        tl.store(ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :],
-                 codes.to(tl.uint8))
+        tl.store(ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], codes.to(tl.uint8))
     else:
         groups = tl.reshape(codes, [CHUNKS, L])
         shifts = tl.arange(0, L) * BITS
@@ -218,9 +224,16 @@ def pack_codes_store(ptr, codes, R: tl.constexpr, C: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def unpack_codes_load(ptr, R: tl.constexpr, C: tl.constexpr, ROW_STRIDE: tl.constexpr,
-                      BITS: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
-                      NBP: tl.constexpr):
+def unpack_codes_load(
+    ptr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    BITS: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+):
     """Load int32 codes ``[R, C]``: code ``(r, c)`` is stream index ``r*ROW_STRIDE + c`` of the
     packed field starting at uint8 ``ptr``. ``C`` and ``ROW_STRIDE`` are multiples of ``L``."""
     CHUNKS: tl.constexpr = R * C // L
@@ -238,7 +251,7 @@ def unpack_codes_load(ptr, R: tl.constexpr, C: tl.constexpr, ROW_STRIDE: tl.cons
         shifts = tl.arange(0, L) * BITS
         if L * BITS > 32:
             word = tl.sum(raw.to(tl.int64) << (k * 8).to(tl.int64)[None, :], axis=1)
-            codes = ((word[:, None] >> shifts.to(tl.int64)[None, :]) & ((1 << BITS) - 1))
+            codes = (word[:, None] >> shifts.to(tl.int64)[None, :]) & ((1 << BITS) - 1)
             codes = codes.to(tl.int32)
         else:
             word = tl.sum(raw.to(tl.int32) << (k * 8)[None, :], axis=1)

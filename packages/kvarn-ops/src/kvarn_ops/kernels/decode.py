@@ -125,9 +125,23 @@ def _online_update(m, l, s):
 
 
 @triton.jit
-def _pv_phase(p, srow_v, zp_v, v_rows_ptr, va0, va1, va2, va3, pz,
-              D: tl.constexpr, VB: tl.constexpr, NPV: tl.constexpr, V_GENERIC: tl.constexpr,
-              vtok, N: tl.constexpr):
+def _pv_phase(
+    p,
+    srow_v,
+    zp_v,
+    v_rows_ptr,
+    va0,
+    va1,
+    va2,
+    va3,
+    pz,
+    D: tl.constexpr,
+    VB: tl.constexpr,
+    NPV: tl.constexpr,
+    V_GENERIC: tl.constexpr,
+    vtok,
+    N: tl.constexpr,
+):
     """Add ``(p * s_row_V) @ cV`` for the N tokens ``vtok`` of one K phase to the per-phase V
     accumulators (``va_e`` holds channels ``d = i * NPV + e``) and ``p @ zp_V`` to ``pz``."""
     pw = (p * srow_v[None, :]).to(tl.float16)
@@ -173,14 +187,22 @@ def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr)
         m2: tl.constexpr = mask | (mask << 16)
         c0, c1 = tl.inline_asm_elementwise(
             asm=f"{{ .reg .b32 t; shr.u32 t, $2, {SHIFT}; "
-                f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 {{$0, $1}}, t; }}",
-            constraints="=h,=h,r", args=[w], dtype=(tl.float16, tl.float16), is_pure=True,
-            pack=1)
+            f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 {{$0, $1}}, t; }}",
+            constraints="=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
         c2, c3 = tl.inline_asm_elementwise(
             asm=f"{{ .reg .b32 t; shr.u32 t, $2, {SHIFT + 8}; "
-                f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 {{$0, $1}}, t; }}",
-            constraints="=h,=h,r", args=[w], dtype=(tl.float16, tl.float16), is_pure=True,
-            pack=1)
+            f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 {{$0, $1}}, t; }}",
+            constraints="=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
         # join stacks along a new last axis: slot 2 * i + k of a word is
         # (c0, c2)[i] for k = 0 and (c1, c3)[i] for k = 1, so the slots are c0, c1, c2, c3
         # and each lop3 result stays one register
@@ -199,8 +221,9 @@ def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr)
 
 
 @triton.jit
-def _k_phase_scores(qs, qz, kb, srow_k_ptr, tok, key_pos, q_pos,
-                    KB: tl.constexpr, SHIFT: tl.constexpr):
+def _k_phase_scores(
+    qs, qz, kb, srow_k_ptr, tok, key_pos, q_pos, KB: tl.constexpr, SHIFT: tl.constexpr
+):
     """Scores of one K phase: ``s_row_K[t] * (qs @ cK[:, tok] + qz)`` with the causal mask."""
     mask: tl.constexpr = (1 << KB) - 1
     ck = ((kb >> SHIFT) & mask).to(tl.float16)
@@ -214,14 +237,46 @@ def _k_phase_scores(qs, qz, kb, srow_k_ptr, tok, key_pos, q_pos,
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, rec_ptr, rec16_ptr, rec32_ptr, bt_ptr, seq_ptr, ek_ptr, ev_ptr, ks_ptr, vs_ptr, tail_ptr,
-    ws_ptr, qk_scale, bt_stride, num_kv_heads, num_q_heads, lse_numel,
-    T: tl.constexpr, GQA: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    KB: tl.constexpr, VB: tl.constexpr, REC: tl.constexpr,
-    K_OFF: tl.constexpr, KCS_OFF: tl.constexpr, KZP_OFF: tl.constexpr, KRS_OFF: tl.constexpr,
-    V_OFF: tl.constexpr, VCS_OFF: tl.constexpr, VRS_OFF: tl.constexpr, VZP_OFF: tl.constexpr,
-    S: tl.constexpr, MIN_UNITS: tl.constexpr, TC: tl.constexpr, QC: tl.constexpr,
-    POOL_FP8: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+    q_ptr,
+    rec_ptr,
+    rec16_ptr,
+    rec32_ptr,
+    bt_ptr,
+    seq_ptr,
+    ek_ptr,
+    ev_ptr,
+    ks_ptr,
+    vs_ptr,
+    tail_ptr,
+    ws_ptr,
+    qk_scale,
+    bt_stride,
+    num_kv_heads,
+    num_q_heads,
+    lse_numel,
+    T: tl.constexpr,
+    GQA: tl.constexpr,
+    R_PAD: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    REC: tl.constexpr,
+    K_OFF: tl.constexpr,
+    KCS_OFF: tl.constexpr,
+    KZP_OFF: tl.constexpr,
+    KRS_OFF: tl.constexpr,
+    V_OFF: tl.constexpr,
+    VCS_OFF: tl.constexpr,
+    VRS_OFF: tl.constexpr,
+    VZP_OFF: tl.constexpr,
+    S: tl.constexpr,
+    MIN_UNITS: tl.constexpr,
+    TC: tl.constexpr,
+    QC: tl.constexpr,
+    POOL_FP8: tl.constexpr,
+    FAST: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -302,7 +357,7 @@ def _decode_split_kernel(
         bt_row = bt_ptr + b.to(tl.int64) * bt_stride
         blk = tl.load(bt_row + u0, mask=have, other=0).to(tl.int64)
         blk_n = tl.load(bt_row + tl.minimum(u0 + 1, u_end - 1), mask=have, other=0)
-        rbase = (blk * num_kv_heads + h)
+        rbase = blk * num_kv_heads + h
         r32 = rec32_ptr + rbase * REC4
         r16 = rec16_ptr + rbase * REC2
         kw = tl.load(r32 + K_OFF // 4 + dcol[:, None] * WK + wk[None, :], mask=have, other=0)
@@ -319,7 +374,7 @@ def _decode_split_kernel(
         for u in range(u0, u_end):
             # issue the loads of block u + 1 (clamped: the last iteration re-reads block u)
             blk_nn = tl.load(bt_row + tl.minimum(u + 2, u_end - 1))
-            nbase = (blk_n.to(tl.int64) * num_kv_heads + h)
+            nbase = blk_n.to(tl.int64) * num_kv_heads + h
             n32 = rec32_ptr + nbase * REC4
             n16 = rec16_ptr + nbase * REC2
             kw_n = tl.load(n32 + K_OFF // 4 + dcol[:, None] * WK + wk[None, :])
@@ -344,15 +399,16 @@ def _decode_split_kernel(
             # ---- block u: scores (codes enter the dot as 1024 + code; one cross-warp
             # reduction per quantity and block, both K phases together)
             qs = (q_rot * kcs.to(tl.float32)[None, :]).to(tl.float16)
-            qz = tl.sum(q_rot * kzp.to(tl.float32)[None, :] - 1024.0 * qs.to(tl.float32),
-                        axis=1)
+            qz = tl.sum(q_rot * kzp.to(tl.float32)[None, :] - 1024.0 * qs.to(tl.float32), axis=1)
             kpos = u * G + tokA
-            s0 = (tl.dot(qs, _words_to_f16(kw, 0, KB, ASM)) + qz[:, None]) \
-                * krsA.to(tl.float32)[None, :]
+            s0 = (tl.dot(qs, _words_to_f16(kw, 0, KB, ASM)) + qz[:, None]) * krsA.to(tl.float32)[
+                None, :
+            ]
             s0 = tl.where(kpos[None, :] <= q_pos[:, None], s0, float("-inf"))
             if NPK == 2:
-                s1 = (tl.dot(qs, _words_to_f16(kw, KB, KB, ASM)) + qz[:, None]) \
-                    * krsB.to(tl.float32)[None, :]
+                s1 = (tl.dot(qs, _words_to_f16(kw, KB, KB, ASM)) + qz[:, None]) * krsB.to(
+                    tl.float32
+                )[None, :]
                 s1 = tl.where(kpos[None, :] + 1 <= q_pos[:, None], s1, float("-inf"))
                 m_new = tl.maximum(m, tl.max(tl.maximum(s0, s1), axis=1))
             else:
@@ -436,28 +492,73 @@ def _decode_split_kernel(
                     m_tile = m_new
                     srv = tl.load(rec16 + VRS_OFF // 2 + tok).to(tl.float32)
                     zpv = tl.load(rec16 + VZP_OFF // 2 + tok).to(tl.float32)
-                    va0, va1, va2, va3, pz = _pv_phase(p0, srv, zpv, rec + V_OFF, va0, va1, va2,
-                                                       va3, pz, D, VB, NPV, V_GENERIC, tok, JK)
+                    va0, va1, va2, va3, pz = _pv_phase(
+                        p0,
+                        srv,
+                        zpv,
+                        rec + V_OFF,
+                        va0,
+                        va1,
+                        va2,
+                        va3,
+                        pz,
+                        D,
+                        VB,
+                        NPV,
+                        V_GENERIC,
+                        tok,
+                        JK,
+                    )
                 else:
                     # K bytes of this chunk: row d holds G / NPK bytes; byte j of the chunk carries
                     # tokens c0 + j * NPK + phase.
-                    kb = tl.load(rec + K_OFF + dcol[:, None] * (G // NPK) + (c0 // NPK)
-                                 + jk[None, :]).to(tl.int32)
+                    kb = tl.load(
+                        rec + K_OFF + dcol[:, None] * (G // NPK) + (c0 // NPK) + jk[None, :]
+                    ).to(tl.int32)
                     tok0 = c0 + jk * NPK
-                    s0 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0, u * G + tok0,
-                                         q_pos, KB, 0)
+                    s0 = _k_phase_scores(
+                        qs, qz, kb, rec16 + KRS_OFF // 2, tok0, u * G + tok0, q_pos, KB, 0
+                    )
                     m_new = tl.maximum(m_tile, tl.max(s0, axis=1))
                     if NPK >= 2:
-                        s1 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 1,
-                                             u * G + tok0 + 1, q_pos, KB, KB)
+                        s1 = _k_phase_scores(
+                            qs,
+                            qz,
+                            kb,
+                            rec16 + KRS_OFF // 2,
+                            tok0 + 1,
+                            u * G + tok0 + 1,
+                            q_pos,
+                            KB,
+                            KB,
+                        )
                         m_new = tl.maximum(m_new, tl.max(s1, axis=1))
                     if NPK >= 4:
-                        s2 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 2,
-                                             u * G + tok0 + 2, q_pos, KB, 2 * KB)
-                        s3 = _k_phase_scores(qs, qz, kb, rec16 + KRS_OFF // 2, tok0 + 3,
-                                             u * G + tok0 + 3, q_pos, KB, 3 * KB)
-                        m_new = tl.maximum(m_new, tl.maximum(tl.max(s2, axis=1),
-                                                             tl.max(s3, axis=1)))
+                        s2 = _k_phase_scores(
+                            qs,
+                            qz,
+                            kb,
+                            rec16 + KRS_OFF // 2,
+                            tok0 + 2,
+                            u * G + tok0 + 2,
+                            q_pos,
+                            KB,
+                            2 * KB,
+                        )
+                        s3 = _k_phase_scores(
+                            qs,
+                            qz,
+                            kb,
+                            rec16 + KRS_OFF // 2,
+                            tok0 + 3,
+                            u * G + tok0 + 3,
+                            q_pos,
+                            KB,
+                            3 * KB,
+                        )
+                        m_new = tl.maximum(
+                            m_new, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1))
+                        )
                     alpha = tl.exp2(m_tile - m_new)
                     va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)
                     alpha_tile = alpha_tile * alpha
@@ -466,29 +567,81 @@ def _decode_split_kernel(
                     p = tl.exp2(s0 - m_new[:, None])
                     l += tl.sum(p, axis=1)
                     va0, va1, va2, va3, pz = _pv_phase(
-                        p, tl.load(rec16 + VRS_OFF // 2 + tok0).to(tl.float32),
-                        tl.load(rec16 + VZP_OFF // 2 + tok0).to(tl.float32), rec + V_OFF,
-                        va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0, JK)
+                        p,
+                        tl.load(rec16 + VRS_OFF // 2 + tok0).to(tl.float32),
+                        tl.load(rec16 + VZP_OFF // 2 + tok0).to(tl.float32),
+                        rec + V_OFF,
+                        va0,
+                        va1,
+                        va2,
+                        va3,
+                        pz,
+                        D,
+                        VB,
+                        NPV,
+                        V_GENERIC,
+                        tok0,
+                        JK,
+                    )
                     if NPK >= 2:
                         p = tl.exp2(s1 - m_new[:, None])
                         l += tl.sum(p, axis=1)
                         va0, va1, va2, va3, pz = _pv_phase(
-                            p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 1).to(tl.float32),
-                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 1).to(tl.float32), rec + V_OFF,
-                            va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 1, JK)
+                            p,
+                            tl.load(rec16 + VRS_OFF // 2 + tok0 + 1).to(tl.float32),
+                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 1).to(tl.float32),
+                            rec + V_OFF,
+                            va0,
+                            va1,
+                            va2,
+                            va3,
+                            pz,
+                            D,
+                            VB,
+                            NPV,
+                            V_GENERIC,
+                            tok0 + 1,
+                            JK,
+                        )
                     if NPK >= 4:
                         p = tl.exp2(s2 - m_new[:, None])
                         l += tl.sum(p, axis=1)
                         va0, va1, va2, va3, pz = _pv_phase(
-                            p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 2).to(tl.float32),
-                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 2).to(tl.float32), rec + V_OFF,
-                            va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 2, JK)
+                            p,
+                            tl.load(rec16 + VRS_OFF // 2 + tok0 + 2).to(tl.float32),
+                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 2).to(tl.float32),
+                            rec + V_OFF,
+                            va0,
+                            va1,
+                            va2,
+                            va3,
+                            pz,
+                            D,
+                            VB,
+                            NPV,
+                            V_GENERIC,
+                            tok0 + 2,
+                            JK,
+                        )
                         p = tl.exp2(s3 - m_new[:, None])
                         l += tl.sum(p, axis=1)
                         va0, va1, va2, va3, pz = _pv_phase(
-                            p, tl.load(rec16 + VRS_OFF // 2 + tok0 + 3).to(tl.float32),
-                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 3).to(tl.float32), rec + V_OFF,
-                            va0, va1, va2, va3, pz, D, VB, NPV, V_GENERIC, tok0 + 3, JK)
+                            p,
+                            tl.load(rec16 + VRS_OFF // 2 + tok0 + 3).to(tl.float32),
+                            tl.load(rec16 + VZP_OFF // 2 + tok0 + 3).to(tl.float32),
+                            rec + V_OFF,
+                            va0,
+                            va1,
+                            va2,
+                            va3,
+                            pz,
+                            D,
+                            VB,
+                            NPV,
+                            V_GENERIC,
+                            tok0 + 3,
+                            JK,
+                        )
             # fold the tile into the running accumulators: s_col_V per channel, zp_V per row
             m = m_tile
             acc0 = acc0 * alpha_tile[:, None] + vcs0[None, :] * (va0 + pz[:, None])
@@ -509,8 +662,9 @@ def _decode_split_kernel(
             tok = c * TC + tt
             t_ok = tok < tail
             slot = (pb * G + tok) * num_kv_heads + h
-            kx = tl.load(ek_ptr + slot[:, None] * D + dcol[None, :], mask=t_ok[:, None],
-                         other=0.0).to(tl.float32)
+            kx = tl.load(
+                ek_ptr + slot[:, None] * D + dcol[None, :], mask=t_ok[:, None], other=0.0
+            ).to(tl.float32)
             if POOL_FP8:
                 kx = kx * tl.load(ks_ptr + slot, mask=t_ok, other=0.0)[:, None]
             s = tl.dot(q_rot, tl.trans(kx))
@@ -558,9 +712,18 @@ def _rescale5(va0, va1, va2, va3, pz, alpha):
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_combine_kernel(
-    ws_ptr, seq_ptr, out_ptr, lse_numel, rows_per_request,
-    D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, S_P2: tl.constexpr,
-    MIN_UNITS: tl.constexpr, JC: tl.constexpr, SC: tl.constexpr,
+    ws_ptr,
+    seq_ptr,
+    out_ptr,
+    lse_numel,
+    rows_per_request,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    S_P2: tl.constexpr,
+    MIN_UNITS: tl.constexpr,
+    JC: tl.constexpr,
+    SC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // rows_per_request
@@ -583,8 +746,11 @@ def _decode_combine_kernel(
         sc = s0 + tl.arange(0, SC)
         live = sc < n_live
         w_s = tl.exp2(tl.load(ws_ptr + row * S + sc, mask=live, other=float("-inf")) - lse_max)
-        part = tl.load(ws_ptr + lse_numel + (row * S + sc)[:, None] * D + d[None, :],
-                       mask=live[:, None], other=0.0)
+        part = tl.load(
+            ws_ptr + lse_numel + (row * S + sc)[:, None] * D + d[None, :],
+            mask=live[:, None],
+            other=0.0,
+        )
         o += tl.sum(w_s[:, None] * part, axis=0)
     o = o * (inv_w / tl.sqrt(D * 1.0))
     # back to the model frame: out[j] = sum_i o[i] * H[i, j], by column chunks of JC
@@ -613,17 +779,30 @@ def _layout_consts(format_name: str, head_dim: int) -> dict:
     fmt = kf.parse_format(format_name)
     f = lay.field
     return dict(
-        G=lay.block_size, KB=fmt.k_bits, VB=fmt.v_bits, REC=lay.record_bytes,
-        K_OFF=f("k_codes").offset, KCS_OFF=f("k_col_scale").offset,
-        KZP_OFF=f("k_zero_point").offset, KRS_OFF=f("k_row_scale").offset,
-        V_OFF=f("v_codes").offset, VCS_OFF=f("v_col_scale").offset,
-        VRS_OFF=f("v_row_scale").offset, VZP_OFF=f("v_zero_point").offset,
+        G=lay.block_size,
+        KB=fmt.k_bits,
+        VB=fmt.v_bits,
+        REC=lay.record_bytes,
+        K_OFF=f("k_codes").offset,
+        KCS_OFF=f("k_col_scale").offset,
+        KZP_OFF=f("k_zero_point").offset,
+        KRS_OFF=f("k_row_scale").offset,
+        V_OFF=f("v_codes").offset,
+        VCS_OFF=f("v_col_scale").offset,
+        VRS_OFF=f("v_row_scale").offset,
+        VZP_OFF=f("v_zero_point").offset,
     )
 
 
-def kernel_config(format_name: str, head_dim: int, gqa: int, query_len: int,
-                  num_splits: int, pool_fp8: bool, kv_rows: int | None = None
-                  ) -> tuple[dict, dict]:
+def kernel_config(
+    format_name: str,
+    head_dim: int,
+    gqa: int,
+    query_len: int,
+    num_splits: int,
+    pool_fp8: bool,
+    kv_rows: int | None = None,
+) -> tuple[dict, dict]:
     """Constexprs and launch options of the split kernel for one geometry (also used by the
     offline compile tests). ``kv_rows`` is batch * KV heads (programs per split), when known."""
     c = _layout_consts(format_name, head_dim)
@@ -637,16 +816,37 @@ def kernel_config(format_name: str, head_dim: int, gqa: int, query_len: int,
     # two phases per byte (4- and 8-bit K), at most 16 query rows (T * GQA > 16 spills
     # registers there: 552 B of stack at T=8 GQA4 d128 on sm_90, vs 288 B in the byte-load
     # loop); everything else takes the byte-load loop
-    fast = (8 % kb == 0 and 8 % c["VB"] == 0 and tc == g and npk <= 2
-            and (g * kb) % 32 == 0 and (d * c["VB"]) % 32 == 0 and query_len * gqa <= 16)
+    fast = (
+        8 % kb == 0
+        and 8 % c["VB"] == 0
+        and tc == g
+        and npk <= 2
+        and (g * kb) % 32 == 0
+        and (d * c["VB"]) % 32 == 0
+        and query_len * gqa <= 16
+    )
     consts = dict(
-        T=query_len, GQA=gqa, R_PAD=max(16, _next_pow2(query_len * gqa)), D=d,
-        S=num_splits, MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT, TC=tc, QC=min(d, 32),
-        POOL_FP8=pool_fp8, FAST=fast, ASM=fast and not _interpreting(), **c,
+        T=query_len,
+        GQA=gqa,
+        R_PAD=max(16, _next_pow2(query_len * gqa)),
+        D=d,
+        S=num_splits,
+        MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
+        TC=tc,
+        QC=min(d, 32),
+        POOL_FP8=pool_fp8,
+        FAST=fast,
+        ASM=fast and not _interpreting(),
+        **c,
     )
     opts = dict(num_warps=4 if d <= 128 else 8, num_stages=1)
-    if (fast and opts["num_warps"] == 4 and kv_rows is not None and kv_rows >= 64
-            and not _interpreting()):
+    if (
+        fast
+        and opts["num_warps"] == 4
+        and kv_rows is not None
+        and kv_rows >= 64
+        and not _interpreting()
+    ):
         # 168 registers (from ~210): 3 programs per SM instead of 2, at 16 B of spill. H200,
         # k4v2 g64 d128: B=64 32K 17.5 -> 18.8% of copy BW, B=32 16K 16.9 -> 18.6%, B=8 32K
         # 12.7 -> 15.8%; but batch 1 (8 KV heads) lost 4.0 -> 3.7% at 32K, 13.5 -> 11.9% at
@@ -659,12 +859,19 @@ def combine_consts(head_dim: int, num_splits: int) -> dict:
     """Tile sizes of the combine kernel: JC output columns per Hadamard chunk, SC splits per
     partial-row tile (both keep a tile at <= 4096 fp32 elements, 32 registers a thread at 4
     warps)."""
-    return dict(JC=max(1, min(head_dim, 4096 // head_dim)),
-                SC=max(1, min(_next_pow2(num_splits), 4096 // head_dim)))
+    return dict(
+        JC=max(1, min(head_dim, 4096 // head_dim)),
+        SC=max(1, min(_next_pow2(num_splits), 4096 // head_dim)),
+    )
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_size: int,
-                      device: torch.device | str | None = None) -> int:
+def decode_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    block_size: int,
+    device: torch.device | str | None = None,
+) -> int:
     """Split count a workspace is sized for: enough (request, KV head, split) programs to
     fill the GPU about 4 times over, no more than the longest context can use."""
     sms = 132
@@ -677,10 +884,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_siz
     return max(1, min(DECODE_MAX_SPLITS, want, by_ctx))
 
 
-def decode_workspace(batch: int, query_len: int, num_q_heads: int, num_kv_heads: int,
-                     head_dim: int, max_seq_len: int, block_size: int,
-                     device: torch.device | str = "cuda", num_splits: int | None = None
-                     ) -> torch.Tensor:
+def decode_workspace(
+    batch: int,
+    query_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    block_size: int,
+    device: torch.device | str = "cuda",
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Scratch for :func:`decode`: float32 ``[S * B * T * Hq * (D + 1)]``.
 
     Allocate once per geometry (outside CUDA-graph capture). ``S`` (the largest split count)
@@ -695,8 +909,21 @@ def decode_workspace(batch: int, query_len: int, num_q_heads: int, num_kv_heads:
     return torch.empty(n, dtype=torch.float32, device=device)
 
 
-def _check_decode_args(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
-                       tail_pool_block, layout, softmax_scale, out, workspace) -> int:
+def _check_decode_args(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    layout,
+    softmax_scale,
+    out,
+    workspace,
+) -> int:
     V.check_tensor("q", q, dtypes=V.MODEL_DTYPES, ndim=4)
     dev = q.device
     b, t, hq, d = q.shape
@@ -706,20 +933,23 @@ def _check_decode_args(q, packed, block_table, seq_lens, exact_k, exact_v, k_sca
     V.check_tensor("packed", packed, dtypes=torch.uint8, ndim=3, device=dev)
     nb, hkv, rb = packed.shape
     if rb != layout.record_bytes:
-        raise ValueError(f"packed: last dim must be record_bytes={layout.record_bytes} of "
-                         f"{layout.format_name!r} at head_dim {d}, got {rb}")
+        raise ValueError(
+            f"packed: last dim must be record_bytes={layout.record_bytes} of "
+            f"{layout.format_name!r} at head_dim {d}, got {rb}"
+        )
     if hkv < 1 or hq % hkv != 0 or not 1 <= hq // hkv <= DECODE_MAX_GQA:
-        raise ValueError(f"q: {hq} query heads for {hkv} KV heads (packed dim 1); need a "
-                         f"multiple with 1 to {DECODE_MAX_GQA} query heads per KV head")
+        raise ValueError(
+            f"q: {hq} query heads for {hkv} KV heads (packed dim 1); need a "
+            f"multiple with 1 to {DECODE_MAX_GQA} query heads per KV head"
+        )
     V.check_tensor("block_table", block_table, dtypes=torch.int32, ndim=2, device=dev)
     if block_table.shape[0] != b:
-        raise ValueError(f"block_table: expected {b} rows (batch of q), got "
-                         f"{list(block_table.shape)}")
+        raise ValueError(
+            f"block_table: expected {b} rows (batch of q), got {list(block_table.shape)}"
+        )
     V.check_tensor("seq_lens", seq_lens, dtypes=torch.int32, shape=(b,), device=dev)
-    V.check_tensor("tail_pool_block", tail_pool_block, dtypes=torch.int32, shape=(b,),
-                   device=dev)
-    npool, g, phkv, pd = V.check_pool(exact_k, exact_v, k_scale, v_scale, device=dev,
-                                      layout=layout)
+    V.check_tensor("tail_pool_block", tail_pool_block, dtypes=torch.int32, shape=(b,), device=dev)
+    npool, g, phkv, pd = V.check_pool(exact_k, exact_v, k_scale, v_scale, device=dev, layout=layout)
     if phkv != hkv:
         raise ValueError(f"exact_k: {phkv} KV heads, but packed has {hkv}")
     if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
@@ -728,66 +958,161 @@ def _check_decode_args(q, packed, block_table, seq_lens, exact_k, exact_v, k_sca
     V.check_tensor("workspace", workspace, dtypes=torch.float32, ndim=1, device=dev)
     splits = workspace.numel() // (b * t * hq * (d + 1))
     if splits < 1:
-        raise ValueError(f"workspace: too small, {workspace.numel()} float32 elements; at least "
-                         f"{b * t * hq * (d + 1)} needed (use decode_workspace(...))")
+        raise ValueError(
+            f"workspace: too small, {workspace.numel()} float32 elements; at least "
+            f"{b * t * hq * (d + 1)} needed (use decode_workspace(...))"
+        )
     if dev.type == "cpu":
         # value checks only where they cost no device sync
-        if bool(((seq_lens < t)).any()):
-            raise ValueError(f"seq_lens: every entry must be >= T={t} (the cache holds the "
-                             f"T new tokens), got {seq_lens.tolist()}")
+        if bool((seq_lens < t).any()):
+            raise ValueError(
+                f"seq_lens: every entry must be >= T={t} (the cache holds the "
+                f"T new tokens), got {seq_lens.tolist()}"
+            )
         full = (seq_lens // g).to(torch.int64)
         if int(full.max()) > block_table.shape[1]:
-            raise ValueError(f"block_table: {block_table.shape[1]} columns, but a request has "
-                             f"{int(full.max())} full blocks")
+            raise ValueError(
+                f"block_table: {block_table.shape[1]} columns, but a request has "
+                f"{int(full.max())} full blocks"
+            )
         cols = torch.arange(block_table.shape[1])
         V.check_index_range("block_table", block_table, nb, used=cols[None, :] < full[:, None])
-        V.check_index_range("tail_pool_block", tail_pool_block, npool,
-                            used=(seq_lens % g) > 0)
+        V.check_index_range("tail_pool_block", tail_pool_block, npool, used=(seq_lens % g) > 0)
     return min(splits, DECODE_MAX_SPLITS)
 
 
-def _launch(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
-            tail_pool_block, format_name, softmax_scale, out, workspace, num_splits):
+def _launch(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    format_name,
+    softmax_scale,
+    out,
+    workspace,
+    num_splits,
+):
     b, t, hq, d = q.shape
     hkv = packed.shape[1]
     pool_fp8 = exact_k.dtype == torch.float8_e4m3fn
-    consts, opts = kernel_config(format_name, d, hq // hkv, t, num_splits, pool_fp8,
-                                 kv_rows=b * hkv)
+    consts, opts = kernel_config(
+        format_name, d, hq // hkv, t, num_splits, pool_fp8, kv_rows=b * hkv
+    )
     lse_numel = num_splits * b * t * hq
     ks = k_scale if pool_fp8 else exact_k
     vs = v_scale if pool_fp8 else exact_v
     _decode_split_kernel[(num_splits, b * hkv)](
-        q, packed, packed.view(torch.float16), packed.view(torch.int32), block_table, seq_lens,
-        exact_k, exact_v, ks, vs,
-        tail_pool_block, workspace, float(softmax_scale) * math.log2(math.e),
-        block_table.stride(0), hkv, hq, lse_numel, **consts, **opts,
+        q,
+        packed,
+        packed.view(torch.float16),
+        packed.view(torch.int32),
+        block_table,
+        seq_lens,
+        exact_k,
+        exact_v,
+        ks,
+        vs,
+        tail_pool_block,
+        workspace,
+        float(softmax_scale) * math.log2(math.e),
+        block_table.stride(0),
+        hkv,
+        hq,
+        lse_numel,
+        **consts,
+        **opts,
     )
     _decode_combine_kernel[(b * t * hq,)](
-        workspace, seq_lens, out, lse_numel, t * hq,
-        D=d, G=consts["G"], S=num_splits, S_P2=_next_pow2(num_splits),
-        MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT, **combine_consts(d, num_splits), num_warps=4,
+        workspace,
+        seq_lens,
+        out,
+        lse_numel,
+        t * hq,
+        D=d,
+        G=consts["G"],
+        S=num_splits,
+        S_P2=_next_pow2(num_splits),
+        MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
+        **combine_consts(d, num_splits),
+        num_warps=4,
     )
 
 
 @torch.library.custom_op("kvarn::decode", mutates_args=("out", "workspace"))
-def _decode_op(q: torch.Tensor, packed: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tensor,
-               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-               tail_pool_block: torch.Tensor, format_name: str, softmax_scale: float,
-               out: torch.Tensor, workspace: torch.Tensor, num_splits: int) -> None:
-    _launch(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
-            tail_pool_block, format_name, softmax_scale, out, workspace, num_splits)
+def _decode_op(
+    q: torch.Tensor,
+    packed: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    tail_pool_block: torch.Tensor,
+    format_name: str,
+    softmax_scale: float,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    num_splits: int,
+) -> None:
+    _launch(
+        q,
+        packed,
+        block_table,
+        seq_lens,
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        tail_pool_block,
+        format_name,
+        softmax_scale,
+        out,
+        workspace,
+        num_splits,
+    )
 
 
 @_decode_op.register_fake
-def _decode_op_fake(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
-                    tail_pool_block, format_name, softmax_scale, out, workspace,
-                    num_splits) -> None:
+def _decode_op_fake(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    format_name,
+    softmax_scale,
+    out,
+    workspace,
+    num_splits,
+) -> None:
     return None
 
 
-def decode(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
-           tail_pool_block, layout, softmax_scale, out, workspace) -> None:
+def decode(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    layout,
+    softmax_scale,
+    out,
+    workspace,
+) -> None:
     """Attention of T query tokens per request over a KVarN paged cache.
 
     Parameters
@@ -810,8 +1135,34 @@ def decode(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
 
     Two kernel launches; no allocation and no host synchronization on the GPU.
     """
-    splits = _check_decode_args(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale,
-                                v_scale, tail_pool_block, layout, softmax_scale, out, workspace)
-    torch.ops.kvarn.decode(q, packed, block_table, seq_lens, exact_k, exact_v, k_scale,
-                           v_scale, tail_pool_block, layout.format_name, float(softmax_scale),
-                           out, workspace, splits)
+    splits = _check_decode_args(
+        q,
+        packed,
+        block_table,
+        seq_lens,
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        tail_pool_block,
+        layout,
+        softmax_scale,
+        out,
+        workspace,
+    )
+    torch.ops.kvarn.decode(
+        q,
+        packed,
+        block_table,
+        seq_lens,
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        tail_pool_block,
+        layout.format_name,
+        float(softmax_scale),
+        out,
+        workspace,
+        splits,
+    )

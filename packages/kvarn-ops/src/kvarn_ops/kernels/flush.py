@@ -79,8 +79,9 @@ def _apply(xp, lr, lc):
 @triton.jit
 def _balance(col_s, row_s):
     """Reference ``_imbalance`` from the two spreads."""
-    return (tl.div_rn(tl.max(col_s, axis=0), tl.min(col_s, axis=0))
-            + tl.div_rn(tl.max(row_s, axis=0), tl.min(row_s, axis=0)))
+    return tl.div_rn(tl.max(col_s, axis=0), tl.min(col_s, axis=0)) + tl.div_rn(
+        tl.max(row_s, axis=0), tl.min(row_s, axis=0)
+    )
 
 
 @triton.jit
@@ -99,15 +100,34 @@ def _zero_pad(ptr, PAD: tl.constexpr):
 
 
 @triton.jit
-def _flush_tile(pool_ptr, scale_ptr, src, head, rec_ptr,
-                R: tl.constexpr, C: tl.constexpr, TOKENS_ON_ROWS: tl.constexpr,
-                G: tl.constexpr, H: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
-                BITS: tl.constexpr, L: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-                CODES_OFF: tl.constexpr, CODES_PAD: tl.constexpr,
-                ROW_SCALE_OFF: tl.constexpr, ROW_SCALE_PAD: tl.constexpr,
-                ROW_ZP_OFF: tl.constexpr, ROW_ZP_PAD: tl.constexpr,
-                COL_SCALE_OFF: tl.constexpr, COL_SCALE_PAD: tl.constexpr,
-                ITERS: tl.constexpr, STD_FLOOR: tl.constexpr):
+def _flush_tile(
+    pool_ptr,
+    scale_ptr,
+    src,
+    head,
+    rec_ptr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    TOKENS_ON_ROWS: tl.constexpr,
+    G: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    FP8: tl.constexpr,
+    BITS: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+    CODES_OFF: tl.constexpr,
+    CODES_PAD: tl.constexpr,
+    ROW_SCALE_OFF: tl.constexpr,
+    ROW_SCALE_PAD: tl.constexpr,
+    ROW_ZP_OFF: tl.constexpr,
+    ROW_ZP_PAD: tl.constexpr,
+    COL_SCALE_OFF: tl.constexpr,
+    COL_SCALE_PAD: tl.constexpr,
+    ITERS: tl.constexpr,
+    STD_FLOOR: tl.constexpr,
+):
     """Quantize one tile ``X [R, C]`` (K: R = D channels, C = G tokens; V: R = G tokens,
     C = D) into its record fields: codes ``[R, C]``, row-side scale and zero point ``[R]``,
     column-side scale ``[C]``."""
@@ -203,21 +223,48 @@ def _flush_tile(pool_ptr, scale_ptr, src, head, rec_ptr,
 
 
 @triton.jit
-def _flush_kernel(exact_k_ptr, exact_v_ptr, k_scale_ptr, v_scale_ptr, src_ptr, dst_ptr,
-                  packed_ptr, num_pool_blocks, num_blocks,
-                  G: tl.constexpr, H: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
-                  RECORD_BYTES: tl.constexpr,
-                  K_BITS: tl.constexpr, K_L: tl.constexpr, K_NB: tl.constexpr,
-                  K_NBP: tl.constexpr,
-                  V_BITS: tl.constexpr, V_L: tl.constexpr, V_NB: tl.constexpr,
-                  V_NBP: tl.constexpr,
-                  KC_OFF: tl.constexpr, KC_PAD: tl.constexpr, KS_OFF: tl.constexpr,
-                  KS_PAD: tl.constexpr, KZ_OFF: tl.constexpr, KZ_PAD: tl.constexpr,
-                  KR_OFF: tl.constexpr, KR_PAD: tl.constexpr,
-                  VC_OFF: tl.constexpr, VC_PAD: tl.constexpr, VS_OFF: tl.constexpr,
-                  VS_PAD: tl.constexpr, VR_OFF: tl.constexpr, VR_PAD: tl.constexpr,
-                  VZ_OFF: tl.constexpr, VZ_PAD: tl.constexpr,
-                  ITERS: tl.constexpr, STD_FLOOR: tl.constexpr):
+def _flush_kernel(
+    exact_k_ptr,
+    exact_v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    src_ptr,
+    dst_ptr,
+    packed_ptr,
+    num_pool_blocks,
+    num_blocks,
+    G: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    FP8: tl.constexpr,
+    RECORD_BYTES: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_L: tl.constexpr,
+    K_NB: tl.constexpr,
+    K_NBP: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_L: tl.constexpr,
+    V_NB: tl.constexpr,
+    V_NBP: tl.constexpr,
+    KC_OFF: tl.constexpr,
+    KC_PAD: tl.constexpr,
+    KS_OFF: tl.constexpr,
+    KS_PAD: tl.constexpr,
+    KZ_OFF: tl.constexpr,
+    KZ_PAD: tl.constexpr,
+    KR_OFF: tl.constexpr,
+    KR_PAD: tl.constexpr,
+    VC_OFF: tl.constexpr,
+    VC_PAD: tl.constexpr,
+    VS_OFF: tl.constexpr,
+    VS_PAD: tl.constexpr,
+    VR_OFF: tl.constexpr,
+    VR_PAD: tl.constexpr,
+    VZ_OFF: tl.constexpr,
+    VZ_PAD: tl.constexpr,
+    ITERS: tl.constexpr,
+    STD_FLOOR: tl.constexpr,
+):
     i = tl.program_id(0)
     head = tl.program_id(1)
     which = tl.program_id(2)
@@ -228,19 +275,75 @@ def _flush_kernel(exact_k_ptr, exact_v_ptr, k_scale_ptr, v_scale_ptr, src_ptr, d
         rec_ptr = packed_ptr + (dst * H + head) * RECORD_BYTES
         if which == 0:
             # K tile [D, G]: rows = channels (col_scale/zero_point), columns = tokens.
-            _flush_tile(exact_k_ptr, k_scale_ptr, src, head, rec_ptr, D, G, False, G, H, D,
-                        FP8, K_BITS, K_L, K_NB, K_NBP, KC_OFF, KC_PAD, KS_OFF, KS_PAD,
-                        KZ_OFF, KZ_PAD, KR_OFF, KR_PAD, ITERS, STD_FLOOR)
+            _flush_tile(
+                exact_k_ptr,
+                k_scale_ptr,
+                src,
+                head,
+                rec_ptr,
+                D,
+                G,
+                False,
+                G,
+                H,
+                D,
+                FP8,
+                K_BITS,
+                K_L,
+                K_NB,
+                K_NBP,
+                KC_OFF,
+                KC_PAD,
+                KS_OFF,
+                KS_PAD,
+                KZ_OFF,
+                KZ_PAD,
+                KR_OFF,
+                KR_PAD,
+                ITERS,
+                STD_FLOOR,
+            )
         else:
             # V tile [G, D]: rows = tokens (row_scale/zero_point), columns = channels.
-            _flush_tile(exact_v_ptr, v_scale_ptr, src, head, rec_ptr, G, D, True, G, H, D,
-                        FP8, V_BITS, V_L, V_NB, V_NBP, VC_OFF, VC_PAD, VR_OFF, VR_PAD,
-                        VZ_OFF, VZ_PAD, VS_OFF, VS_PAD, ITERS, STD_FLOOR)
+            _flush_tile(
+                exact_v_ptr,
+                v_scale_ptr,
+                src,
+                head,
+                rec_ptr,
+                G,
+                D,
+                True,
+                G,
+                H,
+                D,
+                FP8,
+                V_BITS,
+                V_L,
+                V_NB,
+                V_NBP,
+                VC_OFF,
+                VC_PAD,
+                VR_OFF,
+                VR_PAD,
+                VZ_OFF,
+                VZ_PAD,
+                VS_OFF,
+                VS_PAD,
+                ITERS,
+                STD_FLOOR,
+            )
 
 
 _FIELD_KEYS = {
-    "k_codes": "KC", "k_col_scale": "KS", "k_zero_point": "KZ", "k_row_scale": "KR",
-    "v_codes": "VC", "v_col_scale": "VS", "v_row_scale": "VR", "v_zero_point": "VZ",
+    "k_codes": "KC",
+    "k_col_scale": "KS",
+    "k_zero_point": "KZ",
+    "k_row_scale": "KR",
+    "v_codes": "VC",
+    "v_col_scale": "VS",
+    "v_row_scale": "VR",
+    "v_zero_point": "VZ",
 }
 
 
@@ -257,8 +360,9 @@ def record_constants(layout) -> dict:
     for prefix, name in (("K", "k_codes"), ("V", "v_codes")):
         bits = layout.field(name).bits
         group, nb, nbp = pack_geometry(bits)
-        out.update({f"{prefix}_BITS": bits, f"{prefix}_L": group, f"{prefix}_NB": nb,
-                    f"{prefix}_NBP": nbp})
+        out.update(
+            {f"{prefix}_BITS": bits, f"{prefix}_L": group, f"{prefix}_NB": nb, f"{prefix}_NBP": nbp}
+        )
     return out
 
 
@@ -271,16 +375,21 @@ def _check_reference_config() -> None:
     """The kernel implements the default configuration's algorithm only (RTN rounding,
     prescale, fp16 rebalance, no log-scale clip); fail loudly if the reference default moves."""
     cfg = DEFAULT_CONFIG
-    if (getattr(cfg, "rounding", "rtn") != "rtn" or not cfg.prescale or not cfg.rebalance_fp16
-            or cfg.log_scale_clip is not None):
+    if (
+        getattr(cfg, "rounding", "rtn") != "rtn"
+        or not cfg.prescale
+        or not cfg.rebalance_fp16
+        or cfg.log_scale_clip is not None
+    ):
         raise NotImplementedError(
             f"kvarn_ops.kernels.flush implements RTN with prescale and fp16 rebalance, but the "
             f"reference default is now {cfg}; update the kernel or use kvarn_ops.reference.flush"
         )
 
 
-def _launch(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed,
-            format_name: str) -> None:
+def _launch(
+    exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, format_name: str
+) -> None:
     _check_reference_config()
     n = src_pool_blocks.shape[0]
     if n == 0:
@@ -291,23 +400,44 @@ def _launch(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, pac
     ks = k_scale if fp8 else exact_k
     vs = v_scale if fp8 else exact_v
     _flush_kernel[(n, hkv, 2)](
-        exact_k, exact_v, ks, vs, src_pool_blocks, dst_blocks, packed, p, packed.shape[0],
-        G=g, H=hkv, D=d, FP8=fp8, ITERS=DEFAULT_CONFIG.iters,
-        STD_FLOOR=DEFAULT_CONFIG.std_floor, num_warps=warps_for(d, g),
-        **record_constants(layout))
+        exact_k,
+        exact_v,
+        ks,
+        vs,
+        src_pool_blocks,
+        dst_blocks,
+        packed,
+        p,
+        packed.shape[0],
+        G=g,
+        H=hkv,
+        D=d,
+        FP8=fp8,
+        ITERS=DEFAULT_CONFIG.iters,
+        STD_FLOOR=DEFAULT_CONFIG.std_floor,
+        num_warps=warps_for(d, g),
+        **record_constants(layout),
+    )
 
 
 @torch.library.custom_op("kvarn::flush", mutates_args=("packed",))
-def _flush_op(exact_k: torch.Tensor, exact_v: torch.Tensor, k_scale: torch.Tensor | None,
-              v_scale: torch.Tensor | None, src_pool_blocks: torch.Tensor,
-              dst_blocks: torch.Tensor, packed: torch.Tensor, format_name: str) -> None:
-    _launch(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed,
-            format_name)
+def _flush_op(
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    src_pool_blocks: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    packed: torch.Tensor,
+    format_name: str,
+) -> None:
+    _launch(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, format_name)
 
 
 @_flush_op.register_fake
-def _flush_fake(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed,
-                format_name) -> None:
+def _flush_fake(
+    exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, format_name
+) -> None:
     return None
 
 
@@ -353,5 +483,6 @@ def flush(
     check_index_range("src_pool_blocks", src_pool_blocks, p)
     check_index_range("dst_blocks", dst_blocks, nb)
     check_device(exact_k)
-    torch.ops.kvarn.flush(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks,
-                          packed, layout.format_name)
+    torch.ops.kvarn.flush(
+        exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, layout.format_name
+    )

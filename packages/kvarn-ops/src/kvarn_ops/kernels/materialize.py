@@ -60,10 +60,22 @@ def _load_fp16(ptr, offs):
 
 
 @triton.jit
-def _packed_chunk(rec_ptr, t0, IS_K: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                  BT: tl.constexpr, BITS: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
-                  NBP: tl.constexpr, CODES_OFF: tl.constexpr, COL_OFF: tl.constexpr,
-                  ZP_OFF: tl.constexpr, ROW_OFF: tl.constexpr):
+def _packed_chunk(
+    rec_ptr,
+    t0,
+    IS_K: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BITS: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+    CODES_OFF: tl.constexpr,
+    COL_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr,
+    ROW_OFF: tl.constexpr,
+):
     """Tokens ``t0 .. t0 + BT`` of one record, dequantized and rotated back: fp32 [BT, D].
 
     ``COL_OFF``: the per-channel scale field (s_col); ``ZP_OFF``, ``ROW_OFF``: zero point and
@@ -75,14 +87,14 @@ def _packed_chunk(rec_ptr, t0, IS_K: tl.constexpr, G: tl.constexpr, D: tl.conste
     if IS_K:
         zp = _load_fp16(rec_ptr + ZP_OFF, dim)
         # K codes [D, G] (index d*G + t): window of BT tokens of every channel row.
-        codes = unpack_codes_load(rec_ptr + CODES_OFF + t0 * BITS // 8, D, BT, G, BITS, L, NB,
-                                  NBP)
+        codes = unpack_codes_load(rec_ptr + CODES_OFF + t0 * BITS // 8, D, BT, G, BITS, L, NB, NBP)
         codes = tl.trans(codes).to(tl.float32)  # [BT, D]
     else:
         zp = _load_fp16(rec_ptr + ZP_OFF, t)
         # V codes [G, D] (index t*D + d): BT whole token rows.
-        codes = unpack_codes_load(rec_ptr + CODES_OFF + t0 * D * BITS // 8, BT, D, D, BITS, L,
-                                  NB, NBP).to(tl.float32)
+        codes = unpack_codes_load(
+            rec_ptr + CODES_OFF + t0 * D * BITS // 8, BT, D, D, BITS, L, NB, NBP
+        ).to(tl.float32)
     if D <= 128:
         signs = hadamard_signs(D)
         m = s_col[:, None] * signs
@@ -105,18 +117,46 @@ def _packed_chunk(rec_ptr, t0, IS_K: tl.constexpr, G: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _materialize_kernel(packed_ptr, block_table_ptr, seq_lens_ptr, exact_k_ptr, exact_v_ptr,
-                        k_scale_ptr, v_scale_ptr, tail_ptr, cu_ptr, k_out_ptr, v_out_ptr,
-                        num_blocks, num_pool_blocks, total_rows, max_blocks, cols,
-                        G: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                        FP8: tl.constexpr, RECORD_BYTES: tl.constexpr,
-                        K_BITS: tl.constexpr, K_L: tl.constexpr, K_NB: tl.constexpr,
-                        K_NBP: tl.constexpr,
-                        V_BITS: tl.constexpr, V_L: tl.constexpr, V_NB: tl.constexpr,
-                        V_NBP: tl.constexpr,
-                        KC_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-                        KR_OFF: tl.constexpr, VC_OFF: tl.constexpr, VS_OFF: tl.constexpr,
-                        VR_OFF: tl.constexpr, VZ_OFF: tl.constexpr):
+def _materialize_kernel(
+    packed_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    exact_k_ptr,
+    exact_v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    tail_ptr,
+    cu_ptr,
+    k_out_ptr,
+    v_out_ptr,
+    num_blocks,
+    num_pool_blocks,
+    total_rows,
+    max_blocks,
+    cols,
+    G: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    FP8: tl.constexpr,
+    RECORD_BYTES: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_L: tl.constexpr,
+    K_NB: tl.constexpr,
+    K_NBP: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_L: tl.constexpr,
+    V_NB: tl.constexpr,
+    V_NBP: tl.constexpr,
+    KC_OFF: tl.constexpr,
+    KS_OFF: tl.constexpr,
+    KZ_OFF: tl.constexpr,
+    KR_OFF: tl.constexpr,
+    VC_OFF: tl.constexpr,
+    VS_OFF: tl.constexpr,
+    VR_OFF: tl.constexpr,
+    VZ_OFF: tl.constexpr,
+):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     is_k = tl.program_id(2) == 0
@@ -138,15 +178,45 @@ def _materialize_kernel(packed_ptr, block_table_ptr, seq_lens_ptr, exact_k_ptr, 
                 row = tl.where(ok, row, 0)
                 offs = (row[:, None] * H + head) * D + dim[None, :]
                 if is_k:
-                    y = _packed_chunk(rec_ptr, t0, True, G, D, BT, K_BITS, K_L, K_NB, K_NBP,
-                                      KC_OFF, KS_OFF, KZ_OFF, KR_OFF)
-                    tl.store(k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty),
-                             mask=ok[:, None])
+                    y = _packed_chunk(
+                        rec_ptr,
+                        t0,
+                        True,
+                        G,
+                        D,
+                        BT,
+                        K_BITS,
+                        K_L,
+                        K_NB,
+                        K_NBP,
+                        KC_OFF,
+                        KS_OFF,
+                        KZ_OFF,
+                        KR_OFF,
+                    )
+                    tl.store(
+                        k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
+                    )
                 else:
-                    y = _packed_chunk(rec_ptr, t0, False, G, D, BT, V_BITS, V_L, V_NB, V_NBP,
-                                      VC_OFF, VS_OFF, VZ_OFF, VR_OFF)
-                    tl.store(v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty),
-                             mask=ok[:, None])
+                    y = _packed_chunk(
+                        rec_ptr,
+                        t0,
+                        False,
+                        G,
+                        D,
+                        BT,
+                        V_BITS,
+                        V_L,
+                        V_NB,
+                        V_NBP,
+                        VC_OFF,
+                        VS_OFF,
+                        VZ_OFF,
+                        VR_OFF,
+                    )
+                    tl.store(
+                        v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
+                    )
     elif (blk == n_full) & (rem > 0):
         pool_blk = tl.load(tail_ptr + req).to(tl.int64)
         if (pool_blk >= 0) & (pool_blk < num_pool_blocks):
@@ -158,26 +228,36 @@ def _materialize_kernel(packed_ptr, block_table_ptr, seq_lens_ptr, exact_k_ptr, 
                 src = (pool_blk * G + t) * H + head
                 offs = (row[:, None] * H + head) * D + dim[None, :]
                 if is_k:
-                    x = tl.load(exact_k_ptr + src[:, None] * D + dim[None, :],
-                                mask=ok[:, None], other=0.0).to(tl.float32)
+                    x = tl.load(
+                        exact_k_ptr + src[:, None] * D + dim[None, :], mask=ok[:, None], other=0.0
+                    ).to(tl.float32)
                     y = rotate_rows(x, BT, D, True)
                     if FP8:
                         y = y * tl.load(k_scale_ptr + src, mask=ok, other=1.0)[:, None]
-                    tl.store(k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty),
-                             mask=ok[:, None])
+                    tl.store(
+                        k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
+                    )
                 else:
-                    x = tl.load(exact_v_ptr + src[:, None] * D + dim[None, :],
-                                mask=ok[:, None], other=0.0).to(tl.float32)
+                    x = tl.load(
+                        exact_v_ptr + src[:, None] * D + dim[None, :], mask=ok[:, None], other=0.0
+                    ).to(tl.float32)
                     y = rotate_rows(x, BT, D, True)
                     if FP8:
                         y = y * tl.load(v_scale_ptr + src, mask=ok, other=1.0)[:, None]
-                    tl.store(v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty),
-                             mask=ok[:, None])
+                    tl.store(
+                        v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
+                    )
 
 
 _FIELD_KEYS = {
-    "k_codes": "KC", "k_col_scale": "KS", "k_zero_point": "KZ", "k_row_scale": "KR",
-    "v_codes": "VC", "v_col_scale": "VS", "v_row_scale": "VR", "v_zero_point": "VZ",
+    "k_codes": "KC",
+    "k_col_scale": "KS",
+    "k_zero_point": "KZ",
+    "k_row_scale": "KR",
+    "v_codes": "VC",
+    "v_col_scale": "VS",
+    "v_row_scale": "VR",
+    "v_zero_point": "VZ",
 }
 
 
@@ -189,13 +269,26 @@ def record_offsets(layout) -> dict:
     for prefix, name in (("K", "k_codes"), ("V", "v_codes")):
         bits = layout.field(name).bits
         group, nb, nbp = pack_geometry(bits)
-        out.update({f"{prefix}_BITS": bits, f"{prefix}_L": group, f"{prefix}_NB": nb,
-                    f"{prefix}_NBP": nbp})
+        out.update(
+            {f"{prefix}_BITS": bits, f"{prefix}_L": group, f"{prefix}_NB": nb, f"{prefix}_NBP": nbp}
+        )
     return out
 
 
-def _launch(packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block,
-            format_name: str, k_out, v_out, cu_seqlens) -> None:
+def _launch(
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    format_name: str,
+    k_out,
+    v_out,
+    cu_seqlens,
+) -> None:
     b, max_blocks = block_table.shape
     p, g, hkv, d = exact_k.shape
     # Programs for block index max_blocks hold a tail after max_blocks full blocks.
@@ -208,24 +301,78 @@ def _launch(packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, t
     vs = v_scale if fp8 else exact_v
     bt = tokens_per_chunk(d, g)
     _materialize_kernel[(b * cols, hkv, 2)](
-        packed, block_table, seq_lens, exact_k, exact_v, ks, vs, tail_pool_block, cu_seqlens,
-        k_out, v_out, packed.shape[0], p, k_out.shape[0], max_blocks, cols,
-        G=g, H=hkv, D=d, BT=bt, FP8=fp8, num_warps=4, **record_offsets(layout))
+        packed,
+        block_table,
+        seq_lens,
+        exact_k,
+        exact_v,
+        ks,
+        vs,
+        tail_pool_block,
+        cu_seqlens,
+        k_out,
+        v_out,
+        packed.shape[0],
+        p,
+        k_out.shape[0],
+        max_blocks,
+        cols,
+        G=g,
+        H=hkv,
+        D=d,
+        BT=bt,
+        FP8=fp8,
+        num_warps=4,
+        **record_offsets(layout),
+    )
 
 
 @torch.library.custom_op("kvarn::materialize", mutates_args=("k_out", "v_out"))
-def _materialize_op(packed: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    exact_k: torch.Tensor, exact_v: torch.Tensor, k_scale: torch.Tensor | None,
-                    v_scale: torch.Tensor | None, tail_pool_block: torch.Tensor,
-                    format_name: str, k_out: torch.Tensor, v_out: torch.Tensor,
-                    cu_seqlens: torch.Tensor) -> None:
-    _launch(packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block,
-            format_name, k_out, v_out, cu_seqlens)
+def _materialize_op(
+    packed: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    tail_pool_block: torch.Tensor,
+    format_name: str,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> None:
+    _launch(
+        packed,
+        block_table,
+        seq_lens,
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        tail_pool_block,
+        format_name,
+        k_out,
+        v_out,
+        cu_seqlens,
+    )
 
 
 @_materialize_op.register_fake
-def _materialize_fake(packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
-                      tail_pool_block, format_name, k_out, v_out, cu_seqlens) -> None:
+def _materialize_fake(
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    format_name,
+    k_out,
+    v_out,
+    cu_seqlens,
+) -> None:
     return None
 
 
@@ -265,8 +412,9 @@ def materialize(
         checked for CPU tensors; on a GPU an out-of-range entry makes its program write
         nothing.
     """
-    b, g, hkv, d = check_context_args(packed, block_table, seq_lens, exact_k, exact_v, k_scale,
-                                      v_scale, tail_pool_block, layout)
+    b, g, hkv, d = check_context_args(
+        packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, layout
+    )
     dev = exact_k.device
     check_tensor("k_out", k_out, dtypes=(torch.bfloat16, torch.float16), ndim=3, device=dev)
     total = k_out.shape[0]
@@ -282,6 +430,17 @@ def materialize(
                 f"[0, {total}) of k_out"
             )
     check_device(exact_k)
-    torch.ops.kvarn.materialize(packed, block_table, seq_lens, exact_k, exact_v, k_scale,
-                                v_scale, tail_pool_block, layout.format_name, k_out, v_out,
-                                cu_seqlens)
+    torch.ops.kvarn.materialize(
+        packed,
+        block_table,
+        seq_lens,
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        tail_pool_block,
+        layout.format_name,
+        k_out,
+        v_out,
+        cu_seqlens,
+    )

@@ -26,8 +26,9 @@ def rows_per_program(head_dim: int) -> int:
 
 
 @triton.jit
-def _rotate_kernel(x_ptr, out_ptr, rows, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   EXACT_TF32: tl.constexpr):
+def _rotate_kernel(
+    x_ptr, out_ptr, rows, D: tl.constexpr, BLOCK_M: tl.constexpr, EXACT_TF32: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = row < rows
     offs = row[:, None] * D + tl.arange(0, D)[None, :]
@@ -44,8 +45,9 @@ def _launch(x: torch.Tensor, out: torch.Tensor) -> None:
         return
     block_m = rows_per_program(d)
     grid = (triton.cdiv(rows, block_m),)
-    _rotate_kernel[grid](x, out, rows, D=d, BLOCK_M=block_m, EXACT_TF32=exact_in_tf32(x.dtype),
-                         num_warps=4)
+    _rotate_kernel[grid](
+        x, out, rows, D=d, BLOCK_M=block_m, EXACT_TF32=exact_in_tf32(x.dtype), num_warps=4
+    )
 
 
 @torch.library.custom_op("kvarn::rotate", mutates_args=("out",))

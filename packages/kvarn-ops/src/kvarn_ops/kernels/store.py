@@ -34,9 +34,20 @@ def tokens_per_program(head_dim: int) -> int:
 
 
 @triton.jit
-def _store_one(src_ptr, pool_ptr, scale_ptr, tok, slot, ok, head, H: tl.constexpr,
-               D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT_TF32: tl.constexpr,
-               FP8: tl.constexpr):
+def _store_one(
+    src_ptr,
+    pool_ptr,
+    scale_ptr,
+    tok,
+    slot,
+    ok,
+    head,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    EXACT_TF32: tl.constexpr,
+    FP8: tl.constexpr,
+):
     d = tl.arange(0, D)
     src = (tok[:, None] * H + head) * D + d[None, :]
     x = tl.load(src_ptr + src, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -46,8 +57,7 @@ def _store_one(src_ptr, pool_ptr, scale_ptr, tok, slot, ok, head, H: tl.constexp
     if FP8:
         amax = tl.max(tl.abs(y), axis=1)
         # amax / 448 (FP8_MAX, the largest e4m3 value), IEEE-rounded like torch.
-        scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
-                         1.0)
+        scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
         q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
         q = round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
         tl.store(pool_ptr + dst, q.to(tl.float8e4nv), mask=ok[:, None])
@@ -57,9 +67,23 @@ def _store_one(src_ptr, pool_ptr, scale_ptr, tok, slot, ok, head, H: tl.constexp
 
 
 @triton.jit
-def _store_kernel(k_ptr, v_ptr, slots_ptr, exact_k_ptr, exact_v_ptr, k_scale_ptr, v_scale_ptr,
-                  T, num_slots, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                  EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, FP8: tl.constexpr):
+def _store_kernel(
+    k_ptr,
+    v_ptr,
+    slots_ptr,
+    exact_k_ptr,
+    exact_v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    T,
+    num_slots,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    EXACT_K: tl.constexpr,
+    EXACT_V: tl.constexpr,
+    FP8: tl.constexpr,
+):
     head = tl.program_id(1)
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tok < T
@@ -83,15 +107,36 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
     # Without an fp8 pool the scale pointers are never dereferenced (FP8 is a constexpr).
     ks = k_scale if fp8 else exact_k
     vs = v_scale if fp8 else exact_v
-    _store_kernel[grid](k, v, pool_slots, exact_k, exact_v, ks, vs, t, p * g, H=hkv, D=d,
-                        BLOCK_T=block_t, EXACT_K=exact_in_tf32(k.dtype),
-                        EXACT_V=exact_in_tf32(v.dtype), FP8=fp8, num_warps=4)
+    _store_kernel[grid](
+        k,
+        v,
+        pool_slots,
+        exact_k,
+        exact_v,
+        ks,
+        vs,
+        t,
+        p * g,
+        H=hkv,
+        D=d,
+        BLOCK_T=block_t,
+        EXACT_K=exact_in_tf32(k.dtype),
+        EXACT_V=exact_in_tf32(v.dtype),
+        FP8=fp8,
+        num_warps=4,
+    )
 
 
 @torch.library.custom_op("kvarn::store", mutates_args=("exact_k", "exact_v", "k_scale", "v_scale"))
-def _store_op(k: torch.Tensor, v: torch.Tensor, pool_slots: torch.Tensor,
-              exact_k: torch.Tensor, exact_v: torch.Tensor, k_scale: torch.Tensor | None,
-              v_scale: torch.Tensor | None) -> None:
+def _store_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool_slots: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
     _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
 
 
@@ -137,4 +182,3 @@ def store(
     check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
     check_device(exact_k)
     torch.ops.kvarn.store(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
-
