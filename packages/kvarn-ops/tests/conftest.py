@@ -4,6 +4,7 @@ KVARN_TEST_SEED=<seed>), and a builder of random paged caches through the refere
 from __future__ import annotations
 
 import os
+
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +12,10 @@ import torch
 
 import kvarn_formats as kf
 from kvarn_ops import reference as ref
+
+# Every kernel test here runs on the CPU through the Triton interpreter; set it before any
+# module imports triton (the offline compiles run in their own process, see below).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tensors here are small: intra-op threads cost more than they give, and on a busy
 # 2-core machine they spin (measured: normalizing 6 tiles took 0.87 s with 2 threads under

@@ -102,8 +102,11 @@ def test_scatter_matches_reference(gen, dtype):
     va = a[0].view(-1, 512)[written].float()
     vb = b[0].view(-1, 512)[written].float()
     if dtype == BF16:
+        # 1 bf16 ulp, plus 8 fp32 epsilons of the row's largest magnitude for results near zero
+        # (their fp32 sums carry the rounding error of the largest terms).
         ulp = va.abs().clamp_min(1e-30) * 2.0**-7
-        assert bool(((va - vb).abs() <= ulp).all())
+        near0 = 8 * torch.finfo(torch.float32).eps * va.abs().amax(dim=-1, keepdim=True)
+        assert bool(((va - vb).abs() <= ulp + near0).all())
     else:
         sa, sb = a[1].view(-1)[written], b[1].view(-1)[written]
         assert bool(((sa - sb).abs() <= 1e-6 * sa).all())

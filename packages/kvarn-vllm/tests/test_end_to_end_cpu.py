@@ -20,7 +20,7 @@ import pytest
 import kvarn_formats as kf
 from conftest import needs_vllm, run_engine
 
-pytestmark = needs_vllm
+pytestmark = [needs_vllm, pytest.mark.e2e]  # integration runs it once (noxfile)
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 64
 KV_SPACE_BYTES = 1 << 30  # VLLM_CPU_KVCACHE_SPACE=1

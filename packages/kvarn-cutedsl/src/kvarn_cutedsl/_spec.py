@@ -77,6 +77,7 @@ def make_spec(
     KV head and ``query_len`` query tokens."""
     lay = kf.dense_layout(format_name, head_dim)
     fmt = kf.parse_format(format_name)
+    assert isinstance(fmt, kf.DenseFormat)  # dense_layout refused anything else
     f = lay.field
     return KernelSpec(
         k_bits=fmt.k_bits,

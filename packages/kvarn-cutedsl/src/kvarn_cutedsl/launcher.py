@@ -181,6 +181,8 @@ def kernel_spec(q, packed, exact_k, layout, out) -> KernelSpec:
     b, t, hq, d = q.shape
     hkv = packed.shape[1]
     fmt = kf.parse_format(layout.format_name)
+    if not isinstance(fmt, kf.DenseFormat):
+        raise ValueError(f"layout: {layout.format_name} is not a dense KVarN format")
     cap.check_format(fmt.k_bits, fmt.v_bits, layout.block_size, d, layout.format_name)
     cap.check_geometry(
         hq // hkv, t, dtype_name(q.dtype), dtype_name(exact_k.dtype), dtype_name(out.dtype)

@@ -74,9 +74,10 @@ def check_tensor(
     pairs = zip(shape or (), t.shape, strict=False)
     if shape is not None and any(s is not None and s != ts for s, ts in pairs):
         raise ValueError(f"{name}: expected shape {_shape_text(shape)}, got {list(t.shape)}")
-    want = None if device is None else torch.device(device)
-    if want is not None and (
-        t.device.type != want.type or (want.index is not None and t.device.index != want.index)
+    want_device = None if device is None else torch.device(device)
+    if want_device is not None and (
+        t.device.type != want_device.type
+        or (want_device.index is not None and t.device.index != want_device.index)
     ):
         raise ValueError(
             f"{name}: must be on {device} like the other arguments, got {t.device}; move it with "

@@ -6,27 +6,10 @@ so they are opaque to torch.compile. Each launcher validates its arguments (Valu
 the argument) and has the signature of the matching ``kvarn_ops.reference`` op.
 """
 
+from kvarn_ops.kernels.decode import decode, decode_workspace
 from kvarn_ops.kernels.flush import flush
 from kvarn_ops.kernels.materialize import materialize
 from kvarn_ops.kernels.rotate import rotate
 from kvarn_ops.kernels.store import store
-
-try:
-    from kvarn_ops.kernels.decode import decode, decode_workspace
-except ImportError as _decode_error:  # decode.py is developed separately; report at use
-    _DECODE_IMPORT_ERROR = _decode_error
-
-    def decode(*args, **kwargs):
-        raise NotImplementedError(
-            f"kvarn_ops.kernels.decode is not available ({_DECODE_IMPORT_ERROR}); use "
-            "kvarn_ops.reference.decode"
-        )
-
-    def decode_workspace(*args, **kwargs):
-        raise NotImplementedError(
-            f"kvarn_ops.kernels.decode is not available ({_DECODE_IMPORT_ERROR}); use "
-            "kvarn_ops.decode_workspace"
-        )
-
 
 __all__ = ["decode", "decode_workspace", "flush", "materialize", "rotate", "store"]

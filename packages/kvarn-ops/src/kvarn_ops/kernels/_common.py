@@ -118,7 +118,9 @@ def round_to_e4m3(x):
     exponent = ((bits >> 23) & 0xFF) - 127
     # e4m3 keeps 3 mantissa bits; below 2**-6 the grid is the fixed subnormal step 2**-9.
     ulp_exp = tl.maximum(exponent, -6) - 3
-    return round_half_even(x * pow2(-ulp_exp)) * pow2(ulp_exp)
+    r = round_half_even(x * pow2(-ulp_exp)) * pow2(ulp_exp)
+    # A negative value that rounds to zero is -0 (0x80), as the hardware and torch casts give.
+    return tl.where(r == 0.0, x * 0.0, r)
 
 
 @triton.jit

@@ -777,6 +777,7 @@ def _next_pow2(n: int) -> int:
 def _layout_consts(format_name: str, head_dim: int) -> dict:
     lay = kf.dense_layout(format_name, head_dim)
     fmt = kf.parse_format(format_name)
+    assert isinstance(fmt, kf.DenseFormat)  # dense_layout refused anything else
     f = lay.field
     return dict(
         G=lay.block_size,

@@ -228,7 +228,7 @@ def _decode_op(
         heads,
         s,
         block_table.stride(0),
-        indices.shape[1] if sparse else 0,
+        indices.shape[1] if indices is not None else 0,
         block_table.shape[1],
         softmax_scale,
         SPARSE=sparse,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kvarn_formats as kf
 from kvarn_ops._validate import FP8_MAX, MODEL_DTYPES, check_index_range, check_tensor
 from kvarn_ops.reference.bitpack import pack_codes, unpack_codes
 from kvarn_ops.reference.hadamard import hadamard
@@ -84,7 +85,7 @@ POOL_LATENT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 def check_mla_layout(name: str, layout: object) -> None:
     """``layout`` must be ``kvarn_formats.mla_layout("kvarn_mla_k{b}_g64")``."""
     kind = getattr(layout, "kind", None)
-    if kind is None or not hasattr(layout, "field") or not hasattr(layout, "record_bytes"):
+    if not isinstance(layout, kf.RecordLayout):
         raise ValueError(
             f"{name}: expected a kvarn_formats.RecordLayout from kvarn_formats.mla_layout(...), "
             f"got {type(layout).__name__}"
