@@ -4,7 +4,6 @@ KVARN_TEST_SEED=<seed>), and a builder of random paged caches through the refere
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 
 import pytest
