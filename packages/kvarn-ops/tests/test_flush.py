@@ -123,7 +123,7 @@ def _fill_pool(gen, p, g, hkv, d, dtype):
     return ek, ev, ks, vs
 
 
-def _compare(packed, packed_ref, dst, layout, pool_tiles):
+def _compare(packed, packed_ref, dst, layout, pool_tiles, err_ratio=ERR_RATIO):
     """Checks of the table above for records ``dst``; returns (code agreement, byte-identical
     record fraction)."""
     r = layout.record_bytes
@@ -155,7 +155,7 @@ def _compare(packed, packed_ref, dst, layout, pool_tiles):
         err = ((got - x) ** 2).mean(dim=(1, 2)).sqrt()
         err_ref = ((want - x) ** 2).mean(dim=(1, 2)).sqrt()
         amax = x.abs().amax(dim=(1, 2))
-        assert bool((err <= ERR_RATIO * err_ref + 1e-6 * amax).all())
+        assert bool((err <= err_ratio * err_ref + 1e-6 * amax).all()), (err / err_ref).tolist()
     identical = float((recs == recs_ref).all(dim=1).float().mean())
     return agreement, identical
 
@@ -215,7 +215,10 @@ def test_flush_special_tiles(gen):
         if val.dtype == torch.float16:
             assert bool(val.isfinite().all()), name
     tiles = [ref.zero_nonfinite_tokens(t.float()).permute(0, 2, 1, 3) for t in (ek, ev)]
-    _compare(packed, packed_ref, src, lay, tiles)
+    # A tile with a constant channel and a constant token has many nearly tied iterates; the
+    # kernel may keep another one than the reference (measured up to 1.15x the reference's
+    # error over 12 seeds; 1.09x and 1.15x in the two seeds over 1.02x).
+    _compare(packed, packed_ref, src, lay, tiles, err_ratio=1.25)
 
 
 def test_flush_saturates_scales_beyond_fp16(gen):

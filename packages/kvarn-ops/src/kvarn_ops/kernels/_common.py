@@ -259,3 +259,33 @@ def unpack_codes_load(
             word = tl.sum(raw.to(tl.int32) << (k * 8)[None, :], axis=1)
             codes = (word[:, None] >> shifts[None, :]) & ((1 << BITS) - 1)
     return tl.reshape(codes, [R, C])
+
+
+# The reference quantizer's normalization steps (kvarn_ops/reference/quantize.py), shared by
+# the dense flush and the MLA pack kernels.
+
+
+@triton.jit
+def line_spread(y, AXIS: tl.constexpr, N: tl.constexpr, STD_FLOOR: tl.constexpr):
+    """The reference quantizer's ``_spread``: max(std, floor * rms) of every line along AXIS
+    (N values), zero lines filled with the geometric mean of the positive spreads (1 if none)."""
+    mean = tl.sum(y, axis=AXIS) / N
+    if AXIS == 0:
+        dev = y - mean[None, :]
+    else:
+        dev = y - mean[:, None]
+    std = tl.sqrt_rn(tl.sum(dev * dev, axis=AXIS) / N)
+    rms = tl.sqrt_rn(tl.sum(y * y, axis=AXIS) / N)
+    s = tl.maximum(std, STD_FLOOR * rms)
+    pos = s > 0.0
+    logs = tl.where(pos, tl.log(tl.maximum(s, 1.1754943508222875e-38)), 0.0)
+    count = tl.sum(pos.to(tl.int32), axis=0)
+    mean_log = tl.sum(logs, axis=0) / tl.maximum(count, 1).to(tl.float32)
+    fill = tl.where(count > 0, tl.exp(mean_log), 1.0)
+    return tl.where(pos, s, fill)
+
+
+@triton.jit
+def apply_log_scales(xp, lr, lc):
+    """The reference quantizer's ``_apply``: ``(xp * exp(-lr)[:, None]) * exp(-lc)[None, :]``."""
+    return (xp * tl.exp(-lr)[:, None]) * tl.exp(-lc)[None, :]

@@ -34,8 +34,10 @@ from kvarn_ops._validate import (
     check_tensor,
 )
 from kvarn_ops.kernels._common import (
+    apply_log_scales,
     check_device,
     frexp_exponent,
+    line_spread,
     pack_codes_store,
     pack_geometry,
     pow2,
@@ -48,32 +50,6 @@ __all__ = ["flush"]
 _ALIGN = 16
 _FP16_EXP_MIN = -13  # frexp exponent of the smallest normal fp16 (reference step 6)
 _FP16_EXP_MAX = 15
-
-
-@triton.jit
-def _spread(y, AXIS: tl.constexpr, N: tl.constexpr, STD_FLOOR: tl.constexpr):
-    """Reference ``_spread``: max(std, floor * rms) of every line along AXIS (N values), zero
-    lines filled with the geometric mean of the positive spreads (1 if none)."""
-    mean = tl.sum(y, axis=AXIS) / N
-    if AXIS == 0:
-        dev = y - mean[None, :]
-    else:
-        dev = y - mean[:, None]
-    std = tl.sqrt_rn(tl.sum(dev * dev, axis=AXIS) / N)
-    rms = tl.sqrt_rn(tl.sum(y * y, axis=AXIS) / N)
-    s = tl.maximum(std, STD_FLOOR * rms)
-    pos = s > 0.0
-    logs = tl.where(pos, tl.log(tl.maximum(s, 1.1754943508222875e-38)), 0.0)
-    count = tl.sum(pos.to(tl.int32), axis=0)
-    mean_log = tl.sum(logs, axis=0) / tl.maximum(count, 1).to(tl.float32)
-    fill = tl.where(count > 0, tl.exp(mean_log), 1.0)
-    return tl.where(pos, s, fill)
-
-
-@triton.jit
-def _apply(xp, lr, lc):
-    """Reference ``_apply``: ``(xp * exp(-lr)[:, None]) * exp(-lc)[None, :]``."""
-    return (xp * tl.exp(-lr)[:, None]) * tl.exp(-lc)[None, :]
 
 
 @triton.jit
@@ -159,24 +135,24 @@ def _flush_tile(
     # Step 3: alternate column / row division by the spread; keep the best-balanced iterate.
     lr = tl.zeros([R], dtype=tl.float32)
     lc = tl.zeros([C], dtype=tl.float32)
-    col_s = _spread(xp, 0, R, STD_FLOOR)
-    row_s = _spread(xp, 1, C, STD_FLOOR)
+    col_s = line_spread(xp, 0, R, STD_FLOOR)
+    row_s = line_spread(xp, 1, C, STD_FLOOR)
     best = _balance(col_s, row_s)
     best_lr = lr
     best_lc = lc
     for _ in range(ITERS):
         # col_s is the column spread of apply(xp, lr, lc), as the reference recomputes it.
         lc = lc + tl.log(col_s)
-        lr = lr + tl.log(_spread(_apply(xp, lr, lc), 1, C, STD_FLOOR))
-        y = _apply(xp, lr, lc)
-        col_s = _spread(y, 0, R, STD_FLOOR)
-        row_s = _spread(y, 1, C, STD_FLOOR)
+        lr = lr + tl.log(line_spread(apply_log_scales(xp, lr, lc), 1, C, STD_FLOOR))
+        y = apply_log_scales(xp, lr, lc)
+        col_s = line_spread(y, 0, R, STD_FLOOR)
+        row_s = line_spread(y, 1, C, STD_FLOOR)
         imb = _balance(col_s, row_s)
         better = imb < best
         best = tl.where(better, imb, best)
         best_lr = tl.where(better, lr, best_lr)
         best_lc = tl.where(better, lc, best_lc)
-    balanced = _apply(xp, best_lr, best_lc)
+    balanced = apply_log_scales(xp, best_lr, best_lc)
 
     # Step 4: asymmetric RTN over each row, ties to even.
     levels: tl.constexpr = (1 << BITS) - 1

@@ -19,8 +19,10 @@ import triton
 import triton.language as tl
 
 from kvarn_ops.kernels._common import (
+    apply_log_scales,
     check_device,
     frexp_exponent,
+    line_spread,
     pack_geometry,
     pow2,
     round_half_even,
@@ -37,34 +39,9 @@ REHYDRATE_T = 16
 
 
 @triton.jit
-def _spread(y, AXIS: tl.constexpr, N: tl.constexpr, STD_FLOOR: tl.constexpr):
-    """max(std, floor*rms) of every line of ``y`` along AXIS; zero lines take the geometric mean
-    of the positive spreads (1 if none), as the reference."""
-    mean = tl.sum(y, axis=AXIS) / N
-    if AXIS == 0:
-        dev = y - mean[None, :]
-    else:
-        dev = y - mean[:, None]
-    std = tl.sqrt_rn(tl.sum(dev * dev, axis=AXIS) / N)
-    rms = tl.sqrt_rn(tl.sum(y * y, axis=AXIS) / N)
-    s = tl.maximum(std, STD_FLOOR * rms)
-    pos = s > 0.0
-    logs = tl.where(pos, tl.log(tl.maximum(s, 1.1754943508222875e-38)), 0.0)
-    count = tl.sum(pos.to(tl.int32), axis=0)
-    mean_log = tl.sum(logs, axis=0) / tl.maximum(count, 1).to(tl.float32)
-    fill = tl.where(count > 0, tl.exp(mean_log), 1.0)
-    return tl.where(pos, s, fill)
-
-
-@triton.jit
-def _apply(xp, lr, lc):
-    return (xp * tl.exp(-lr)[:, None]) * tl.exp(-lc)[None, :]
-
-
-@triton.jit
 def _imbalance(y, R: tl.constexpr, C: tl.constexpr, STD_FLOOR: tl.constexpr):
-    col = _spread(y, 0, R, STD_FLOOR)
-    row = _spread(y, 1, C, STD_FLOOR)
+    col = line_spread(y, 0, R, STD_FLOOR)
+    row = line_spread(y, 1, C, STD_FLOOR)
     return tl.div_rn(tl.max(col, axis=0), tl.min(col, axis=0)) + tl.div_rn(
         tl.max(row, axis=0), tl.min(row, axis=0)
     )
@@ -140,14 +117,14 @@ def _mla_pack_kernel(
     best_lc = lc
     best = _imbalance(xp, 512, 64, STD_FLOOR)
     for _ in range(ITERS):
-        lc = lc + tl.log(_spread(_apply(xp, lr, lc), 0, 512, STD_FLOOR))
-        lr = lr + tl.log(_spread(_apply(xp, lr, lc), 1, 64, STD_FLOOR))
-        imb = _imbalance(_apply(xp, lr, lc), 512, 64, STD_FLOOR)
+        lc = lc + tl.log(line_spread(apply_log_scales(xp, lr, lc), 0, 512, STD_FLOOR))
+        lr = lr + tl.log(line_spread(apply_log_scales(xp, lr, lc), 1, 64, STD_FLOOR))
+        imb = _imbalance(apply_log_scales(xp, lr, lc), 512, 64, STD_FLOOR)
         better = imb < best
         best = tl.where(better, imb, best)
         best_lr = tl.where(better, lr, best_lr)
         best_lc = tl.where(better, lc, best_lc)
-    b = _apply(xp, best_lr, best_lc)
+    b = apply_log_scales(xp, best_lr, best_lc)
     # RTN over each channel (row).
     LEVELS: tl.constexpr = (1 << BITS) - 1
     lo = tl.min(b, axis=1)
