@@ -176,3 +176,31 @@ def test_decode_rejects_bad_input(gen, make_cache):
                 change.get("out", out),
                 change.get("ws"),
             )
+
+
+def test_operand_precision_emulates_16_bit_operands(gen, make_cache):
+    """The kernels' yardstick: rounding q and the scaled weights to fp16 moves the fp64 result
+    by a few fp16 roundings (not zero, not more), and tf32 truncation adds the tail's."""
+    c = make_cache("kvarn_k4v2_g64", 128, [700, 90], 2, torch.bfloat16)
+    q = torch.randn(2, 2, 4, 128, generator=gen)
+    outs = {}
+    for prec in ref.OPERAND_PRECISIONS:
+        outs[prec] = torch.empty(2, 2, 4, 128)
+        ref.decode(
+            q, *c.context_args(), 0.09, outs[prec], None,
+            compute_dtype=torch.float64, operand_precision=prec,
+        )  # fmt: skip
+    top = float(outs[None].abs().max())
+    for prec in ("fp16", "fp16_tf32"):
+        dev = float((outs[prec] - outs[None]).abs().max()) / top
+        assert 2**-16 < dev < 8 * 2**-11, (prec, dev)
+    assert not torch.equal(outs["fp16"], outs["fp16_tf32"])
+    with pytest.raises(ValueError, match=r"^operand_precision:"):
+        ref.decode(q, *c.context_args(), 0.09, outs[None], None, operand_precision="bf16")
+
+
+def test_tf32_truncation_keeps_ten_mantissa_bits():
+    from kvarn_ops.reference.decode import _tf32
+
+    x = torch.tensor([1 + 2**-10, 1 + 2**-11, -(1 + 2**-10 + 2**-11), 3.0], dtype=torch.float64)
+    assert _tf32(x).tolist() == [1 + 2**-10, 1.0, -(1 + 2**-10), 3.0]

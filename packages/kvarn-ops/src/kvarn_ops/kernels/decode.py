@@ -20,13 +20,15 @@ the host and the call can be captured in a CUDA graph.
 
 4- or 8-bit K with 2-, 4- or 8-bit V, a whole block per token chunk and T * GQA <= 16 (k4v2,
 k4v4, k8v8 at d <= 256) take a software-pipelined loop (``FAST``): a block's codes are loaded
-as int32
-words and its scales as fp16 vectors one iteration ahead (the block-table entry two ahead), so
-every load of an iteration depends only on the loop index and a block costs no exposed memory
-latency after the first; the codes enter the dots as fp16 ``1024 + code`` built by masking
-them into the mantissa of 0x6400 (two codes per lop3 in inline PTX on the GPU, a plain-Triton
-twin of one code per op under the interpreter), with the 1024 offsets folded into the
-zero-point terms. Columns of those tiles hold bytes 0, 2, 1, 3 of each word
+as int32 words and its scales as fp16 vectors one iteration ahead (the block-table entry two
+ahead), so every load of an iteration depends only on the loop index and a block costs no
+exposed memory latency after the first; the codes enter the dots as exact fp16 values built
+by masking them into the mantissa of 0x6400 (fp16 ``1024 + code``; two codes per lop3 in
+inline PTX on the GPU, a plain-Triton twin of one code per op under the interpreter) and
+subtracting 1024 in fp16 (exact; one sub.f16x2 per two codes). Folding the offset into the
+zero-point terms instead saves that subtraction but makes the fp32 dots carry 1024 times the
+weights, whose rounding then cancels (measured under the interpreter: up to 2.5x the error of
+the 16-bit operands alone). Columns of those tiles hold bytes 0, 2, 1, 3 of each word
 (``_slot_byte``), so K tokens and V channels are permuted consistently: column i of the V
 accumulators is channel ``ivc[i] * NPV + e`` (also in the tail), and the workspace is written
 in channel order. Other widths (and T * GQA > 16, where the pipelined loop spills) take the
@@ -173,21 +175,22 @@ def _slot_byte(c):
 
 @triton.jit
 def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Codes of a [M, W] tile of little-endian int32 words as fp16 ``1024 + code``, [M, 4 * W]:
+    """Codes of a [M, W] tile of little-endian int32 words as exact fp16 values, [M, 4 * W]:
     columns ``4 * j .. 4 * j + 3`` hold the ``BITS``-bit fields at bit ``SHIFT`` of bytes 0, 2,
     1, 3 of word ``[m, j]`` (see :func:`_slot_byte`). Masking two fields of a word into the
     mantissas of fp16 1024.0 (bits 0x6400) gives two codes per 32-bit logic op and no
-    int-to-float convert (a quarter-rate instruction); the 1024 offset folds into the caller's
-    zero-point terms. ``ASM`` does it with lop3 in inline PTX (GPU); the plain twin (one code
-    per op) is what the interpreter runs; both give the same bits."""
+    int-to-float convert (a quarter-rate instruction); one packed fp16 subtraction of 1024
+    (exact) per two codes leaves the codes. ``ASM`` does it in inline PTX (GPU); the plain
+    twin (one code per op) is what the interpreter runs; both give the same bits."""
     M: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
     mask: tl.constexpr = (1 << BITS) - 1
     if ASM:
         m2: tl.constexpr = mask | (mask << 16)
         c0, c1 = tl.inline_asm_elementwise(
-            asm=f"{{ .reg .b32 t; shr.u32 t, $2, {SHIFT}; "
-            f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 {{$0, $1}}, t; }}",
+            asm=f"{{ .reg .b32 t, o; shr.u32 t, $2, {SHIFT}; "
+            f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 o, 1677747200; "
+            f"sub.f16x2 t, t, o; mov.b32 {{$0, $1}}, t; }}",
             constraints="=h,=h,r",
             args=[w],
             dtype=(tl.float16, tl.float16),
@@ -195,8 +198,9 @@ def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr)
             pack=1,
         )
         c2, c3 = tl.inline_asm_elementwise(
-            asm=f"{{ .reg .b32 t; shr.u32 t, $2, {SHIFT + 8}; "
-            f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 {{$0, $1}}, t; }}",
+            asm=f"{{ .reg .b32 t, o; shr.u32 t, $2, {SHIFT + 8}; "
+            f"lop3.b32 t, t, {m2}, 1677747200, 0xea; mov.b32 o, 1677747200; "
+            f"sub.f16x2 t, t, o; mov.b32 {{$0, $1}}, t; }}",
             constraints="=h,=h,r",
             args=[w],
             dtype=(tl.float16, tl.float16),
@@ -217,7 +221,7 @@ def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr)
         c3 = ((w >> (24 + SHIFT)) & mask) | 0x6400
         x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # slots c0, c1, c2, c3 as above
         x = tl.reshape(x, [M, 4 * W])
-        return x.to(tl.int16).to(tl.float16, bitcast=True)
+        return x.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
@@ -396,10 +400,10 @@ def _decode_split_kernel(
                 vcs2 = tl.load(r16 + VCS_OFF // 2 + ivc * NPV + 2).to(tl.float32)
                 vcs3 = tl.load(r16 + VCS_OFF // 2 + ivc * NPV + 3).to(tl.float32)
 
-            # ---- block u: scores (codes enter the dot as 1024 + code; one cross-warp
+            # ---- block u: scores (codes enter the dot as exact fp16; one cross-warp
             # reduction per quantity and block, both K phases together)
             qs = (q_rot * kcs.to(tl.float32)[None, :]).to(tl.float16)
-            qz = tl.sum(q_rot * kzp.to(tl.float32)[None, :] - 1024.0 * qs.to(tl.float32), axis=1)
+            qz = tl.sum(q_rot * kzp.to(tl.float32)[None, :], axis=1)
             kpos = u * G + tokA
             s0 = (tl.dot(qs, _words_to_f16(kw, 0, KB, ASM)) + qz[:, None]) * krsA.to(tl.float32)[
                 None, :
@@ -417,10 +421,9 @@ def _decode_split_kernel(
             m = m_new
             p = tl.exp2(s0 - m_new[:, None])
             pw = (p * vrsA.to(tl.float32)[None, :]).to(tl.float16)
-            # row sums: [:, 0] softmax denominator, [:, 1] zero-point term minus the 1024
-            # offset of the V codes (exact: pw is what the dot sees)
+            # row sums: the softmax denominator and the V zero-point term
             pl = p
-            pzt = p * vzpA.to(tl.float32)[None, :] - 1024.0 * pw.to(tl.float32)
+            pzt = p * vzpA.to(tl.float32)[None, :]
             va0 = tl.dot(pw, _words_to_f16(vwA, 0, VB, ASM))
             if NPV >= 2:
                 va1 = tl.dot(pw, _words_to_f16(vwA, VB, VB, ASM))
@@ -431,7 +434,7 @@ def _decode_split_kernel(
                 p = tl.exp2(s1 - m_new[:, None])
                 pw = (p * vrsB.to(tl.float32)[None, :]).to(tl.float16)
                 pl += p
-                pzt += p * vzpB.to(tl.float32)[None, :] - 1024.0 * pw.to(tl.float32)
+                pzt += p * vzpB.to(tl.float32)[None, :]
                 va0 = tl.dot(pw, _words_to_f16(vwB, 0, VB, ASM), va0)
                 if NPV >= 2:
                     va1 = tl.dot(pw, _words_to_f16(vwB, VB, VB, ASM), va1)

@@ -18,7 +18,12 @@ from kvarn_ops.reference.cache import (
     read_pool_blocks,
     store,
 )
-from kvarn_ops.reference.decode import MAX_QUERY_TOKENS, attention_oracle, decode
+from kvarn_ops.reference.decode import (
+    MAX_QUERY_TOKENS,
+    OPERAND_PRECISIONS,
+    attention_oracle,
+    decode,
+)
 from kvarn_ops.reference.hadamard import hadamard, hadamard_matrix, rotate
 from kvarn_ops.reference.quantize import (
     DEFAULT_CONFIG,
@@ -48,6 +53,7 @@ __all__ = [
     "DEFAULT_CONFIG",
     "FIELD_NAMES",
     "MAX_QUERY_TOKENS",
+    "OPERAND_PRECISIONS",
     "PUBLISHED_CONFIG",
     "NormalizeConfig",
     "QuantizedTiles",

@@ -24,10 +24,30 @@ from kvarn_ops.reference.cache import check_context_args, read_pool_blocks
 from kvarn_ops.reference.hadamard import hadamard
 from kvarn_ops.reference.records import record_fields
 
-__all__ = ["MAX_QUERY_TOKENS", "attention_oracle", "decode"]
+__all__ = ["MAX_QUERY_TOKENS", "OPERAND_PRECISIONS", "attention_oracle", "decode"]
 
 MAX_QUERY_TOKENS = 8
 """Largest T (query tokens per request: 1 for decode, up to 8 for speculative verify)."""
+
+OPERAND_PRECISIONS = (None, "fp16", "fp16_tf32")
+"""What ``decode(operand_precision=...)`` emulates. ``None``: every operand in the compute
+dtype. ``"fp16"``: the Triton decode's 16-bit operands (q times softmax_scale * log2(e) before
+the rotation, q times the K column scales, the softmax weights times the V row scales; sums
+stay in the compute dtype), with fp32 operands kept whole, as the Triton interpreter computes
+them. ``"fp16_tf32"``: the same on tensor cores, where fp32 dot operands (the exact tail's
+q, K, p and V) keep 10 mantissa bits (truncated)."""
+
+_LOG2E = 1.4426950408889634
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).to(x.dtype)
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 with the 13 low mantissa bits cleared (what sm_90 tensor cores read)."""
+    bits = x.to(torch.float32).view(torch.int32) & ~0x1FFF
+    return bits.view(torch.float32).to(x.dtype)
 
 
 def _check_workspace(workspace: torch.Tensor | None, device: torch.device) -> None:
@@ -48,36 +68,42 @@ def _attend_request(
     length: int,
     scale: float,
     cd: torch.dtype,
+    operands: str | None = None,
+    weight_shift: float = 0.0,
 ) -> torch.Tensor:
     """Rotated-frame attention of one request. qr: [T, Hkv, g, D] (compute dtype)."""
+    r16 = _fp16 if operands else (lambda x: x)
+    r32 = _tf32 if operands == "fp16_tf32" else (lambda x: x)
+    if operands:  # the kernels' frame: q pre-multiplied by scale * log2(e), scores in log2
+        qr, scale = qr * (scale * _LOG2E), 1.0 / _LOG2E
     t_q, hkv, grp, d = qr.shape
     g = layout.block_size
     n_full = blocks.shape[0]
     f = record_fields(packed[blocks].reshape(n_full * hkv, layout.record_bytes), layout)
     view = {k: v.view(n_full, hkv, *v.shape[1:]).to(cd) for k, v in f.items()}
     # Packed keys, folded: [n, Hkv, D] query-side scales, codes fed raw.
-    q_scaled = torch.einsum("tkgd,nkd->ntkgd", qr, view["k_col_scale"])
+    q_scaled = r16(torch.einsum("tkgd,nkd->ntkgd", qr, view["k_col_scale"]))
     dots = torch.einsum("ntkgd,nkdj->ntkgj", q_scaled, view["k_codes"])
     bias = torch.einsum("tkgd,nkd->ntkg", qr, view["k_zero_point"])
     s_packed = (dots + bias[..., None]) * view["k_row_scale"][:, None, :, None, :]
     s_packed = s_packed.permute(1, 2, 3, 0, 4).reshape(t_q, hkv, grp, n_full * g)
-    s_tail = torch.einsum("tkgd,skd->tkgs", qr, tail_k)
+    s_tail = torch.einsum("tkgd,skd->tkgs", r32(qr), r32(tail_k))
     scores = torch.cat((s_packed, s_tail), dim=-1) * scale
     # Causal: query t sits at position length - T + t and sees keys at positions <= it.
     key_pos = torch.arange(length, device=qr.device)
     q_pos = length - t_q + torch.arange(t_q, device=qr.device)
     scores = scores.masked_fill((key_pos[None, :] > q_pos[:, None])[:, None, None, :], -math.inf)
-    m = scores.amax(dim=-1, keepdim=True)
+    m = scores.amax(dim=-1, keepdim=True) + weight_shift / _LOG2E
     p = torch.exp(scores - m)
     denom = p.sum(dim=-1, keepdim=True)
     p_packed = p[..., : n_full * g].reshape(t_q, hkv, grp, n_full, g)
     p_tail = p[..., n_full * g :]
     # Packed values, folded: weights scaled per token, codes fed raw, channel scale last.
-    p_scaled = p_packed * view["v_row_scale"].permute(1, 0, 2)[None, :, None]
+    p_scaled = r16(p_packed * view["v_row_scale"].permute(1, 0, 2)[None, :, None])
     acc = torch.einsum("tkgnj,nkjd->tkgnd", p_scaled, view["v_codes"])
     vbias = torch.einsum("tkgnj,nkj->tkgn", p_packed, view["v_zero_point"])
     o_packed = (acc + vbias[..., None]) * view["v_col_scale"].permute(1, 0, 2)[None, :, None]
-    o = o_packed.sum(dim=3) + torch.einsum("tkgs,skd->tkgd", p_tail, tail_v)
+    o = o_packed.sum(dim=3) + torch.einsum("tkgs,skd->tkgd", r32(p_tail), r32(tail_v))
     return o / denom
 
 
@@ -97,6 +123,8 @@ def decode(
     workspace: torch.Tensor | None,
     *,
     compute_dtype: torch.dtype = torch.float32,
+    operand_precision: str | None = None,
+    weight_shift: float = 0.0,
 ) -> None:
     """Attention of the T newest tokens of each request over its whole cached context.
 
@@ -115,6 +143,12 @@ def decode(
     workspace : float32 tensor from ``kvarn_ops.decode_workspace(...)`` (the Triton kernel's
         scratch) or None; not used by the reference.
     compute_dtype : torch.float32 (default) or torch.float64 (the oracle).
+    operand_precision : one of ``OPERAND_PRECISIONS``: None (default), or the rounding of the
+        kernels' dot operands to emulate (the error yardstick of kernel tests).
+    weight_shift : float >= 0, softmax weights are taken relative to the row max times
+        ``2**weight_shift`` (the result is the same up to rounding). The kernels round weights
+        taken relative to a running max, so with ``operand_precision`` set, shifts other than
+        integers give other realizations of the same rounding error.
     """
     b, g, hkv, d = check_context_args(
         packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, layout
@@ -143,10 +177,20 @@ def decode(
         raise ValueError(
             f"compute_dtype: must be torch.float32 or torch.float64, got {compute_dtype}"
         )
+    if not isinstance(weight_shift, (int, float)) or not 0 <= weight_shift <= 64:
+        raise ValueError(f"weight_shift: must be a float in [0, 64], got {weight_shift!r}")
+    if operand_precision not in OPERAND_PRECISIONS:
+        raise ValueError(
+            f"operand_precision: must be one of {OPERAND_PRECISIONS}, got {operand_precision!r}"
+        )
     _check_workspace(workspace, dev)
     if seq_lens.device.type == "cpu" and b and int(seq_lens.min()) < t_q:
         raise ValueError(f"seq_lens: every entry must be >= T = {t_q} (the queries are cached)")
-    qr = hadamard(q.to(compute_dtype)).view(b, t_q, hkv, hq // hkv, d)
+    qc = q.to(compute_dtype)
+    if operand_precision:
+        qk = float(softmax_scale) * _LOG2E
+        qc = _fp16(qc * qk) / qk
+    qr = hadamard(qc).view(b, t_q, hkv, hq // hkv, d)
     res = torch.empty(b, t_q, hkv, hq // hkv, d, dtype=compute_dtype, device=dev)
     for r in range(b):
         length = int(seq_lens[r])
@@ -168,6 +212,8 @@ def decode(
             length,
             float(softmax_scale),
             compute_dtype,
+            operand_precision,
+            float(weight_shift),
         )
     out.copy_(hadamard(res.view(b, t_q, hq, d)))
 
