@@ -75,9 +75,16 @@ def test_report_shows_outputs_capacity_ppl_and_agreement():
 
     exact = run([5, 6, 7, 8], "Hello there", 100, "float32")
     kv = run([5, 6, 9, 8], "Hello you", 850, "kvarn_k4v2_g64")
+    fp8 = run([5, 6, 7, 8], "Hello there", 200, "fp8")
     stats = demo.ppl_stats([-2.0] * 128, [-2.01] * 128)
-    text = demo.report("kvarn_k4v2_g64", exact, kv, stats)
+    same = demo.ppl_stats([-2.0] * 128, [-2.0 - 1e-3 * (-1) ** i for i in range(128)])
+    others = [("fp8 (vLLM's own)", fp8, same), ("kvarn_k4v2_g64", kv, stats)]
+    text = demo.report("kvarn_k4v2_g64", exact, kv, others)
     assert "Hello there" in text and "Hello you" in text
     assert "75% tokens equal, first divergence at token 2" in text
-    assert "exact (float32) 6,400" in text and "54,400 tokens" in text and "8.50x" in text
-    assert "+1.01%" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if "tokens " in line}
+    assert "6,400 tokens" in rows["exact"] and "7.3891" in rows["exact"]
+    assert "12,800 tokens  2.00x" in rows["fp8"] and "no measured change" in rows["fp8"]
+    assert "54,400 tokens  8.50x" in rows["kvarn_k4v2_g64"]
+    assert "+1.01% +- 0.00%" in rows["kvarn_k4v2_g64"]
+    assert "no measured" not in rows["kvarn_k4v2_g64"]

