@@ -5,7 +5,8 @@ Tolerances (kernel output vs the reference's output in the same dtype):
 - float16, bfloat16: at most 1 ulp apart, on at most 2% of elements (ULP_FRACTION). The
   kernel sums in another order (matrix product, Kronecker split for D >= 256) than the
   reference's butterflies; the fp32 results differ by a few fp32 ulps, which flips the final
-  rounding only near a tie.
+  rounding only near a tie. Results that cancel to near zero have ulps far below that fp32
+  noise, so an element may also differ by up to FP32_RTOL * max abs (the fp32 bound below).
 - float32: 4e-6 * max abs (FP32_RTOL): fp32 accumulation of up to 512 terms in another order
   (3-pass tf32 on the GPU).
 """
@@ -40,7 +41,10 @@ def assert_close_to_reference(out: torch.Tensor, expect: torch.Tensor) -> None:
         assert float((out - expect).abs().max() / scale) <= FP32_RTOL
         return
     diff = (ordered_bits(out) - ordered_bits(expect)).abs()
-    assert int(diff.max()) <= 1, f"max ulp difference {int(diff.max())}"
+    scale = float(expect.float().abs().max())
+    near_zero = (out.float() - expect.float()).abs() <= FP32_RTOL * scale
+    bad = (diff > 1) & ~near_zero
+    assert not bool(bad.any()), f"{int(bad.sum())} elements > 1 ulp (max {int(diff.max())})"
     assert float((diff > 0).float().mean()) <= ULP_FRACTION
 
 
