@@ -4,7 +4,8 @@ Usage: ``python engine_driver.py SPEC.json OUT.json``. The tests start this scri
 interpreter per engine, so each engine's memory is returned when it exits and the test
 process never imports vLLM. SPEC keys: ``model``, ``mode`` ("vllm" = vLLM's own CPU
 attention without the plugin's backend, "exact" or a kvarn format name), ``prefix_caching``,
-``max_num_seqs``, ``jobs``: a list of ``{"prompts": [[ids]], "max_tokens": n,
+``max_num_seqs``, ``tensor_parallel_size`` (> 1: one worker process per rank, each bound to
+one CPU), ``jobs``: a list of ``{"prompts": [[ids]], "max_tokens": n,
 "one_by_one": bool, "prompt_logprobs": bool, "teacher_force_from": j}``; the last key makes
 the job's prompts those of job ``j`` followed by the tokens job ``j`` generated.
 """
@@ -21,7 +22,14 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    tp = int(spec.get("tensor_parallel_size", 1))
+    if tp == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:  # vllm-cpu binds each rank's threads to a NUMA node unless told which CPUs to use
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tp:
+            raise SystemExit(f"tensor_parallel_size {tp} needs {tp} CPUs, {len(cpus)} allowed")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cpus[:tp])
     os.environ["KVARN_VLLM_TEST_PLATFORM"] = "1"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -35,7 +43,8 @@ def main() -> None:
         max_num_seqs=spec.get("max_num_seqs", 32),
         seed=0,
         block_size=64,
-        distributed_executor_backend="uni",
+        distributed_executor_backend="uni" if tp == 1 else "mp",
+        tensor_parallel_size=tp,
         enable_prefix_caching=spec.get("prefix_caching", True),
     )
     if spec["mode"] != "vllm":
