@@ -43,9 +43,11 @@ def test_unknown_format_suggests():
         s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_k4v2_g63"}))
 
 
-def test_mla_format_refused():
-    with pytest.raises(s.SettingsError, match="MLA"):
-        s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_mla_k4_g64"}))
+def test_mla_format_resolves_for_the_mla_backend():
+    # Accepted here; kvarn_vllm.gates refuses it on a non-MLA model (test_mla_gates.py).
+    got = s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_mla_k4_g64"}))
+    assert got.is_mla and got.group == 64
+    assert got.layout(576).record_bytes == 26752
 
 
 def test_pool_dtype_setting():

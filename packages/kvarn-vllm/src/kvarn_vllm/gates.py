@@ -56,6 +56,11 @@ def layer_problems(
     reasons: list[str] = []
     if use_mla:
         reasons.append("MLA models are not supported by the dense kvarn backend (model)")
+    if settings.is_mla:
+        reasons.append(
+            f"{settings.source}={settings.format_name}: MLA formats need an MLA (latent-cache) "
+            "model; use a dense kvarn_k{K}v{V}_g{G} format for this model"
+        )
     if attn_type != "decoder":
         reasons.append(
             f"attention type {attn_type!r}: kvarn caches decoder self-attention only (model)"

