@@ -21,7 +21,8 @@ from kvarn_vllm import settings as kv_settings
 BACKEND_NAME = "CUSTOM"
 
 
-def _settings_or_none() -> kv_settings.Settings | None:
+def settings_or_none() -> kv_settings.Settings | None:
+    """The active settings, or None before they can be resolved (vLLM probes backends early)."""
     try:
         return kv_settings.active()
     except (kv_settings.SettingsError, AssertionError, RuntimeError):
@@ -81,7 +82,7 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        settings = _settings_or_none()
+        settings = settings_or_none()
         if settings is None or settings.exact:
             return [MultipleOf(32)]  # what vLLM's CPU attention needs
         group = settings.group
@@ -90,7 +91,7 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
-        settings = _settings_or_none()
+        settings = settings_or_none()
         if settings is None or settings.group is None:
             return super().get_preferred_block_size(default_block_size)
         return settings.group
@@ -114,7 +115,7 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: Any) -> Any:
-        settings = _settings_or_none()
+        settings = settings_or_none()
         if settings is None:
             return spec
         return packed_spec(spec, settings)

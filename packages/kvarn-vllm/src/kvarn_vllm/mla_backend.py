@@ -17,7 +17,6 @@ decode/prefill split, up-projections) is vLLM's. Two modes, from kvarn_vllm.sett
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -27,32 +26,17 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from kvarn_vllm import mla_gates
 from kvarn_vllm import settings as kv_settings
+from kvarn_vllm.backend import packed_spec, settings_or_none
 
 BACKEND_NAME = "CUSTOM"
 CPU_MLA_KERNEL_BLOCK = mla_gates.CPU_MLA_KERNEL_BLOCK
 
 
-def _settings_or_none() -> kv_settings.Settings | None:
-    try:
-        return kv_settings.active()
-    except (kv_settings.SettingsError, AssertionError, RuntimeError):
-        return None
-
-
 def packed_mla_spec(spec: Any, settings: kv_settings.Settings) -> Any:
-    """The MLA layer's spec with one packed tile per 64-token block.
-
-    ``tokens_per_state = 64`` and ``state_content_bytes = record_bytes``: a page is exactly
-    one tile. Specs with fewer tokens per block than 64 (vLLM's one-token page-size probes)
-    get the per-token share of a tile, rounded up. Exact mode leaves the spec alone.
-    """
-    if not settings.is_mla or spec.state_content_bytes is not None:
-        return spec
-    layout = settings.layout(spec.head_size)
-    group = layout.block_size
-    if spec.block_size % group == 0:
-        return replace(spec, state_content_bytes=layout.record_bytes, tokens_per_state=group)
-    return replace(spec, state_content_bytes=-(-layout.record_bytes // group), tokens_per_state=1)
+    """The MLA layer's spec with one packed tile per 64-token block (``packed_spec``, with the
+    MLA layout ``settings.layout`` gives). A dense format on an MLA model leaves the spec
+    alone: ``mla_gates`` refuses it with a reason naming the setting."""
+    return packed_spec(spec, settings) if settings.is_mla else spec
 
 
 class KvarnMlaBackend(CPUMLABackend):
@@ -86,7 +70,7 @@ class KvarnMlaBackend(CPUMLABackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        settings = _settings_or_none()
+        settings = settings_or_none()
         if settings is None or not settings.is_mla:
             return [CPU_MLA_KERNEL_BLOCK]
         group = settings.group
@@ -95,7 +79,7 @@ class KvarnMlaBackend(CPUMLABackend):
 
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
-        settings = _settings_or_none()
+        settings = settings_or_none()
         if block_size is None or settings is None:
             return True
         if settings.is_mla:
@@ -104,7 +88,7 @@ class KvarnMlaBackend(CPUMLABackend):
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
-        settings = _settings_or_none()
+        settings = settings_or_none()
         if settings is None or settings.group is None:
             return default_block_size
         return settings.group
@@ -125,7 +109,7 @@ class KvarnMlaBackend(CPUMLABackend):
     @classmethod
     def customize_spec(cls, spec: Any) -> Any:
         spec = super().customize_spec(spec)
-        settings = _settings_or_none()
+        settings = settings_or_none()
         if settings is None:
             return spec
         return packed_mla_spec(spec, settings)
