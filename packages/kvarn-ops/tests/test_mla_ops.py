@@ -14,8 +14,9 @@ Tolerance table (kernel vs reference):
   dequant within 2% of the tile rms (the product is what decodes).
 - scatter bf16: the Hadamard sums run in another order (last fp32 bit). Bound: 1 bf16 ulp (a
   flip of the bf16 rounding).
-- scatter fp8: amax (hence the scale) by a few fp32 ulps. Bound: scale rel 1e-6, dequant within
-  1 e4m3 step (same).
+- scatter fp8: amax (hence the scale) by a few fp32 ulps, which can flip the e4m3 rounding of a
+  value near a tie. Bound: scale rel 1e-6, dequant within 1 e4m3 step (2^-3 relative for
+  normals, 2^-9 of the scale for subnormals).
 - materialize: the rotation back runs as two small products. Bound: 1 bf16 ulp + 1e-6*rms
   (rounding of the bf16 output).
 - decode: fp32 dots and online softmax vs the fp64 oracle. Bound: 2e-4 * max abs(out)
@@ -111,7 +112,8 @@ def test_scatter_matches_reference(gen, dtype):
         sa, sb = a[1].view(-1)[written], b[1].view(-1)[written]
         assert bool(((sa - sb).abs() <= 1e-6 * sa).all())
         da, db = va * sa[:, None], vb * sb[:, None]
-        step = da.abs().clamp_min(sa[:, None] * 2.0**-9) * 2.0**-3
+        # One e4m3 step: 2^-3 relative for normals, 2^-9 * scale absolute for subnormals.
+        step = torch.maximum(da.abs() * 2.0**-3, sa[:, None] * 2.0**-9)
         assert bool(((da - db).abs() <= step * 1.01).all())
     assert bool(torch.isfinite(b[2].view(-1, 64)[written].float()).all())
 
