@@ -12,7 +12,8 @@ Algorithm (fp32; every step is what a kernel must reproduce):
    caller would get by zeroing that token. Such a token decodes to (about) zero.
 2. Prescale (default): ``e = floor(log2(max|X|))`` (0 for an all-zero tile) and
    ``Xp = X * 2**-e`` (exact). With step 3 this makes the result scale invariant: quantizing
-   ``c * X`` gives ``c`` times the result for ``X`` (bit for bit when c is a power of two).
+   ``c * X`` gives ``c`` times the result for ``X`` (codes identical and scales bit for bit
+   when c is a power of two and no stored field is subnormal; see step 6).
 3. Normalization: log-scales ``lr [R] = 0``, ``lc [C] = 0``; the current tile is
    ``Y = (Xp * exp(-lr)[:, None]) * exp(-lc)[None, :]``. Each of ``iters`` iterations divides
    the columns by their spread (``lc += log(spread of each column of Y)``) and then the rows
@@ -39,7 +40,9 @@ Algorithm (fp32; every step is what a kernel must reproduce):
    every stored scale is a normal fp16 number (``2**-14 <= |v| < 2**15``) whenever the tile's
    dynamic range allows it (tiles of magnitude 1e-4..1e4 are tested). In every variant the
    fp16 cast saturates at +-65504 (never Inf); without rebalancing (the published variant)
-   small tiles get subnormal scales. A zero-range row decodes to ``z * w`` exactly (no code
+   small tiles get subnormal scales. A zero point far below its row's step may still be
+   subnormal (the rebalance bounds the row scales, not the zero points); it then rounds on
+   fp16's subnormal grid, by at most 2**-25 times its column scale. A zero-range row decodes to ``z * w`` exactly (no code
    term); a constant tile decodes exactly to its value when that value is an fp16 number.
 """
 
