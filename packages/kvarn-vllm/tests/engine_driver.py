@@ -4,8 +4,9 @@ Usage: ``python engine_driver.py SPEC.json OUT.json``. The tests start this scri
 interpreter per engine, so each engine's memory is returned when it exits and the test
 process never imports vLLM. SPEC keys: ``model``, ``mode`` ("vllm" = vLLM's own CPU
 attention without the plugin's backend, "exact" or a kvarn format name), ``prefix_caching``,
-``max_num_seqs``, ``tensor_parallel_size`` (> 1: one worker process per rank, each bound to
-one CPU), ``jobs``: a list of ``{"prompts": [[ids]], "max_tokens": n,
+``max_num_seqs``, ``speculative_config`` (passed to ``LLM``; the run then records vLLM's
+spec_decode counters), ``tensor_parallel_size`` (> 1: one worker process per rank, each bound
+to one CPU), ``jobs``: a list of ``{"prompts": [[ids]], "max_tokens": n,
 "one_by_one": bool, "prompt_logprobs": bool, "teacher_force_from": j}``; the last key makes
 the job's prompts those of job ``j`` followed by the tokens job ``j`` generated.
 """
@@ -46,7 +47,10 @@ def main() -> None:
         distributed_executor_backend="uni" if tp == 1 else "mp",
         tensor_parallel_size=tp,
         enable_prefix_caching=spec.get("prefix_caching", True),
+        disable_log_stats=not spec.get("speculative_config"),
     )
+    if spec.get("speculative_config"):
+        kwargs["speculative_config"] = spec["speculative_config"]
     if spec["mode"] != "vllm":
         kwargs["attention_backend"] = "CUSTOM"
         kwargs["additional_config"] = {"kvarn_kv_cache_dtype": spec["mode"]}
@@ -89,6 +93,12 @@ def main() -> None:
                 ]
             done.append({"tokens": list(comp.token_ids), "logprobs": lps, "prompt_logprobs": plp})
         out["jobs"].append({"results": done, "seconds": time.time() - t1})
+    if spec.get("speculative_config"):
+        out["spec_metrics"] = {
+            m.name: getattr(m, "value", None)
+            for m in llm.get_metrics()
+            if "spec_decode" in m.name and isinstance(getattr(m, "value", None), (int, float))
+        }
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
 

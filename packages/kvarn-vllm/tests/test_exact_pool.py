@@ -54,11 +54,43 @@ def test_sizing_formula():
     assert pool_blocks_needed(32, 4096, 64) == 64 + 32 + 64 + 1
 
 
-def test_random_steps_against_oracle():
+def test_rollback_into_a_packed_block():
+    """Speculative verify fills block 5 with drafts, some are rejected, and the request goes on
+    inside block 5: with keep_packed its exact rows are still there, and it is packed again
+    when it fills; without, the continuation is refused (never misread)."""
+    for keep in (True, False):
+        alloc = ExactPoolAllocator(8, keep_packed=keep)
+        alloc.plan([(0, 2, [5])], G)
+        plan = alloc.plan([(2, 6, [5, 6])], G)  # tokens 2..5: block 5 fills, packed
+        assert plan.flush == [(0, 5)]
+        if not keep:
+            with pytest.raises(LostTail, match="offset 3"):
+                alloc.plan([(3, 4, [5])], G)
+            continue
+        plan = alloc.plan([(3, 4, [5])], G)  # tokens 3.. rejected: token 3 again
+        assert plan.pool_of == {5: 0} and plan.flush == [(0, 5)]
+        assert alloc.kept_packed == []
+        alloc.plan([(4, 5, [5, 6])], G)
+        assert alloc.kept_packed == [5] and alloc.owned[5] == 0
+
+
+def test_kept_packed_blocks_are_reclaimed_first():
+    alloc = ExactPoolAllocator(3, keep_packed=True)  # 2 usable blocks
+    alloc.plan([(0, 4, [1]), (0, 1, [2])], G)  # block 1 packed, block 2 a live tail
+    alloc.plan([(1, 2, [2])], G)
+    assert alloc.kept_packed == [1]
+    plan = alloc.plan([(0, 1, [3])], G)  # needs a pool block: block 1's, not the tail's
+    assert plan.pool_of == {3: 0} and set(alloc.owned) == {2, 3} and alloc.reclaimed == 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_random_steps_against_oracle(speculative):
     """Requests arrive, grow by random chunks, finish; every partial block read back holds
-    exactly the tokens its own request wrote (no other block's rows)."""
+    exactly the tokens its own request wrote (no other block's rows). With ``speculative``,
+    steps of 1 + k tokens are verify runs: a random number of the k drafts is rejected and
+    the request continues from the last accepted token (into a block packed with drafts)."""
     rng = random.Random(7)
-    alloc = ExactPoolAllocator(pool_blocks_needed(6, 16, G))
+    alloc = ExactPoolAllocator(pool_blocks_needed(6, 16, G), keep_packed=speculative)
     pool = {}  # (pool block, offset) -> token tag
     free_blocks = list(range(1, 400))
     rng.shuffle(free_blocks)
@@ -74,7 +106,7 @@ def test_random_steps_against_oracle():
         for rid, (computed, blocks) in live.items():
             if budget <= 0 or rng.random() < 0.2:
                 continue  # not scheduled this step
-            q = min(budget, rng.choice([1, 1, 1, 2, 5, 9]))
+            q = min(budget, rng.choice([1, 4, 4, 2] if speculative else [1, 1, 1, 2, 5, 9]))
             budget -= q
             total = computed + q
             while len(blocks) < -(-total // G):
@@ -89,4 +121,6 @@ def test_random_steps_against_oracle():
                 for p in range(total - total % G, total):
                     assert pool[(pb, p % G)] == (rid, p)
             live[rid][0] = total
+            if speculative and total - computed > 1:  # reject 0..k of the k drafts
+                live[rid][0] = total - rng.randrange(total - computed)
     assert next_rid > 20

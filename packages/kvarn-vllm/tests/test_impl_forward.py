@@ -156,3 +156,63 @@ def test_profiling_run_without_metadata_returns_output(make_impl):
     impl, cache, _ = make_impl()
     out = torch.zeros(3, HQ, D)
     assert impl.forward(None, out, out, out, cache, None, out) is out
+
+
+def test_speculative_verify_runs_match_oracle(make_impl):
+    """Verify runs of 1 + 3 drafts (decode with T = 4 when the run stays inside what one
+    packed view serves, the prefill path when it fills a block before its last token), beside
+    plain decodes, with drafts rejected and the requests continuing inside blocks that were
+    packed with the rejected drafts: every query matches plain attention over what the cache
+    holds for it."""
+    import torch
+
+    torch.manual_seed(2)
+    impl, cache, _ = make_impl()
+    alloc = ExactPoolAllocator(64, keep_packed=True)
+    blocks = {0: [3, 7, 9], 1: [4, 10], 2: [5, 11]}
+    cur = {r: [torch.empty(200, HKV, D), torch.empty(200, HKV, D)] for r in blocks}
+    computed = dict.fromkeys(blocks, 0)
+    routes = []
+
+    def run(steps):
+        """steps: (request, new tokens, tokens accepted afterwards)."""
+        rows, reqs = [], []
+        for r, n, _ in steps:
+            c = computed[r]
+            reqs.append((c, c + n, blocks[r]))
+            for p in range(c, c + n):
+                kv = torch.randn(2, HKV, D)  # fresh values: a draft differs from its redo
+                cur[r][0][p], cur[r][1][p] = kv[0], kv[1]
+                rows.append((r, p, torch.randn(HQ, D)))
+        q = torch.stack([x[2] for x in rows])
+        k = torch.stack([cur[r][0][p] for r, p, _ in rows])
+        v = torch.stack([cur[r][1][p] for r, p, _ in rows])
+        qsl = [0]
+        for c, t, _ in reqs:
+            qsl.append(qsl[-1] + t - c)
+        width = max(len(b) for _, _, b in reqs)
+        bt = torch.tensor([b + [0] * (width - len(b)) for _, _, b in reqs], dtype=torch.int32)
+        md = plan_step(alloc, G, qsl, [t for _, t, _ in reqs], bt, qsl[-1], torch.device("cpu"))
+        routes.append(sorted(b.t for b in md.decodes))
+        out = torch.full((qsl[-1], HQ, D), float("nan"))
+        impl.forward(None, q, k, v, cache, md, out)
+        for i, (r, p, qr) in enumerate(rows):
+            want = _oracle(impl, cache, alloc, blocks[r], p, qr, cur[r][0], cur[r][1])
+            torch.testing.assert_close(out[i], want, atol=2e-3, rtol=2e-3)
+        for r, _, acc in steps:
+            computed[r] += acc
+
+    run([(0, 58, 58), (1, 20, 20), (2, 62, 62)])  # prompts
+    run([(0, 4, 2), (1, 4, 4), (2, 1, 1)])  # verify 58..61, 20..23 (T=4), decode 62
+    # 60..63 fills block 3 with drafts (prefill path), 3 rejected; decodes 24 and 63 (T=1)
+    run([(0, 4, 1), (1, 1, 1), (2, 1, 1)])
+    run([(0, 4, 4), (2, 4, 4)])  # 61..64: block 3 continued and packed again; 64..67 (T=4)
+    run([(0, 4, 4), (1, 3, 3)])  # 65..68 (T=4), 25..27 (T=3)
+    assert routes == [[], [1, 4], [1], [4], [3, 4]]
+    # Block 3 was packed twice; its record now holds the accepted tokens.
+    import kvarn_ops.reference as ref
+
+    rec = impl.packed_view(cache)[3].reshape(HKV, -1)
+    kd, _ = ref.decode_records(rec, impl.layout)
+    want = ref.hadamard(cur[0][0][:G].transpose(0, 1).float())
+    assert (kd - want).abs().max() < 0.25 * want.abs().max()

@@ -66,6 +66,28 @@ def test_cutedsl_probe_without_package():
     assert "kvarn-cutedsl is not importable" in kc.cutedsl_problem("cuda")
 
 
+def test_cutedsl_probe_asks_for_the_longest_verify_run(monkeypatch):
+    """Speculative verify runs go through decode with T = 1 + drafts: the CuTe DSL gate is
+    asked for that T, and a refusal names the geometry (so auto picks Triton)."""
+    import sys
+    import types
+
+    asked = []
+
+    def is_supported(arch, k_bits, v_bits, group, head_dim, gqa, query_len, q_dtype, pool):
+        asked.append(query_len)
+        return gqa * query_len <= 16
+
+    fake = types.SimpleNamespace(device_arch=lambda index: "sm_90a", is_supported=is_supported)
+    monkeypatch.setitem(sys.modules, "kvarn_cutedsl", fake)
+    geo = kc.DecodeGeometry(4, 2, 64, 128, gqa=8, max_query_len=4)
+    assert "does not support" in kc.cutedsl_problem("cuda", 0, geo)
+    assert kc.cutedsl_problem("cuda", 0, kc.DecodeGeometry(4, 2, 64, 128, gqa=8)) is None
+    assert asked == [4, 1]
+    choice = kc.choose_kernel("cuda", 0, geometry=geo, env={})
+    assert choice.name == "triton" and "max_query_len=4" in choice.reason
+
+
 def test_logged_once_per_process(caplog):
     kc._LOGGED.clear()
     choice = kc.KernelChoice("reference", "test")

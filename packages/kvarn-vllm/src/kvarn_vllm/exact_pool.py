@@ -12,7 +12,11 @@ requests, and only full blocks are shared by prefix caching):
 - A block written at offset > 0 must already own one; if not, the step is refused (never read
   another block's rows).
 - A block that becomes full in a step is packed in that step; its pool block is released at
-  the start of the next step (the step's layers still read it).
+  the start of the next step (the step's layers still read it). With speculative decoding
+  (``keep_packed``) a verify step can fill a block with draft tokens that are then rejected,
+  and the request continues inside that block: so the pool block of a packed block is kept
+  instead, first in line to be reclaimed. A block written again is packed again when it fills,
+  so its record always holds the accepted tokens once they fill it.
 - The null block (id 0, vLLM's padding block) never owns a pool block; writes to it go
   nowhere and reads of it come from a reserved scratch pool block.
 - Pool blocks of finished requests are not announced by vLLM to attention backends. They are
@@ -63,7 +67,7 @@ class StepPlan:
 class ExactPoolAllocator:
     """Assigns pool blocks ``0 .. size - 2`` to physical blocks; ``size - 1`` is scratch."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, keep_packed: bool = False) -> None:
         if size < 2:
             raise ValueError(f"size: the pool needs at least 2 blocks, got {size}")
         self.size = size
@@ -72,8 +76,15 @@ class ExactPoolAllocator:
         self._owner: dict[int, int] = {}  # physical block -> pool block
         self._last_touch: OrderedDict[int, int] = OrderedDict()  # physical -> step, LRU order
         self._release_next: list[int] = []  # physical blocks packed in the previous step
+        self.keep_packed = keep_packed
+        self._packed: OrderedDict[int, None] = OrderedDict()  # packed, pool block kept
         self._step = 0
         self.reclaimed = 0
+
+    @property
+    def kept_packed(self) -> list[int]:
+        """Packed physical blocks whose pool block is kept for a rollback, oldest first."""
+        return list(self._packed)
 
     @property
     def owned(self) -> dict[int, int]:
@@ -83,12 +94,17 @@ class ExactPoolAllocator:
     def _release(self, physical: int) -> None:
         pool = self._owner.pop(physical, None)
         self._last_touch.pop(physical, None)
+        self._packed.pop(physical, None)
         if pool is not None:
             self._free.append(pool)
 
     def _take(self, touched: set[int]) -> int:
         if self._free:
             return self._free.pop()
+        for physical in self._packed:  # packed blocks kept for a rollback, oldest first
+            if physical not in touched:
+                self._release(physical)
+                return self._free.pop()
         for physical in self._last_touch:  # oldest first
             if physical not in touched:
                 self.reclaimed += 1
@@ -117,7 +133,11 @@ class ExactPoolAllocator:
             No pool block can be freed.
         """
         for physical in self._release_next:
-            self._release(physical)
+            if self.keep_packed and physical in self._owner:
+                self._last_touch.pop(physical, None)
+                self._packed[physical] = None
+            else:
+                self._release(physical)
         self._release_next = []
         self._step += 1
         touched_ids: set[int] = set()
@@ -145,6 +165,7 @@ class ExactPoolAllocator:
                         )
                     self._owner[physical] = self._take(touched_ids)
                 pool_of[physical] = self._owner[physical]
+                self._packed.pop(physical, None)  # written again: a live block
                 self._last_touch[physical] = self._step
                 self._last_touch.move_to_end(physical)
                 if (i + 1) * group <= total:

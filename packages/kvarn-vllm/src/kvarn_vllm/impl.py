@@ -1,9 +1,9 @@
 """The attention impl and metadata builder of the dense KVarN cache.
 
 Per layer and step: store the new K/V into the exact pool, pack the blocks that filled, then
-attend (decode through ``decode``; every other request through ``materialize`` + masked
-attention, see kvarn_vllm.metadata for the rule both follow). The ops come from kvarn_ops,
-chosen by kvarn_vllm.kernel_choice; nothing here is a kernel.
+attend (decode and speculative verify through ``decode``; every other request through
+``materialize`` + masked attention, see kvarn_vllm.metadata for the rule both follow). The
+ops come from kvarn_ops, chosen by kvarn_vllm.kernel_choice; nothing here is a kernel.
 """
 
 from __future__ import annotations
@@ -22,17 +22,26 @@ from vllm.v1.attention.backend import (
 )
 
 import kvarn_formats as kf
+from kvarn_ops.reference import MAX_QUERY_TOKENS
 from kvarn_vllm import gates
 from kvarn_vllm import settings as kv_settings
 from kvarn_vllm.exact_pool import ExactPoolAllocator, pool_blocks_needed
 from kvarn_vllm.kernel_choice import DecodeGeometry, OpSet, choose_kernel, log_choice_once
-from kvarn_vllm.metadata import KvarnMetadata, plan_step
+from kvarn_vllm.metadata import DecodeBatch, KvarnMetadata, plan_step
 
 POOL_TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn,
 }
+
+
+def max_query_len(vllm_config: Any) -> int:
+    """Query tokens of the longest run that goes through ``decode``: 1, or 1 + the speculative
+    tokens of a verify run (runs longer than kvarn_ops' limit take the prefill path)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    return min(1 + drafts, MAX_QUERY_TOKENS)
 
 
 def pool_size(vllm_config: Any, group: int) -> int:
@@ -59,7 +68,10 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         group = self.settings.group
         assert group is not None
         self.group = group
-        self.allocator = ExactPoolAllocator(pool_size(vllm_config, group))
+        # Verify runs can fill a block with drafts that are then rejected: keep packed blocks'
+        # exact rows for the continuation (kvarn_vllm.exact_pool).
+        speculative = getattr(vllm_config, "speculative_config", None) is not None
+        self.allocator = ExactPoolAllocator(pool_size(vllm_config, group), keep_packed=speculative)
 
     def build(
         self,
@@ -141,6 +153,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             gqa=num_heads // num_kv_heads,
             q_dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
             pool_dtype=self.settings.pool_dtype,
+            max_query_len=max_query_len(vllm_config),
         )
         choice = choose_kernel(device.type, device.index or 0, geometry=geometry)
         log_choice_once(choice, str(device))
@@ -208,39 +221,39 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         ops.store(k, v, md.pool_slots, *pools)
         if md.flush_src.numel():
             ops.flush(*pools, md.flush_src, md.flush_dst, packed, lay)
-        if md.decode_tokens.numel():
-            bd = md.decode_tokens.shape[0]
-            qd = q[md.decode_tokens].reshape(bd, 1, hq, d).contiguous()
+        for batch in md.decodes:
+            bd = batch.seq_lens.shape[0]
+            qd = q[batch.tokens].reshape(bd, batch.t, hq, d).contiguous()
             od = torch.empty_like(qd)
             ops.decode(
                 qd,
                 packed,
-                md.decode_block_table,
-                md.decode_seq_lens,
+                batch.block_table,
+                batch.seq_lens,
                 *pools,
-                md.decode_tail,
+                batch.tail,
                 lay,
                 self.scale,
                 od,
-                self._decode_workspace(md, qd),
+                self._decode_workspace(batch, qd),
             )
-            out[md.decode_tokens] = od.view(bd, hq, d)
+            out[batch.tokens] = od.view(bd * batch.t, hq, d)
         if md.prefills:
             self._prefill(q, out, packed, md)
         return output
 
-    def _decode_workspace(self, md: KvarnMetadata, qd: torch.Tensor) -> torch.Tensor | None:
+    def _decode_workspace(self, batch: DecodeBatch, qd: torch.Tensor) -> torch.Tensor | None:
         if self.ops.decode_workspace is None:
             return None
         # Sized for this step; the Triton path is not captured in CUDA graphs by this release.
         return self.ops.decode_workspace(
             qd.shape[0],
-            1,
+            batch.t,
             self.num_heads,
             self.num_kv_heads,
             self.head_size,
-            max(md.max_decode_seq_len, 1),
-            md.group,
+            max(batch.max_seq_len, 1),
+            self.layout.block_size,
             device=qd.device,
         )
 

@@ -46,6 +46,7 @@ class DecodeGeometry:
     gqa: int = 1
     q_dtype: str = "bfloat16"
     pool_dtype: str = "bfloat16"
+    max_query_len: int = 1  # 1 + speculative tokens when verify runs go through decode
 
 
 def cutedsl_problem(
@@ -72,7 +73,7 @@ def cutedsl_problem(
         geometry.group,
         geometry.head_dim,
         geometry.gqa,
-        1,
+        geometry.max_query_len,
         geometry.q_dtype,
         geometry.pool_dtype,
     ):

@@ -7,6 +7,12 @@ the dequantized records of the blocks that are full once ``p`` is cached (blocks
 from ``decode`` (full blocks packed, ``seq_len % G`` newest exact); prefill builds it from
 ``materialize`` (full blocks, and the first G - 1 exact rows of each block the step touches)
 with a boolean mask.
+
+Requests whose T new tokens (T <= ``MAX_QUERY_TOKENS``: a decode, T = 1, or a speculative
+verify run, T = 1 + drafts) all see the same packed blocks (``(L0 + 1) // G == L1 // G``: the
+run does not fill a block before its last token) go through ``decode`` with T queries, grouped
+by T; the others (a run that crosses a block boundary, longer chunks, prompts) through the
+prefill path. Both give every query the view above.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvarn_ops.reference.decode import MAX_QUERY_TOKENS
 from kvarn_vllm.exact_pool import NULL_BLOCK, ExactPoolAllocator, StepPlan
 
 
@@ -30,6 +37,18 @@ class PrefillRequest:
 
 
 @dataclass
+class DecodeBatch:
+    """Requests of the step that attend through ``decode`` with T queries each."""
+
+    t: int
+    tokens: torch.Tensor  # int64 [B * T] rows of the step, request-major
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+    tail: torch.Tensor  # int32 [B] pool block of the partial block
+    max_seq_len: int
+
+
+@dataclass
 class KvarnMetadata:
     """Everything a layer needs for one step (tensors on the cache device)."""
 
@@ -38,12 +57,8 @@ class KvarnMetadata:
     pool_slots: torch.Tensor  # int64 [num_actual_tokens], -1 = not stored
     flush_src: torch.Tensor  # int32 [N] pool blocks
     flush_dst: torch.Tensor  # int32 [N] physical blocks
-    # decode (one new token per request)
-    decode_tokens: torch.Tensor  # int64 [Bd] rows of the step
-    decode_block_table: torch.Tensor  # int32 [Bd, max_blocks]
-    decode_seq_lens: torch.Tensor  # int32 [Bd]
-    decode_tail: torch.Tensor  # int32 [Bd] pool block of the partial block
-    max_decode_seq_len: int
+    # decode and speculative verify, one batch per T (ascending)
+    decodes: list[DecodeBatch] = field(default_factory=list)
     # prefill
     prefills: list[PrefillRequest] = field(default_factory=list)
     context_rows: int = 0  # rows of the step's dequantized context buffer
@@ -57,6 +72,21 @@ class KvarnMetadata:
 
 def _i32(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _decode_batch(
+    t: int, reqs: list[tuple[int, int, int, int]], block_table: torch.Tensor, device: torch.device
+) -> DecodeBatch:
+    rows = [start + i for start, _, _, _ in reqs for i in range(t)]
+    lens = [total for _, _, total, _ in reqs]
+    return DecodeBatch(
+        t=t,
+        tokens=torch.tensor(rows, dtype=torch.int64, device=device),
+        block_table=block_table[[r for _, r, _, _ in reqs]].to(device),
+        seq_lens=_i32(lens, device),
+        tail=_i32([tail for _, _, _, tail in reqs], device),
+        max_seq_len=max(lens),
+    )
 
 
 def plan_step(
@@ -91,7 +121,7 @@ def plan_step(
     plan: StepPlan = allocator.plan(requests, g)
 
     slots = [-1] * num_actual_tokens
-    dec_tok, dec_rows, dec_lens, dec_tail = [], [], [], []
+    dec: dict[int, list[tuple[int, int, int, int]]] = {}  # T -> (first row, request, L1, tail)
     pre: list[PrefillRequest] = []
     full_rows, full_lens, ex_tail, ex_lens = [], [], [], []
     ctx = 0
@@ -104,11 +134,9 @@ def plan_step(
         tail_pool = allocator.scratch
         if total % g:
             tail_pool = plan.pool_of[blocks[total // g]]
-        if total - computed == 1:
-            dec_tok.append(start)
-            dec_rows.append(r)
-            dec_lens.append(total)
-            dec_tail.append(tail_pool)
+        t = total - computed
+        if 1 <= t <= MAX_QUERY_TOKENS and (computed + 1) // g == total // g:
+            dec.setdefault(t, []).append((start, r, total, tail_pool))
             continue
         if total <= computed:
             continue
@@ -150,11 +178,7 @@ def plan_step(
         pool_slots=torch.tensor(slots, dtype=torch.int64, device=device),
         flush_src=_i32([s for s, _ in plan.flush], device),
         flush_dst=_i32([d for _, d in plan.flush], device),
-        decode_tokens=torch.tensor(dec_tok, dtype=torch.int64, device=device),
-        decode_block_table=block_table[dec_rows].to(device),
-        decode_seq_lens=_i32(dec_lens, device),
-        decode_tail=_i32(dec_tail, device),
-        max_decode_seq_len=max(dec_lens, default=0),
+        decodes=[_decode_batch(t, dec[t], block_table, device) for t in sorted(dec)],
         prefills=pre,
         context_rows=ctx,
     )

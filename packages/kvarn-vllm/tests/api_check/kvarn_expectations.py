@@ -598,6 +598,15 @@ EXPECTATIONS: list[Expectation] = [
         ),
     ),
     Fields(
+        id="speculative-config-fields",
+        why="gates.py: speculative_problems() serves method 'ngram' only; impl.py: "
+        "max_query_len() sizes verify runs from num_speculative_tokens (a renamed field would "
+        "let a drafter model through, or send verify runs past the decode limit)",
+        module="vllm.config.speculative",
+        cls="SpeculativeConfig",
+        names=("method", "num_speculative_tokens"),
+    ),
+    Fields(
         id="scheduler-config-fields",
         why="impl.py: pool_size() sizes the exact pool",
         module="vllm.config.scheduler",
