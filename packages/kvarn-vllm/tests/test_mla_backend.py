@@ -70,10 +70,12 @@ def test_mla_pool_dtype_setting():
     assert "kvarn_pool_dtype='float16'" in reason
     cfg.additional_config = {kv_settings.POOL_DTYPE_KEY: "fp8"}
     assert mla_gates.mla_engine_problems(K4, cfg) == []
-    # the dense backend serves ngram speculative decoding; the MLA backend does not yet
+    # ngram speculative decoding is served; drafter models are refused, as by the dense gates
     cfg.speculative_config = NS(method="ngram", num_speculative_tokens=3)
+    assert mla_gates.mla_engine_problems(K4, cfg) == []
+    cfg.speculative_config = NS(method="mtp", num_speculative_tokens=1)
     (reason,) = mla_gates.mla_engine_problems(K4, cfg)
-    assert "--speculative-config" in reason
+    assert "--speculative-config method 'mtp'" in reason
     cfg.speculative_config = None
     assert mla_gates.mla_pool_dtype(Settings("kvarn_mla_k4_g64", "fp8", "s")) == "fp8"
     assert mla_gates.mla_pool_dtype(Settings("kvarn_mla_k4_g64", "float16", "s")) == "bfloat16"

@@ -131,36 +131,27 @@ def _get(obj: Any, *path: str, default: Any = None) -> Any:
 SPECULATIVE_METHODS = ("ngram",)
 """Speculative decoding methods the dense backend serves: drafters without attention layers of
 their own (ngram proposes from the prompt and output tokens), so every KV cache of the engine is
-the target's kvarn cache. Verify runs go through the packed-cache decode (kvarn_vllm.metadata)."""
+the target's kvarn cache. Dense verify runs go through the packed-cache decode
+(kvarn_vllm.metadata), MLA verify runs through the prefill path (kvarn_vllm.mla_metadata)."""
 
 
-def speculative_problems(vllm_config: Any, allowed: tuple[str, ...]) -> list[str]:
+def speculative_problems(vllm_config: Any) -> list[str]:
     """Reasons the speculative decoding config cannot run (empty without one)."""
     spec = _get(vllm_config, "speculative_config")
     if spec is None:
         return []
     method = _get(spec, "method")
-    if method in allowed:
+    if method in SPECULATIVE_METHODS:
         return []
-    if not allowed:
-        return [
-            "--speculative-config: speculative decoding is not supported by this backend "
-            "(its verify runs are not wired yet)"
-        ]
     return [
         f"--speculative-config method {method!r}: kvarn serves speculative decoding with "
-        f"{', '.join(allowed)} only; a drafter model's layers would need a KV cache of their "
-        "own (its dtype and routing are not wired)"
+        f"{', '.join(SPECULATIVE_METHODS)} only; a drafter model's layers would need a KV "
+        "cache of their own (its dtype and routing are not wired)"
     ]
 
 
-def engine_problems(
-    settings: Settings,
-    vllm_config: Any,
-    speculative_methods: tuple[str, ...] = SPECULATIVE_METHODS,
-) -> list[str]:
-    """Reasons the engine config cannot run with kvarn (empty when it can).
-    ``speculative_methods``: the speculative decoding methods the calling backend serves."""
+def engine_problems(settings: Settings, vllm_config: Any) -> list[str]:
+    """Reasons the engine config cannot run with kvarn (empty when it can)."""
     reasons: list[str] = []
     if _get(vllm_config, "kv_transfer_config") is not None:
         reasons.append("--kv-transfer-config (KV transfer / disaggregated serving) not supported")
@@ -182,7 +173,7 @@ def engine_problems(
             f"--kv-cache-dtype-skip-layers {list(skip)}: mixed KV dtypes not supported; every "
             "attention layer uses the kvarn format"
         )
-    reasons += speculative_problems(vllm_config, allowed=speculative_methods)
+    reasons += speculative_problems(vllm_config)
     group = settings.group
     block = _get(vllm_config, "cache_config", "block_size")
     if group is not None and block is not None and block != group:

@@ -96,9 +96,9 @@ def mla_geometry_problems(kv_lora_rank: int, qk_rope_head_dim: int) -> list[str]
 
 
 def mla_engine_problems(settings: Settings, vllm_config: Any) -> list[str]:
-    """Engine-wide reasons (kvarn_vllm.gates.engine_problems; no speculative decoding: the MLA
-    backend's verify runs are not tested) plus the MLA pool dtype."""
-    reasons = gates.engine_problems(settings, vllm_config, speculative_methods=())
+    """Engine-wide reasons (kvarn_vllm.gates.engine_problems: ngram speculative decoding is
+    served, its verify runs take the prefill path) plus the MLA pool dtype."""
+    reasons = gates.engine_problems(settings, vllm_config)
     extra = getattr(vllm_config, "additional_config", None) or {}
     asked = extra.get(POOL_DTYPE_KEY) if isinstance(extra, dict) else None
     if settings.is_mla and asked is not None and asked not in MLA_POOL_DTYPES:

@@ -42,8 +42,9 @@ Algorithm (fp32; every step is what a kernel must reproduce):
    fp16 cast saturates at +-65504 (never Inf); without rebalancing (the published variant)
    small tiles get subnormal scales. A zero point far below its row's step may still be
    subnormal (the rebalance bounds the row scales, not the zero points); it then rounds on
-   fp16's subnormal grid, by at most 2**-25 times its column scale. A zero-range row decodes to ``z * w`` exactly (no code
-   term); a constant tile decodes exactly to its value when that value is an fp16 number.
+   fp16's subnormal grid, by at most 2**-25 times its column scale. A zero-range row decodes
+   to ``z * w`` exactly (no code term); a constant tile decodes exactly to its value when that
+   value is an fp16 number.
 """
 
 from __future__ import annotations
