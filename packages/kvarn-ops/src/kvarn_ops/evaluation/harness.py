@@ -26,6 +26,9 @@ from kvarn_ops.evaluation.variants import CacheVariant, make_variant
 __all__ = [
     "Harness",
     "default_token_ids",
+    "pool_exact",
+    "pool_texts",
+    "pydoc_text_set",
     "paired_stats",
 ]
 
@@ -36,6 +39,65 @@ def default_token_ids() -> tuple[list[int], str]:
         resources.files("kvarn_ops.evaluation").joinpath("data/license_2048.json").read_text()
     )
     return data["ids"], data["source"]
+
+
+def pydoc_text_set() -> tuple[list[list[int]], str]:
+    """Six more texts for decisions between quantizers (one 2048-token text gives standard
+    errors of 0.5-1.5 points at k4v2; six independent ones about 0.2): 2048 SmolLM2 token ids
+    each from Python's library reference topics, shipped; ``(texts, source)``."""
+    data = json.loads(
+        resources.files("kvarn_ops.evaluation").joinpath("data/pydoc_6x2048.json").read_text()
+    )
+    return data["texts"], data["source"]
+
+
+def pool_exact(exact: Sequence[dict]) -> dict:
+    """The exact-cache summaries of several texts (:meth:`Harness.exact_summary`) as one:
+    chunks pooled, NLL the mean over all predicted tokens."""
+    if not exact:
+        raise ValueError("exact: at least one text")
+    n = sum(e["tokens"] for e in exact)
+    nll = sum(e["nll"] * e["tokens"] for e in exact) / n
+    return {
+        "name": "exact",
+        "nll": nll,
+        "ppl": math.exp(nll),
+        "chunk_nll_sums": [c for e in exact for c in e["chunk_nll_sums"]],
+        "tokens": n,
+        "texts": len(exact),
+    }
+
+
+def pool_texts(exact: Sequence[dict], variants: Sequence[dict]) -> dict:
+    """One result row for runs of one variant on several texts: ``exact`` and ``variants``
+    are the per-text exact summaries (:meth:`Harness.exact_summary`) and variant rows
+    (:meth:`Harness.run_variant`), in the same text order. Chunks are pooled (the paired
+    standard error is that of all of them), the NLL and the accumulated attention error are
+    means over tokens and texts, details measured on the first text only are kept, and
+    ``per_text`` holds each text's ``vs_exact``."""
+    if len(exact) != len(variants) or not exact:
+        raise ValueError(f"exact, variants: one run per text, got {len(exact)} and {len(variants)}")
+    names = {v["name"] for v in variants}
+    if len(names) != 1:
+        raise ValueError(f"variants: runs of one variant expected, got {sorted(names)}")
+    ex = pool_exact(exact)
+    n = ex["tokens"]
+    chunks = [c for v in variants for c in v["chunk_nll_sums"]]
+    if len(chunks) != len(ex["chunk_nll_sums"]):
+        raise ValueError("variants: chunk counts differ from the exact runs'")
+    nll = sum(v["nll"] * e["tokens"] for v, e in zip(variants, exact, strict=True)) / n
+    layers = [v["attn_error_accumulated"] for v in variants]
+    row = dict(variants[0])
+    row.update(
+        nll=nll,
+        ppl=math.exp(nll),
+        chunk_nll_sums=chunks,
+        vs_exact=paired_stats(chunks, ex["chunk_nll_sums"], n),
+        attn_error_accumulated=[sum(col) / len(col) for col in zip(*layers, strict=True)],
+        per_text=[v["vs_exact"] for v in variants],
+        seconds=sum(v["seconds"] for v in variants),
+    )
+    return row
 
 
 def paired_stats(chunk_a: list[float], chunk_b: list[float], n_tokens: int) -> dict:

@@ -59,7 +59,8 @@ def markdown_tables(results: dict) -> str:
     """The README tables: one row per variant, then the paired comparisons."""
     meta = results["meta"]
     lines = [
-        f"Model {meta['model']}, text: {meta['text']}, context {meta['tokens']} tokens "
+        f"Model {meta['model']}, text: {meta['text']}, context {meta['tokens']} tokens"
+        f"{'' if meta.get('texts', 1) == 1 else ' in each of ' + str(meta['texts']) + ' texts'} "
         f"(G = {meta['group']}), exact PPL {results['exact']['ppl']:.4f}, {meta['date']}, "
         f"{meta['machine']}. PPL increase vs the exact cache with paired standard errors "
         f"over {len(results['exact']['chunk_nll_sums'])} chunks; (n.s.) = under 2 SE.",
