@@ -10,7 +10,7 @@ with a 1 GiB KV cache and 64-token blocks. What is checked:
   16-token blocks; the kvarn route keeps 64);
 - kvarn_mla_k4_g64 / kvarn_mla_k5_g64 (and k4 with an fp8 exact pool): teacher-forced logprob
   drift over 128 tokens within the bounds below (measured on this model, with margin);
-- prefix caching on == off; concurrent mixed-length requests == each one alone;
+- prefix caching on == off; 32 concurrent mixed-length requests == each one alone;
 - capacity: vLLM's block count against kvarn-formats' tile bytes;
 - a dense format on the MLA model stops start-up with a reason naming the setting.
 """
@@ -43,13 +43,17 @@ DRIFT_BOUNDS = {
 
 
 def _prompts() -> list[list[int]]:
-    """16 prompts of mixed lengths (1 to 300 tokens); 5 share a 130-token prefix (two full
+    """32 prompts of mixed lengths (1 to 300 tokens); 7 share a 130-token prefix (two full
     blocks and two tokens) so prefix caching has hits inside and across the batch."""
     rng = random.Random(4321)
     shared = [rng.randrange(3, 512) for _ in range(130)]
     lengths = [1, 5, 63, 64, 65, 127, 128, 129, 200, 300, 17]
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
     prompts += [shared + [rng.randrange(3, 512) for _ in range(k)] for k in (0, 1, 62, 63, 70)]
+    more = random.Random(8765)  # the first 16 (and the drift prompts) stay as measured
+    lengths = [2, 7, 12, 33, 45, 62, 66, 88, 96, 130, 140, 160, 190, 250]
+    prompts += [[more.randrange(3, 512) for _ in range(n)] for n in lengths]
+    prompts += [shared + [more.randrange(3, 512) for _ in range(k)] for k in (3, 64)]
     return prompts
 
 
