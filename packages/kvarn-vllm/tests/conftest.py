@@ -33,8 +33,25 @@ def tiny_llama(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-d64"))
 
 
-def run_engine(spec: dict, workdir: Path, timeout: int = 600) -> dict:
-    """Run engine_driver.py on ``spec`` in a fresh interpreter; returns its JSON output."""
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+"""The speculative config of the e2e speculative-decoding tests (verify runs of up to 4)."""
+
+
+def forced_job(run: dict) -> dict:
+    """A run's teacher-forced job (the last one with prompt logprobs)."""
+    return [j for j in run["jobs"] if j["results"][0]["prompt_logprobs"] is not None][-1]
+
+
+def run_engine(
+    spec: dict, workdir: Path, timeout: int = 600, driver: str = "engine_driver.py"
+) -> dict:
+    """Run ``driver`` (engine_driver.py, or mla_engine_driver.py) on ``spec`` in a fresh
+    interpreter; returns its JSON output."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     out_path = workdir / "out.json"
@@ -42,7 +59,7 @@ def run_engine(spec: dict, workdir: Path, timeout: int = 600) -> dict:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_driver.py"), str(spec_path), str(out_path)],
+        [sys.executable, str(HERE / driver), str(spec_path), str(out_path)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -51,5 +68,5 @@ def run_engine(spec: dict, workdir: Path, timeout: int = 600) -> dict:
     )
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"engine_driver failed ({proc.returncode}):\n{tail}")
+        raise AssertionError(f"{driver} failed ({proc.returncode}):\n{tail}")
     return json.loads(out_path.read_text())

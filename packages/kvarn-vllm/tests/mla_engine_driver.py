@@ -16,7 +16,6 @@ Attention backends are untouched by this setting.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,26 +24,10 @@ NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
 
 
 def run_mla_engine(spec: dict, workdir: Path, timeout: int = 900) -> dict:
-    """Run this driver on ``spec`` in a fresh interpreter; returns its JSON output."""
-    import json
+    """conftest.run_engine with this driver; returns its JSON output."""
+    from conftest import run_engine
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec_path, out_path = workdir / "spec.json", workdir / "out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "mla_engine_driver.py"), str(spec_path), str(out_path)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"mla_engine_driver failed ({proc.returncode}):\n{tail}")
-    return json.loads(out_path.read_text())
+    return run_engine(spec, workdir, timeout, driver="mla_engine_driver.py")
 
 
 def main() -> None:

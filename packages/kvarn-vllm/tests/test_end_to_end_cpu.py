@@ -21,7 +21,7 @@ import random
 import pytest
 
 import kvarn_formats as kf
-from conftest import needs_vllm, run_engine
+from conftest import NGRAM, forced_job, needs_vllm, run_engine
 
 pytestmark = [needs_vllm, pytest.mark.e2e]  # integration runs it once (noxfile)
 
@@ -141,14 +141,9 @@ def test_exact_debug_mode_equals_vllm(tiny_llama, baseline, tmp_path):
         assert a["logprobs"] == b["logprobs"]
 
 
-def _forced(run) -> dict:
-    """The run's teacher-forced job (the last one with prompt logprobs)."""
-    return [j for j in run["jobs"] if j["results"][0]["prompt_logprobs"] is not None][-1]
-
-
 def _drift(run, reference) -> tuple[float, float]:
     diffs = []
-    for a, b in zip(_forced(run)["results"], _forced(reference)["results"], strict=True):
+    for a, b in zip(forced_job(run)["results"], forced_job(reference)["results"], strict=True):
         la, lb = a["prompt_logprobs"][-DRIFT_TOKENS:], b["prompt_logprobs"][-DRIFT_TOKENS:]
         diffs += [abs(x - y) for x, y in zip(la, lb, strict=True)]
     return sum(diffs) / len(diffs), max(diffs)
@@ -272,12 +267,7 @@ def test_speculative_ngram_equals_plain_decoding(tiny_llama, k4v4, tmp_path):
     spec = {
         "model": str(tiny_llama),
         "mode": "kvarn_k4v4_g64",
-        "speculative_config": {
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
+        "speculative_config": NGRAM,
         "jobs": [{"prompts": DRIFT_PROMPTS, "max_tokens": DRIFT_TOKENS}],
     }
     got = run_engine(spec, tmp_path)

@@ -49,8 +49,9 @@ def make_impl(monkeypatch):
     kv_settings.reset_for_tests()
 
 
-def _step(impl, cache, alloc, reqs, q, k, v, d=D):
-    """reqs: list of (computed, total, block ids); q/k/v rows in request order."""
+def _step(impl, cache, alloc, reqs, q, k, v, d=D, plans=None):
+    """reqs: list of (computed, total, block ids); q/k/v rows in request order. The step's
+    metadata is appended to ``plans`` when given."""
     import torch
 
     qsl = [0]
@@ -59,6 +60,8 @@ def _step(impl, cache, alloc, reqs, q, k, v, d=D):
     width = max(len(b) for _, _, b in reqs)
     bt = torch.tensor([b + [0] * (width - len(b)) for _, _, b in reqs], dtype=torch.int32)
     md = plan_step(alloc, G, qsl, [t for _, t, _ in reqs], bt, qsl[-1], torch.device("cpu"))
+    if plans is not None:
+        plans.append(md)
     out = torch.full((qsl[-1], HQ, d), float("nan"))
     impl.forward(None, q, k, v, cache, md, out)
     assert torch.isfinite(out).all()  # every row written
@@ -187,15 +190,9 @@ def test_speculative_verify_runs_match_oracle(make_impl):
         q = torch.stack([x[2] for x in rows])
         k = torch.stack([cur[r][0][p] for r, p, _ in rows])
         v = torch.stack([cur[r][1][p] for r, p, _ in rows])
-        qsl = [0]
-        for c, t, _ in reqs:
-            qsl.append(qsl[-1] + t - c)
-        width = max(len(b) for _, _, b in reqs)
-        bt = torch.tensor([b + [0] * (width - len(b)) for _, _, b in reqs], dtype=torch.int32)
-        md = plan_step(alloc, G, qsl, [t for _, t, _ in reqs], bt, qsl[-1], torch.device("cpu"))
-        routes.append(sorted(b.t for b in md.decodes))
-        out = torch.full((qsl[-1], HQ, D), float("nan"))
-        impl.forward(None, q, k, v, cache, md, out)
+        plans = []
+        out = _step(impl, cache, alloc, reqs, q, k, v, plans=plans)
+        routes.append(sorted(b.t for b in plans[0].decodes))
         for i, (r, p, qr) in enumerate(rows):
             want = _oracle(impl, cache, alloc, blocks[r], p, qr, cur[r][0], cur[r][1])
             torch.testing.assert_close(out[i], want, atol=2e-3, rtol=2e-3)

@@ -22,7 +22,7 @@ import random
 import pytest
 
 import kvarn_formats as kf
-from conftest import needs_vllm
+from conftest import NGRAM, forced_job, needs_vllm
 from mla_engine_driver import run_mla_engine as run_engine
 
 pytestmark = [needs_vllm, pytest.mark.e2e]
@@ -95,14 +95,9 @@ def _tokens(job) -> list[list[int]]:
     return [r["tokens"] for r in job["results"]]
 
 
-def _forced(run) -> dict:
-    """The run's teacher-forced job (the last one with prompt logprobs)."""
-    return [j for j in run["jobs"] if j["results"][0]["prompt_logprobs"] is not None][-1]
-
-
 def _drift(run, reference) -> tuple[float, float]:
     diffs = []
-    for a, b in zip(_forced(run)["results"], _forced(reference)["results"], strict=True):
+    for a, b in zip(forced_job(run)["results"], forced_job(reference)["results"], strict=True):
         la, lb = a["prompt_logprobs"][-DRIFT_TOKENS:], b["prompt_logprobs"][-DRIFT_TOKENS:]
         diffs += [abs(x - y) for x, y in zip(la, lb, strict=True)]
     return sum(diffs) / len(diffs), max(diffs)
@@ -228,12 +223,7 @@ def test_speculative_ngram_follows_plain_decoding(tiny_mla, k4, tmp_path):
         "model": str(tiny_mla),
         "mode": "kvarn_mla_k4_g64",
         "prefix_caching": True,
-        "speculative_config": {
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
+        "speculative_config": NGRAM,
         "jobs": [{"prompts": DRIFT_PROMPTS, "max_tokens": DRIFT_TOKENS}],
     }
     got = run_engine(spec, tmp_path)
