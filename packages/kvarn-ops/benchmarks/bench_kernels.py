@@ -6,7 +6,15 @@ bandwidth (read + write) measured in the same run. Targets (issue 4): flush >= 5
 bandwidth counted on its bf16 input bytes, store and materialize >= 60%.
 
     python benchmarks/bench_kernels.py --out results/kernels.json [--head-dim 128]
-        [--format kvarn_k4v2_g64] [--kv-heads 8] [--quick]
+        [--format kvarn_k4v2_g64] [--kv-heads 8] [--quick] [--sweep]
+
+``--sweep`` times the launch knobs instead (dense materialize: ``materialize.MATERIALIZE_WARPS``
+and ``materialize.CHUNK_VALUES``; MLA gathers: ``mla_gather.STAGE_TOKENS``, ``STAGE_WARPS``,
+``MATERIALIZE_TOKENS``, ``MATERIALIZE_WARPS``), MLA staging for random slots and for the same
+slots sorted (tokens of a block adjacent). The 512 codes of a staged token lie in 512 different
+dimension rows of ``8*b`` bytes (the record is dim-major), so one token touches ~512 32-byte
+sectors; the rows also report ``sector_bytes`` (each touched block's record read once, plus
+slots and outputs), the traffic floor when every block comes from DRAM once.
 
 Writes JSON (and a PNG bar chart when matplotlib is installed); prints a short table last.
 """
@@ -14,6 +22,7 @@ Writes JSON (and a PNG bar chart when matplotlib is installed); prints a short t
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import sys
@@ -27,6 +36,10 @@ from triton.testing import do_bench
 import kvarn_formats as kf
 import kvarn_ops
 from kvarn_ops import kernels
+from kvarn_ops.kernels import mla_gather, mla_pack
+
+# The module, not the function kvarn_ops.kernels re-exports under the same name.
+dense_mat = importlib.import_module("kvarn_ops.kernels.materialize")
 
 TARGETS = {"rotate": None, "store": 0.60, "flush": 0.50, "materialize": 0.60}
 
@@ -154,6 +167,105 @@ def bench_materialize(fmt: str, d: int, hkv: int, batch: int, context: int, pool
     )
 
 
+def _mla_cache(bits: int, num_blocks: int, pool_blocks: int = 8):
+    """Records packed from random pool blocks (valid scales), round-robin; bf16 pool."""
+    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
+    pl = (torch.randn(pool_blocks, 64, 512, device="cuda") * 0.5).to(torch.bfloat16)
+    pr = torch.randn(pool_blocks, 64, 64, device="cuda").to(torch.bfloat16)
+    packed = torch.zeros(num_blocks, layout.record_bytes, dtype=torch.uint8, device="cuda")
+    for s0 in range(0, num_blocks, 4096):
+        n = min(4096, num_blocks - s0)
+        src = (torch.arange(n, device="cuda") % pool_blocks).int()
+        dst = torch.arange(s0, s0 + n, device="cuda").int()
+        mla_pack.mla_pack(pl, None, pr, src, dst, packed, layout)
+    return layout, packed, pl, pr
+
+
+def bench_mla_gather(bits: int, tokens: int, num_blocks: int, stage: bool, order: str) -> dict:
+    layout, packed, pl, pr = _mla_cache(bits, num_blocks)
+    bmap = torch.full((num_blocks,), -1, dtype=torch.int32, device="cuda")
+    slots = torch.randint(0, num_blocks * 64, (tokens,), device="cuda")
+    if order == "sorted":
+        slots = slots.sort().values
+    width = 656 if stage else 1152
+    if stage:
+        out = torch.empty(tokens, 656, dtype=torch.uint8, device="cuda")
+        fn = mla_gather.mla_stage_fp8
+    else:
+        out = torch.empty(tokens, 576, dtype=torch.bfloat16, device="cuda")
+        fn = mla_gather.mla_materialize
+    ms = do_bench(lambda: fn(packed, bmap, pl, None, pr, slots, layout, out))
+    nbytes = tokens * (64 * bits + 128 + 2 * 1024 // 64 + 8 + width)
+    touched = int(torch.unique(slots // 64).numel())
+    return dict(
+        op="mla_stage" if stage else "mla_materialize",
+        shape=f"k{bits} T={tokens} blocks={num_blocks} {order}",
+        ms=ms,
+        bytes=nbytes,
+        sector_bytes=touched * layout.record_bytes + tokens * (8 + width),
+        formula=f"per token 64*b + 128 + 32 + 8 read, {width} written",
+    )
+
+
+def sweep(args, bw: float) -> list:
+    """Time each launch knob setting; the knobs are restored afterwards."""
+    d, hkv, fmt = args.head_dim, args.kv_heads, args.format
+    rows = []
+    saved = {
+        "dense": (dense_mat.MATERIALIZE_WARPS, dense_mat.CHUNK_VALUES),
+        "mla": (
+            mla_gather.STAGE_TOKENS,
+            mla_gather.STAGE_WARPS,
+            mla_gather.MATERIALIZE_TOKENS,
+            mla_gather.MATERIALIZE_WARPS,
+        ),
+    }
+    try:
+        for warps in (4, 8):
+            for chunk in (8192, 4096):
+                dense_mat.MATERIALIZE_WARPS, dense_mat.CHUNK_VALUES = warps, chunk
+                r = bench_materialize(fmt, d, hkv, 16, 8192, torch.bfloat16)
+                r["knobs"] = dict(MATERIALIZE_WARPS=warps, CHUNK_VALUES=chunk)
+                rows.append(r)
+        dense_mat.MATERIALIZE_WARPS, dense_mat.CHUNK_VALUES = saved["dense"]
+        for order in ("random", "sorted"):
+            for tokens, warps in ((8, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)):
+                mla_gather.STAGE_TOKENS, mla_gather.STAGE_WARPS = tokens, warps
+                r = bench_mla_gather(4, 65536, 8192, True, order)
+                r["knobs"] = dict(STAGE_TOKENS=tokens, STAGE_WARPS=warps)
+                rows.append(r)
+            for tokens, warps in ((16, 4), (16, 8), (32, 8)):
+                mla_gather.MATERIALIZE_TOKENS, mla_gather.MATERIALIZE_WARPS = tokens, warps
+                r = bench_mla_gather(4, 65536, 8192, False, order)
+                r["knobs"] = dict(MATERIALIZE_TOKENS=tokens, MATERIALIZE_WARPS=warps)
+                rows.append(r)
+    finally:
+        dense_mat.MATERIALIZE_WARPS, dense_mat.CHUNK_VALUES = saved["dense"]
+        (
+            mla_gather.STAGE_TOKENS,
+            mla_gather.STAGE_WARPS,
+            mla_gather.MATERIALIZE_TOKENS,
+            mla_gather.MATERIALIZE_WARPS,
+        ) = saved["mla"]
+    for r in rows:
+        r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+        r["fraction_of_copy"] = r["bytes"] / (r["ms"] * 1e-3) / bw
+        if "sector_bytes" in r:
+            r["sector_fraction_of_copy"] = r["sector_bytes"] / (r["ms"] * 1e-3) / bw
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    for r in rows:
+        extra = (
+            f" sectors {100 * r['sector_fraction_of_copy']:5.1f}%"
+            if "sector_fraction_of_copy" in r
+            else ""
+        )
+        print(
+            f"{r['op']:<16} {r['shape']:<40} {json.dumps(r['knobs']):<48} {r['ms']:8.3f} ms "
+            f"{100 * r['fraction_of_copy']:5.1f}%{extra}"
+        )
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON results path")
@@ -161,6 +273,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="smaller sizes, one pool dtype")
+    ap.add_argument("--sweep", action="store_true", help="time the launch knobs instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device; this benchmark needs a GPU", file=sys.stderr)
@@ -170,6 +283,11 @@ def main(argv=None) -> int:
     scale = 1 if args.quick else 4
     pools = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float8_e4m3fn]
     bw = copy_bandwidth()
+    if args.sweep:
+        rows = sweep(args, bw)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(dict(copy_bandwidth_gbps=bw / 1e9, rows=rows), indent=2))
+        return 0
     rows = []
     rows.append(bench_rotate(d, 65536 * scale))
     for pdt in pools:

@@ -77,7 +77,25 @@ CASES = [
     ("kvarn_k4v4_g64", 128, [64, 70], 1, torch.bfloat16, torch.bfloat16),
     ("kvarn_k2v8_g32", 256, [45], 1, torch.float16, torch.float16),
     ("kvarn_k5v2_g32", 512, [38], 1, FP8, torch.bfloat16),
+    # Group 128 with D = 128: two token chunks per record share one signed-scale matrix.
+    ("kvarn_k4v2_g128", 128, [300, 17], 1, torch.bfloat16, torch.bfloat16),
 ]
+
+
+def random_scale_fields(cache, gen) -> None:
+    """Overwrite the per-channel scale and zero-point fields of every record with random fp16
+    values of both signs over 2**-20 .. 2**4 (fp16 subnormals included) and some exact zeros:
+    the folded rotation flips fp16 sign bits, which the quantizer's positive scales alone
+    would not exercise."""
+    lay = cache.layout
+    nb, hkv = cache.packed.shape[:2]
+    for name in ("k_col_scale", "k_zero_point", "v_col_scale"):
+        f = lay.field(name)
+        n = f.size // 2
+        mag = torch.exp2(torch.rand(nb, hkv, n, generator=gen) * 24 - 20)
+        sign = torch.where(torch.rand(nb, hkv, n, generator=gen) < 0.5, -1.0, 1.0)
+        vals = torch.where(torch.rand(nb, hkv, n, generator=gen) < 0.05, 0.0, mag * sign)
+        cache.packed[:, :, f.offset : f.end] = vals.to(torch.float16).view(torch.uint8)
 
 
 @pytest.mark.parametrize(
@@ -86,6 +104,18 @@ CASES = [
 def test_materialize_matches_oracle(case, make_cache, gen):
     fmt, d, seq_lens, hkv, pdt, odt = case
     cache = make_cache(fmt, d, seq_lens, hkv, pdt)
+    _check_against_oracle(cache, seq_lens, hkv, d, odt)
+
+
+@pytest.mark.parametrize("fmt,d", [("kvarn_k4v2_g64", 128), ("kvarn_k8v3_g32", 64)])
+def test_materialize_signed_scales_match_oracle(fmt, d, make_cache, gen):
+    seq_lens = [70, 32]
+    cache = make_cache(fmt, d, seq_lens, 2, torch.bfloat16)
+    random_scale_fields(cache, gen)
+    _check_against_oracle(cache, seq_lens, 2, d, torch.bfloat16)
+
+
+def _check_against_oracle(cache, seq_lens, hkv, d, odt):
     b = len(seq_lens)
     # Requests placed with gaps of 3 rows between them and 5 poison rows after the last.
     starts, row = [], 0

@@ -119,12 +119,14 @@ def _compile_all(arch: int) -> dict:
                     {"STAGE": stage, "BLOCK_T": 16, "FP8": fp8, **offs},
                     num_warps=4,
                 )
-            for sparse in (False,) if pname == "bf16" else (True,):
+            # the full-context path at both widths kinds (word unpack k4, window unpack k5)
+            for sparse in (False,) if pname == "bf16" else (False, True):
                 build(
                     f"decode-sparse{int(sparse)}-k{bits}-{pname}",
                     mla_decode._mla_decode_kernel,
                     {
                         **common,
+                        "rec32_ptr": "*i32",
                         "q_ptr": "*bf16",
                         "qrot_ptr": "*fp32",
                         "map_ptr": "*i32",
@@ -140,8 +142,17 @@ def _compile_all(arch: int) -> dict:
                         "max_blocks": "i32",
                         "sm_scale": "fp32",
                     },
-                    {"SPARSE": sparse, "BLOCK_H": 16, "BLOCK_N": 16, "FP8": fp8, **offs},
-                    num_warps=8,
+                    {
+                        "SPARSE": sparse,
+                        "BLOCK_H": mla_decode.BLOCK_H,
+                        "BLOCK_N": mla_decode.BLOCK_N,
+                        "MIN_BLOCKS": mla_decode.MIN_BLOCKS_PER_SPLIT,
+                        "FP8": fp8,
+                        "ASM": True,
+                        **offs,
+                    },
+                    num_warps=mla_decode.NUM_WARPS,
+                    maxnreg=mla_decode.MAXNREG,
                 )
     # The widest codes (the pack kernel's byte loop is longest), bf16 pool.
     offs, geo = fmt(8)
@@ -187,7 +198,14 @@ def _compile_all(arch: int) -> dict:
         build(
             f"combine-{odt}",
             mla_decode._mla_combine_kernel,
-            {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": odt, "BH": "i32", "S": "i32"},
+            {
+                "po_ptr": "*fp32",
+                "plse_ptr": "*fp32",
+                "out_ptr": odt,
+                "BH": "i32",
+                "S": "i32",
+                "NS": "i32",
+            },
             {"BLOCK_H": 16},
             num_warps=4,
         )
@@ -202,13 +220,13 @@ def test_every_mla_kernel_compiles(arch):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 14
+    assert len(results) == 15
     assert all(r["ptx"] for r in results.values()), results
     over = {n: r["shared"] for n, r in results.items() if r["shared"] > SHARED_LIMIT[arch]}
     known = {n for n in over if arch == 120 and n.startswith("decode-")}
     limit = SHARED_LIMIT[arch]
     assert not set(over) - known, f"shared memory over the sm_{arch} limit {limit}: {over}"
-    if known:  # known: the decode kernel needs ~150-160 KB; it does not launch on sm_120 yet
+    if known:  # known: the decode kernel needs ~132-152 KB; it does not launch on sm_120 yet
         pytest.xfail(f"decode over the sm_120 shared-memory limit: {over}")
 
 

@@ -11,8 +11,16 @@ A full block is read from its record, the partial newest block from the exact po
 The inverse rotation is folded into the dequantization (D <= 128): with ``S = diag(s_col)`` and
 ``P`` the +-1 Sylvester signs, ``K[t, :] H = s_row[t] * (code[:, t]^T (S P) + zp^T P) / sqrt(D)``
 and ``V[t, :] H = (s_row[t] * code[t, :] (S P) + zp[t] * s_col^T P) / sqrt(D)``. Codes (< 256) and
-``S P`` (fp16 values times +-1) are exact in tf32, so one tensor-core pass is exact up to fp32
-accumulation. D = 256, 512 dequantize in fp32 first and rotate with the 3-pass product.
+``S P`` (fp16 values times +-1) are exact in fp16, so one fp16 tensor-core product with fp32
+accumulation is exact up to the accumulation order. ``S P`` is built per tile from the Kronecker
+factors ``P_D = P_{D/16} (x) P_16`` by flipping fp16 sign bits (XORs per entry), and the
+vectors ``zp^T P``, ``s_col^T P`` by two small products over those factors; no ``[D, D]`` sign
+matrix is evaluated bit by bit. D = 256, 512 dequantize in fp32 first and rotate with the 3-pass
+product.
+
+Launch knobs (read at every call, so a sweep can change them between calls):
+``MATERIALIZE_WARPS`` (num_warps) and ``CHUNK_VALUES`` (values of a tile dequantized at once,
+which sets the tokens per chunk, see :func:`tokens_per_chunk`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import triton.language as tl
 import kvarn_formats as kf
 from kvarn_ops._validate import check_tensor
 from kvarn_ops.kernels._common import (
+    INTERPRET,
     cast_rne,
     check_device,
     hadamard_signs,
@@ -36,9 +45,20 @@ from kvarn_ops.reference.cache import check_context_args
 __all__ = ["materialize"]
 
 
+MATERIALIZE_WARPS = 4
+"""num_warps of the materialize kernel (4: one warpgroup, the 64-row fp16 wgmma tile)."""
+CHUNK_VALUES = 8192
+"""Values of a tile dequantized at once (tokens per chunk times D, at least 16 tokens)."""
+
+_EMULATE_RNE = tl.constexpr(INTERPRET)
+"""The interpreter's bf16 cast truncates: emulate round-to-nearest-even there only (compiled
+casts round to nearest even)."""
+
+
 def tokens_per_chunk(head_dim: int, group: int) -> int:
-    """Tokens dequantized at once: at most 8192 values of a tile (32 KiB fp32) per chunk."""
-    return min(group, max(16, 8192 // head_dim))
+    """Tokens dequantized at once: at most ``CHUNK_VALUES`` values of a tile per chunk (a power
+    of two from 16 to the group)."""
+    return min(group, max(16, CHUNK_VALUES // head_dim))
 
 
 @triton.jit
@@ -55,8 +75,47 @@ def _inv_sqrt(x, D: tl.constexpr):
 
 
 @triton.jit
+def _to_out(y, dtype: tl.constexpr):
+    if _EMULATE_RNE:
+        return cast_rne(y, dtype)
+    else:
+        return y.to(dtype)
+
+
+@triton.jit
 def _load_fp16(ptr, offs):
     return tl.load(ptr.to(tl.pointer_type(tl.float16)) + offs).to(tl.float32)
+
+
+@triton.jit
+def _sign_bits(N: tl.constexpr):
+    """``[N, N]`` int16: 0x8000 (the fp16 sign bit) where the Sylvester sign
+    ``(-1)**popcount(i & j)`` is -1, else 0."""
+    return (hadamard_signs(N) < 0.0).to(tl.int16) << 15
+
+
+@triton.jit
+def _signed_rows(s_col_bits, D: tl.constexpr):
+    """``S P`` as fp16 ``[D, D]`` (row ``i`` of the signs times ``s_col[i]``), exact: the fp16
+    sign bit of ``s_col[i]`` XOR the sign of ``P_D[i, j] = P_O[i // 16, j // 16] *
+    P_16[i % 16, j % 16]`` (``O = D / 16``). ``s_col_bits``: int16 bits of s_col, ``[D]``."""
+    O: tl.constexpr = D // 16
+    so = _sign_bits(O)
+    s16 = _sign_bits(16)
+    sb = tl.reshape(s_col_bits, [O, 16])
+    m = sb[:, :, None, None] ^ so[:, None, :, None] ^ s16[None, :, None, :]
+    return tl.reshape(m, [D, D]).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _signed_sum(v, D: tl.constexpr):
+    """``v^T P_D`` for fp32 ``v [D]`` (D = 16 * O) as two small products over the Kronecker
+    factors: ``t[a, jb] = sum_b v[a, b] P_16[b, jb]``, then ``sum_a P_O[a, ja] t[a, jb]``."""
+    O: tl.constexpr = D // 16
+    v2 = tl.reshape(v, [O, 16])
+    t = tl.sum(v2[:, :, None] * hadamard_signs(16)[None, :, :], axis=1)
+    u = tl.sum(hadamard_signs(O)[:, :, None] * t[:, None, :], axis=0)
+    return tl.reshape(u, [D])
 
 
 @triton.jit
@@ -82,32 +141,33 @@ def _packed_chunk(
     the per-token scale field. For K the zero point is per channel, for V per token."""
     t = t0 + tl.arange(0, BT)
     dim = tl.arange(0, D)
-    s_col = _load_fp16(rec_ptr + COL_OFF, dim)
     s_row = _load_fp16(rec_ptr + ROW_OFF, t)
     if IS_K:
         zp = _load_fp16(rec_ptr + ZP_OFF, dim)
         # K codes [D, G] (index d*G + t): window of BT tokens of every channel row.
         codes = unpack_codes_load(rec_ptr + CODES_OFF + t0 * BITS // 8, D, BT, G, BITS, L, NB, NBP)
-        codes = tl.trans(codes).to(tl.float32)  # [BT, D]
+        codes = tl.trans(codes)  # [BT, D]
     else:
         zp = _load_fp16(rec_ptr + ZP_OFF, t)
         # V codes [G, D] (index t*D + d): BT whole token rows.
         codes = unpack_codes_load(
             rec_ptr + CODES_OFF + t0 * D * BITS // 8, BT, D, D, BITS, L, NB, NBP
-        ).to(tl.float32)
+        )
     if D <= 128:
-        signs = hadamard_signs(D)
-        m = s_col[:, None] * signs
-        acc = tl.dot(codes, m, input_precision="tf32")
+        col_bits = tl.load((rec_ptr + COL_OFF).to(tl.pointer_type(tl.int16)) + dim)
+        m = _signed_rows(col_bits, D)
+        acc = tl.dot(codes.to(tl.float16), m, out_dtype=tl.float32)
         if IS_K:
-            zp_h = tl.sum(zp[:, None] * signs, axis=0)
+            zp_h = _signed_sum(zp, D)
             y = s_row[:, None] * (acc + zp_h[None, :])
         else:
-            col_h = tl.sum(s_col[:, None] * signs, axis=0)
+            col_h = _signed_sum(col_bits.to(tl.float16, bitcast=True).to(tl.float32), D)
             y = s_row[:, None] * acc + zp[:, None] * col_h[None, :]
         y = _inv_sqrt(y, D)
     else:
         # Dequantize as the reference does, then rotate with the fp32-accurate product.
+        s_col = _load_fp16(rec_ptr + COL_OFF, dim)
+        codes = codes.to(tl.float32)
         if IS_K:
             x = (codes * s_col[None, :] + zp[None, :]) * s_row[:, None]
         else:
@@ -195,7 +255,7 @@ def _materialize_kernel(
                         KR_OFF,
                     )
                     tl.store(
-                        k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
+                        k_out_ptr + offs, _to_out(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
                 else:
                     y = _packed_chunk(
@@ -215,7 +275,7 @@ def _materialize_kernel(
                         VR_OFF,
                     )
                     tl.store(
-                        v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
+                        v_out_ptr + offs, _to_out(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
     elif (blk == n_full) & (rem > 0):
         pool_blk = tl.load(tail_ptr + req).to(tl.int64)
@@ -235,7 +295,7 @@ def _materialize_kernel(
                     if FP8:
                         y = y * tl.load(k_scale_ptr + src, mask=ok, other=1.0)[:, None]
                     tl.store(
-                        k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
+                        k_out_ptr + offs, _to_out(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
                 else:
                     x = tl.load(
@@ -245,7 +305,7 @@ def _materialize_kernel(
                     if FP8:
                         y = y * tl.load(v_scale_ptr + src, mask=ok, other=1.0)[:, None]
                     tl.store(
-                        v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
+                        v_out_ptr + offs, _to_out(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
 
 
@@ -322,7 +382,7 @@ def _launch(
         D=d,
         BT=bt,
         FP8=fp8,
-        num_warps=4,
+        num_warps=MATERIALIZE_WARPS,
         **record_offsets(layout),
     )
 

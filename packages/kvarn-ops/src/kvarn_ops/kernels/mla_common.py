@@ -15,7 +15,16 @@ import triton.language as tl
 
 from kvarn_ops.kernels._common import round_to_bf16, round_to_e4m3
 
-__all__ = ["field_offsets", "load_tokens", "pool_round", "token_mask_rows"]
+__all__ = [
+    "bf16_bits_to_f32",
+    "field_offsets",
+    "load_tokens",
+    "phase_token",
+    "pool_round",
+    "token_mask_rows",
+    "window_codes_f16",
+    "words_to_codes_f16",
+]
 
 LATENT = tl.constexpr(512)
 ROPE = tl.constexpr(64)
@@ -127,6 +136,94 @@ def load_tokens(
     )
     rope = tl.where(token_mask_rows(in_pool, ROPE), pr, rr)
     return lat, rope
+
+
+@triton.jit
+def bf16_bits_to_f32(bits):
+    """int16 bit patterns of bf16 values as exact fp32 values."""
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def phase_token(c, NP: tl.constexpr, PHASE: tl.constexpr):
+    """Token (code index inside its 64-code row) held by column ``c`` of the phase-``PHASE``
+    tile of :func:`words_to_codes_f16`, for a width with ``NP = 8 / BITS`` codes per byte.
+
+    The 4 columns of word ``j`` hold bytes 0, 2, 1, 3 of it (the order in which one 32-bit
+    logic op yields two codes); byte ``k`` of a row holds codes ``k * NP .. k * NP + NP - 1``
+    LSB first, and phase ``PHASE`` is the field at bit ``PHASE * BITS`` of each byte."""
+    byte = (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
+    return byte * NP + PHASE
+
+
+@triton.jit
+def words_to_codes_f16(
+    w, SHIFT: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr
+):
+    """Centered codes ``code - CENTER`` of a ``[M, W]`` int32 word tile as exact fp16 values,
+    ``[M, 4 * W]``: column ``4 * j + i`` is the ``BITS``-bit field at bit ``SHIFT`` of byte
+    ``(0, 2, 1, 3)[i]`` of word ``[m, j]`` (:func:`phase_token` names its token).
+
+    Two fields are masked into the mantissas of two fp16 ``1024.0`` (bits 0x6400) by one
+    32-bit logic op; one packed fp16 subtraction of ``1024 + CENTER`` (exact: the results are
+    small integers) per two codes leaves the centered codes: no int-to-float conversion.
+    ``ASM`` runs it in inline PTX (GPU); the plain twin (one code per op) runs in the
+    interpreter; both give the same bits."""
+    M: tl.constexpr = w.shape[0]
+    W: tl.constexpr = w.shape[1]
+    mask: tl.constexpr = (1 << BITS) - 1
+    if ASM:
+        m2: tl.constexpr = mask | (mask << 16)
+        bias: tl.constexpr = (0x6400 + CENTER) | ((0x6400 + CENTER) << 16)
+        # No scoped ``.reg`` temporaries: ptxas 12.8 compiled this kernel with them at 32
+        # registers and kilobytes of spills; two scratch outputs (unused) serve instead.
+        lo_a, hi_a, _t0, _o0 = tl.inline_asm_elementwise(
+            asm=f"shr.u32 $2, $4, {SHIFT}; lop3.b32 $2, $2, {m2}, 1677747200, 0xea; "
+            f"mov.b32 $3, {bias}; sub.f16x2 $2, $2, $3; mov.b32 {{$0, $1}}, $2;",
+            constraints="=h,=h,=r,=r,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        lo_b, hi_b, _t1, _o1 = tl.inline_asm_elementwise(
+            asm=f"shr.u32 $2, $4, {SHIFT + 8}; lop3.b32 $2, $2, {m2}, 1677747200, 0xea; "
+            f"mov.b32 $3, {bias}; sub.f16x2 $2, $2, $3; mov.b32 {{$0, $1}}, $2;",
+            constraints="=h,=h,=r,=r,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        # slots 0..3 of a word are lo_a, hi_a, lo_b, hi_b (bytes 0, 2, 1, 3): the two halves
+        # of each PTX result stay adjacent in one thread's registers, the reshape moves nothing
+        x = tl.join(tl.join(lo_a, lo_b), tl.join(hi_a, hi_b))
+        return tl.reshape(x, [M, 4 * W])
+    else:
+        b0 = ((w >> SHIFT) & mask) | 0x6400
+        b2 = ((w >> (16 + SHIFT)) & mask) | 0x6400
+        b1 = ((w >> (8 + SHIFT)) & mask) | 0x6400
+        b3 = ((w >> (24 + SHIFT)) & mask) | 0x6400
+        x = tl.join(tl.join(b0, b1), tl.join(b2, b3))
+        x = tl.reshape(x, [M, 4 * W]).to(tl.int16).to(tl.float16, bitcast=True)
+        return x - (1024.0 + CENTER)
+
+
+@triton.jit
+def window_codes_f16(row32, t, BITS: tl.constexpr, CENTER: tl.constexpr):
+    """Centered codes ``code - CENTER`` (exact fp16) of tokens ``t [T]`` of the 64-code rows
+    starting at the int32 pointers ``row32 [M]`` (any width; a code may straddle two words).
+
+    Reads the two aligned words around each code; the word after a record's last code row is
+    still inside the record (the scale fields follow the codes)."""
+    bit = t * BITS
+    wi = bit >> 5
+    sh = (bit & 31).to(tl.uint32)
+    lo = tl.load(row32[:, None] + wi[None, :]).to(tl.uint32, bitcast=True)
+    hi = tl.load(row32[:, None] + wi[None, :] + 1).to(tl.uint32, bitcast=True)
+    v = (lo >> sh[None, :]) | ((hi << 1) << (31 - sh[None, :]))
+    code = (v & ((1 << BITS) - 1)) | 0x6400
+    return code.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + CENTER)
 
 
 def pool_views(pool_latent, pool_scale, pool_rope):
