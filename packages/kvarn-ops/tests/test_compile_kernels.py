@@ -5,7 +5,9 @@ limits, layout conversions, fp8 conversions, register spills on the big tiles.
 Compiling is slow on a 2-core machine (flush about 60-120 s per specialization, materialize
 about 20 s), so by default one specialization per kernel and architecture is compiled: the
 benchmark geometry (kvarn_k4v2_g64, D = 128, bf16), plus the fp8 and D = 512 paths for rotate
-and store, which compile in seconds. ``KVARN_COMPILE_ALL=1`` compiles every case below.
+and store, which compile in seconds, and flush with unbiased_clip rounding for K and V (its
+candidate loop is the largest code in the kernel). ``KVARN_COMPILE_ALL=1`` compiles every case
+below.
 
 The kernel modules are re-executed here with the interpreter off (their custom-op
 registrations are cut, the interpreted import already made them), so the kernels are
@@ -15,11 +17,13 @@ JITFunctions even when the interpreter tests run in the same process.
 from __future__ import annotations
 
 import os
+import struct
 import sys
 import types
 from pathlib import Path
 
 import pytest
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
@@ -130,10 +134,12 @@ def test_store_compiles(d, src, pool, target):
     consts = dict(
         H=8,
         D=d,
-        BLOCK_T=mod.tokens_per_program(d),
+        BLOCK_T=mod.tokens_per_program(d, fp8),
         EXACT_K=src != "float32",
         EXACT_V=src != "float32",
         FP8=fp8,
+        NATIVE_K=mod.native_dot(getattr(torch, src), d, interpret=False),
+        NATIVE_V=mod.native_dot(getattr(torch, src), d, interpret=False),
     )
     types_ = {
         "k_ptr": FLOAT[src],
@@ -146,28 +152,40 @@ def test_store_compiles(d, src, pool, target):
         "T": "i32",
         "num_slots": "i64",
     }
-    _, spills = _compile(mod._store_kernel, types_, consts, target, 4)
+    _, spills = _compile(mod._store_kernel, types_, consts, target, mod.warps_per_program(d))
     assert spills == 0
 
 
 FLUSH_CASES = [
-    ("kvarn_k4v2_g64", 128, "bfloat16"),  # the benchmark target
-    ("kvarn_k4v4_g128", 128, "float8_e4m3fn"),
-    ("kvarn_k3v5_g64", 64, "float16"),
-    ("kvarn_k7v6_g32", 256, "bfloat16"),
+    # (format, D, pool dtype, K rounding, V rounding); rounding ids of flush.ROUNDING_IDS
+    ("kvarn_k4v2_g64", 128, "bfloat16", "rtn", "rtn"),  # the benchmark target
+    ("kvarn_k4v2_g64", 128, "bfloat16", "unbiased_clip", "unbiased_clip"),
+    ("kvarn_k4v4_g128", 128, "float8_e4m3fn", "rtn", "rtn"),
+    ("kvarn_k3v5_g64", 64, "float16", "rtn", "unbiased_clip"),
+    ("kvarn_k7v6_g32", 256, "bfloat16", "unbiased_clip", "unbiased_clip"),
 ]
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize("case", _cases(FLUSH_CASES, 1), ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}")
+@pytest.mark.parametrize(
+    "case", _cases(FLUSH_CASES, 2), ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}-{c[3]}-{c[4]}"
+)
 def test_flush_compiles(case, target):
-    fmt, d, pool = case
+    fmt, d, pool, k_rounding, v_rounding = case
     mod = M["flush"]
     lay = kf.dense_layout(fmt, d)
     fp8 = pool == "float8_e4m3fn"
     scale = "*fp32" if fp8 else POOL[pool]
     consts = dict(
-        G=lay.block_size, H=8, D=d, FP8=fp8, ITERS=8, STD_FLOOR=1e-3, **mod.record_constants(lay)
+        G=lay.block_size,
+        H=8,
+        D=d,
+        FP8=fp8,
+        ITERS=8,
+        STD_FLOOR=1e-3,
+        K_ROUNDING=mod.ROUNDING_IDS[k_rounding],
+        V_ROUNDING=mod.ROUNDING_IDS[v_rounding],
+        **mod.record_constants(lay),
     )
     types_ = {
         "exact_k_ptr": POOL[pool],
@@ -180,7 +198,42 @@ def test_flush_compiles(case, target):
         "num_pool_blocks": "i32",
         "num_blocks": "i32",
     }
-    _compile(mod._flush_kernel, types_, consts, target, mod.warps_for(d, lay.block_size))
+    k, _ = _compile(mod._flush_kernel, types_, consts, target, mod.warps_for(d, lay.block_size))
+    regs, frame = _cubin_resources(k.asm["cubin"])
+    print(
+        f"flush {case} sm{target.arch}: {regs} registers, {frame} B stack frame (spills), "
+        f"{k.metadata.shared} B shared memory"
+    )
+    assert 0 < regs <= 255
+
+
+def _cubin_resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack frame bytes) of the kernel in a cubin, read from its ``.nv.info``
+    attributes (EIATTR_REGCOUNT 0x2f, EIATTR_FRAME_SIZE 0x11): offline, the compiled kernel's
+    ``n_regs``/``n_spills`` exist only once loaded on a GPU. A nonzero frame here is spill space
+    (these kernels have no local arrays or calls)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [
+        struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)
+    ]
+    names = headers[shstrndx][4]
+    found = {}
+    for h in headers:
+        name = cubin[names + h[0] : cubin.index(b"\0", names + h[0])]
+        if name != b".nv.info":
+            continue
+        data = cubin[h[4] : h[4] + h[5]]
+        pos = 0
+        while pos + 4 <= len(data):
+            fmt, attr, size = struct.unpack_from("<BBH", data, pos)
+            if fmt != 0x04:  # attributes without a payload
+                pos += 4
+                continue
+            if attr in (0x2F, 0x11) and size == 8:
+                found[attr] = struct.unpack_from("<II", data, pos + 4)[1]
+            pos += 4 + size
+    return found.get(0x2F, 0), found.get(0x11, 0)
 
 
 MATERIALIZE_CASES = [

@@ -16,6 +16,8 @@ Jit helpers
 ``rotate_rows(x, D, EXACT)`` ``x [M, D] @ H_D`` (normalized), fp32 in and out.
 ``pack_codes_store(...)``   bit-pack a ``[R, C]`` code tile (stream order ``r*C + c``).
 ``unpack_codes_load(...)``  the inverse, for a ``[R, C]`` window of a packed field.
+``line_spread``, ``apply_log_scales``, ``unbiased_clip_rows``: steps of the reference quantizer
+(``kvarn_ops/reference/quantize.py``, ``reference/rounding.py``), shared by the tile kernels.
 
 Bit packing (docs/contracts.md): code ``i`` of width ``b`` occupies stream bits
 ``[i*b, (i+1)*b)``, stream bit ``j`` is bit ``j % 8`` of byte ``j // 8``. ``L`` consecutive codes
@@ -32,10 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvarn_ops.reference.rounding import CLIP_RATIOS
+
 __all__ = [
     "INTERPRET",
     "cast_rne",
     "check_device",
+    "clip_codes",
+    "clip_ratio",
     "exact_in_tf32",
     "frexp_exponent",
     "hadamard_signs",
@@ -46,6 +52,7 @@ __all__ = [
     "round_half_even",
     "round_to_bf16",
     "round_to_e4m3",
+    "unbiased_clip_rows",
     "unpack_codes_load",
 ]
 
@@ -289,3 +296,87 @@ def line_spread(y, AXIS: tl.constexpr, N: tl.constexpr, STD_FLOOR: tl.constexpr)
 def apply_log_scales(xp, lr, lc):
     """The reference quantizer's ``_apply``: ``(xp * exp(-lr)[:, None]) * exp(-lc)[None, :]``."""
     return (xp * tl.exp(-lr)[:, None]) * tl.exp(-lc)[None, :]
+
+
+# The reference's clip ratios as compile-time constants: ``_CLIP_RATIOS[i]`` (Python float)
+# meets fp32 operands as fp32(ratio), the value torch uses for ``ratio * tensor``.
+_CLIP_RATIOS = tl.constexpr(CLIP_RATIOS)
+_NUM_CLIP_RATIOS = tl.constexpr(len(CLIP_RATIOS))
+
+
+@triton.jit
+def clip_ratio(i):
+    """``CLIP_RATIOS[i]`` as fp32 (the value torch multiplies fp32 tensors by) for a runtime
+    index ``i``."""
+    ratio = 0.0
+    for j in tl.static_range(_NUM_CLIP_RATIOS):
+        ratio = tl.where(i == j, _CLIP_RATIOS[j], ratio)
+    return ratio
+
+
+@triton.jit
+def clip_codes(b, lo, step, LEVELS: tl.constexpr):
+    """The reference rounding's ``_codes``: ``clamp(rint((b - lo) * (1 / step)), 0, LEVELS)``
+    per row of ``b [R, C]`` (inverse 0 where ``step <= 0``), fp32 integers."""
+    pos = step > 0.0
+    one = tl.full(step.shape, 1.0, tl.float32)
+    inv = tl.where(pos, tl.div_rn(one, tl.where(pos, step, 1.0)), 0.0)
+    q = round_half_even((b - lo[:, None]) * inv[:, None])
+    return tl.minimum(tl.maximum(q, 0.0), LEVELS * 1.0)
+
+
+@triton.jit
+def unbiased_clip_rows(b, lc, LEVELS: tl.constexpr, R: tl.constexpr):
+    """The reference's ``round_rows(b, lc, bits, "unbiased_clip")`` for one balanced tile
+    ``b [R, C]`` (fp32) with natural-log column scales ``lc [C]``; ``LEVELS = 2**bits - 1``.
+
+    Returns ``(codes, step, lo)``: fp32 integer codes ``[R, C]``, fp32 ``[R]`` each, with
+    ``b ~= codes * step + lo``. Same candidates in the same order (min/max first, then every
+    clip ratio with its unbiased refit), same fp32 formulas, strict ``<`` (ties keep the earlier
+    candidate), zero-range rows keep min/max. Only the winner's clipping range ``(z, s)`` is
+    carried through the search; its codes are recomputed from it at the end (the same fp32
+    operations, so the same codes), which keeps a single ``[R, C]`` code tile live.
+    """
+    lo0 = tl.min(b, axis=1)
+    hi0 = tl.max(b, axis=1)
+    rng = hi0 - lo0
+    lv = tl.full([R], LEVELS, tl.float32)
+    step0 = tl.div_rn(rng, lv)
+    live = rng > 0.0
+    # Column weights exp(2 * lc) relative to the largest.
+    w = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))[None, :]
+    c0 = clip_codes(b, lo0, step0, LEVELS)
+    err = b - (c0 * step0[:, None] + lo0[:, None])
+    best_e = tl.sum(err * err * w, axis=1)
+    best_s = step0
+    best_z = lo0
+    code_z = lo0
+    code_s = step0
+    mid = 0.5 * (hi0 + lo0)
+    half = 0.5 * rng
+    sw = tl.zeros([R], tl.float32) + tl.sum(w, axis=1)
+    mb = tl.div_rn(tl.sum(w * b, axis=1), sw)
+    db = b - mb[:, None]
+    vb = tl.div_rn(tl.sum(w * (db * db), axis=1), sw)
+    # A loop, not unrolled (measured on flush, kvarn_k4v2_g64, D = 128, bf16, on an H200:
+    # unrolled, 1280 B of spill frame per thread against 400 B and 1.6x the time; offline
+    # compiles took about 10 minutes instead of 1).
+    for i in tl.range(0, _NUM_CLIP_RATIOS, loop_unroll_factor=1):
+        ratio = clip_ratio(i)
+        z = mid - ratio * half
+        s = tl.div_rn((2.0 * ratio) * half, lv)
+        c = clip_codes(b, z, s, LEVELS)
+        mq = tl.div_rn(tl.sum(w * c, axis=1), sw)
+        cov = tl.div_rn(tl.sum((w * (c - mq[:, None])) * (b - mb[:, None]), axis=1), sw)
+        ok = cov > 0.0
+        s_u = tl.where(ok, tl.div_rn(vb, tl.where(ok, cov, 1.0)), s)
+        z_u = tl.where(ok, mb - s_u * mq, z)
+        err = b - (c * s_u[:, None] + z_u[:, None])
+        e = tl.sum(err * err * w, axis=1)
+        better = (e < best_e) & live
+        best_e = tl.where(better, e, best_e)
+        best_s = tl.where(better, s_u, best_s)
+        best_z = tl.where(better, z_u, best_z)
+        code_z = tl.where(better, z, code_z)
+        code_s = tl.where(better, s, code_s)
+    return clip_codes(b, code_z, code_s, LEVELS), best_s, best_z

@@ -6,18 +6,41 @@ Memory traffic (E = pool element bytes, s = 4 if fp8 else 0): read
 One launch, one program per (block, KV head, K or V): the program loads its tile, normalizes,
 quantizes, folds and bit-packs it, and writes its half of the record, padding bytes included
 (zeros, as the reference writer). The numerical algorithm is that of
-``kvarn_ops.reference.quantize`` (module docstring, steps 1-6), step for step and in the same
+``kvarn_ops.reference.quantize`` (module docstring, steps 1-6) for the ``NormalizeConfig``
+given to :func:`flush` (the reference default unless given), step for step and in the same
 order of operations, so codes differ from the reference only where a float reduction order or
 an exp/log ulp flips a rounding (measured in tests/test_flush.py).
 
-Cost (estimate, not yet measured on hardware): each of the 8 iterations applies the scales
+Step 4 (codes and per-row step and zero point) is chosen per tile kind at compile time
+(``K_ROUNDING``/``V_ROUNDING``, ids in :data:`ROUNDING_IDS`), from ``config.rounding`` and
+``config.rounding_v``:
+
+- ``"rtn"`` (0): min/max round-to-nearest (reference ``quantize_rows``).
+- ``"unbiased_clip"`` (1): reference ``round_rows(..., "unbiased_clip")``
+  (``_common.unbiased_clip_rows``): per row, the min/max candidate, then the 14 clip ratios of
+  ``CLIP_RATIOS`` in order (1.0 first), each with its codes from the clipped range and the
+  unbiased refit ``step = var_w(B) / cov_w(codes, B)``, ``lo = mean_w(B) - step * mean_w(codes)``
+  (weights ``exp(2 * (lc - max lc))``; the clipped ``(s, z)`` where ``cov <= 0``); the candidate
+  of least weighted error is kept (strict ``<``: ties keep the earlier one; zero-range rows keep
+  min/max). Same fp32 formulas; the divisions are IEEE (``div_rn``), as torch's.
+Other modes (and prescale off, no fp16 rebalance, a log-scale clip) are refused by
+:func:`check_config`.
+
+Cost (estimate; one timing at the end): each of the 8 iterations applies the scales
 twice and takes three two-pass spreads, about 16 fp32 operations per tile element, so ~130
 operations per element in all. At 50% of the H200's copy bandwidth on bf16 input that is
 ~140 T fp32 operations/s, about 4x what its CUDA cores issue: this exact-order algorithm is
 compute bound well below the 50% target. Closing the gap needs a cheaper formulation (spreads
 from the separable form ``Y = diag(a) X diag(b)`` as matrix-vector products on the tensor
 cores, one-pass moments, fewer iterations), which changes the numerics and so belongs in the
-reference first. Compiling this kernel takes 1-3 minutes per specialization.
+reference first. ``"unbiased_clip"`` adds, per candidate and element, the clipped codes (6
+operations), the weighted code mean and covariance (6) and the weighted error (6), about 20
+operations and 3 row reductions; with the 14 candidates, the min/max start and the final
+re-rounding of the winner that is ~300 more operations per element, about 3.3x the arithmetic
+of the RTN flush (~430 vs ~130 per element) on the tiles that use it. Measured on an H200
+(kvarn_k4v2_g64, D = 128, bf16 pool, 512 blocks x 8 KV heads, one launch): 3.1 ms with RTN,
+5.4 ms with unbiased_clip for K and V (1.8x; the candidate loop is not unrolled: unrolled it
+spilled more and took 8.6 ms). Compiling this kernel takes 1-3 minutes per specialization.
 """
 
 from __future__ import annotations
@@ -42,10 +65,12 @@ from kvarn_ops.kernels._common import (
     pack_geometry,
     pow2,
     round_half_even,
+    unbiased_clip_rows,
 )
-from kvarn_ops.reference.quantize import DEFAULT_CONFIG
+from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
+from kvarn_ops.reference.rounding import ROUNDING_MODES
 
-__all__ = ["flush"]
+__all__ = ["ROUNDING_IDS", "check_config", "flush"]
 
 _ALIGN = 16
 _FP16_EXP_MIN = -13  # frexp exponent of the smallest normal fp16 (reference step 6)
@@ -103,6 +128,7 @@ def _flush_tile(
     COL_SCALE_PAD: tl.constexpr,
     ITERS: tl.constexpr,
     STD_FLOOR: tl.constexpr,
+    ROUNDING: tl.constexpr,
 ):
     """Quantize one tile ``X [R, C]`` (K: R = D channels, C = G tokens; V: R = G tokens,
     C = D) into its record fields: codes ``[R, C]``, row-side scale and zero point ``[R]``,
@@ -154,16 +180,22 @@ def _flush_tile(
         best_lc = tl.where(better, lc, best_lc)
     balanced = apply_log_scales(xp, best_lr, best_lc)
 
-    # Step 4: asymmetric RTN over each row, ties to even.
+    # Step 4: codes and per-row (step, lo), ties to even.
     levels: tl.constexpr = (1 << BITS) - 1
-    lo = tl.min(balanced, axis=1)
-    hi = tl.max(balanced, axis=1)
-    rng = hi - lo
-    lv = tl.full([R], levels, tl.float32)
-    inv = tl.where(rng > 0.0, tl.div_rn(lv, tl.where(rng > 0.0, rng, 1.0)), 0.0)
-    codes = round_half_even((balanced - lo[:, None]) * inv[:, None])
-    codes = tl.minimum(tl.maximum(codes, 0.0), levels * 1.0).to(tl.int32)
-    step = tl.div_rn(rng, lv)
+    if ROUNDING == 0:
+        # Min/max RTN (reference quantize_rows). Its ``levels / rng`` is torch's reversed
+        # division, reciprocal(rng) * levels: two IEEE roundings.
+        lo = tl.min(balanced, axis=1)
+        rng = tl.max(balanced, axis=1) - lo
+        ones = tl.full([R], 1.0, tl.float32)
+        inv = tl.where(rng > 0.0, tl.div_rn(ones, tl.where(rng > 0.0, rng, 1.0)) * levels, 0.0)
+        codes = round_half_even((balanced - lo[:, None]) * inv[:, None])
+        codes = tl.minimum(tl.maximum(codes, 0.0), levels * 1.0)
+        step = tl.div_rn(rng, tl.full([R], levels, tl.float32))
+    else:
+        # Clipping search with unbiased refit (reference round_rows, "unbiased_clip").
+        codes, step, lo = unbiased_clip_rows(balanced, best_lc, levels, R)
+    codes = codes.to(tl.int32)
 
     # Step 5: fold the RTN step and offset into the normalization scales.
     row_mult = tl.exp(best_lr)
@@ -240,6 +272,8 @@ def _flush_kernel(
     VZ_PAD: tl.constexpr,
     ITERS: tl.constexpr,
     STD_FLOOR: tl.constexpr,
+    K_ROUNDING: tl.constexpr,
+    V_ROUNDING: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -278,6 +312,7 @@ def _flush_kernel(
                 KR_PAD,
                 ITERS,
                 STD_FLOOR,
+                K_ROUNDING,
             )
         else:
             # V tile [G, D]: rows = tokens (row_scale/zero_point), columns = channels.
@@ -308,6 +343,7 @@ def _flush_kernel(
                 VS_PAD,
                 ITERS,
                 STD_FLOOR,
+                V_ROUNDING,
             )
 
 
@@ -347,26 +383,60 @@ def warps_for(head_dim: int, group: int) -> int:
     return max(4, min(16, head_dim * group // 2048))
 
 
-def _check_reference_config() -> None:
-    """The kernel implements the default configuration's algorithm only (RTN rounding,
-    prescale, fp16 rebalance, no log-scale clip); fail loudly if the reference default moves."""
-    cfg = DEFAULT_CONFIG
-    if (
-        getattr(cfg, "rounding", "rtn") != "rtn"
-        or not cfg.prescale
-        or not cfg.rebalance_fp16
-        or cfg.log_scale_clip is not None
-    ):
+ROUNDING_IDS = {"rtn": 0, "unbiased_clip": 1}
+"""Rounding modes of ``NormalizeConfig`` the kernel implements, and their ``ROUNDING`` ids."""
+
+
+def _rounding_id(name: str, rounding: str) -> int:
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"{name}: must be one of {ROUNDING_MODES}, got {rounding!r}")
+    if rounding not in ROUNDING_IDS:
         raise NotImplementedError(
-            f"kvarn_ops.kernels.flush implements RTN with prescale and fp16 rebalance, but the "
-            f"reference default is now {cfg}; update the kernel or use kvarn_ops.reference.flush"
+            f"{name}: kvarn_ops.kernels.flush implements rounding {tuple(ROUNDING_IDS)}, got "
+            f"{rounding!r}"
         )
+    return ROUNDING_IDS[rounding]
+
+
+def check_config(config: NormalizeConfig) -> tuple[str, str]:
+    """The (K, V) rounding modes of ``config`` if the kernel implements it: prescale, fp16
+    rebalance, no log-scale clip, rounding and effective V rounding in :data:`ROUNDING_IDS`
+    (any ``iters`` and ``std_floor``, passed through). Raises ValueError for a non-config and
+    NotImplementedError, naming ``config``, for anything else."""
+    if not isinstance(config, NormalizeConfig):
+        raise ValueError(f"config: must be a NormalizeConfig, got {type(config).__name__}")
+    if not config.prescale or not config.rebalance_fp16 or config.log_scale_clip is not None:
+        raise NotImplementedError(
+            f"config: kvarn_ops.kernels.flush implements prescale=True, rebalance_fp16=True and "
+            f"log_scale_clip=None only, got {config}; use kvarn_ops.reference instead"
+        )
+    k_rounding = config.rounding
+    v_rounding = config.rounding if config.rounding_v is None else config.rounding_v
+    if k_rounding not in ROUNDING_IDS or v_rounding not in ROUNDING_IDS:
+        raise NotImplementedError(
+            f"config: kvarn_ops.kernels.flush implements rounding {tuple(ROUNDING_IDS)} for K "
+            f"and V, got rounding={config.rounding!r}, rounding_v={config.rounding_v!r}; use "
+            f"kvarn_ops.reference instead"
+        )
+    return k_rounding, v_rounding
 
 
 def _launch(
-    exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, format_name: str
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    src_pool_blocks,
+    dst_blocks,
+    packed,
+    format_name: str,
+    iters: int,
+    std_floor: float,
+    k_rounding: str,
+    v_rounding: str,
 ) -> None:
-    _check_reference_config()
+    k_round = _rounding_id("k_rounding", k_rounding)
+    v_round = _rounding_id("v_rounding", v_rounding)
     n = src_pool_blocks.shape[0]
     if n == 0:
         return
@@ -389,8 +459,10 @@ def _launch(
         H=hkv,
         D=d,
         FP8=fp8,
-        ITERS=DEFAULT_CONFIG.iters,
-        STD_FLOOR=DEFAULT_CONFIG.std_floor,
+        ITERS=iters,
+        STD_FLOOR=std_floor,
+        K_ROUNDING=k_round,
+        V_ROUNDING=v_round,
         num_warps=warps_for(d, g),
         **record_constants(layout),
     )
@@ -406,13 +478,41 @@ def _flush_op(
     dst_blocks: torch.Tensor,
     packed: torch.Tensor,
     format_name: str,
+    iters: int,
+    std_floor: float,
+    k_rounding: str,
+    v_rounding: str,
 ) -> None:
-    _launch(exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, format_name)
+    _launch(
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        src_pool_blocks,
+        dst_blocks,
+        packed,
+        format_name,
+        iters,
+        std_floor,
+        k_rounding,
+        v_rounding,
+    )
 
 
 @_flush_op.register_fake
 def _flush_fake(
-    exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, format_name
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    src_pool_blocks,
+    dst_blocks,
+    packed,
+    format_name,
+    iters,
+    std_floor,
+    k_rounding,
+    v_rounding,
 ) -> None:
     return None
 
@@ -426,6 +526,8 @@ def flush(
     dst_blocks: torch.Tensor,
     packed: torch.Tensor,
     layout,
+    *,
+    config: NormalizeConfig = DEFAULT_CONFIG,
 ) -> None:
     """Pack N full pool blocks into records, every KV head, one launch (Triton).
 
@@ -440,13 +542,19 @@ def flush(
     packed : uint8 [num_blocks, Hkv, R], contiguous (written at ``dst_blocks`` only, every byte
         of those records).
     layout : dense ``kvarn_formats.RecordLayout`` with the pool's G and D.
+    config : NormalizeConfig, keyword only; the reference default (what
+        ``kvarn_ops.reference.flush`` uses) unless given. The records equal
+        ``kvarn_ops.reference.encode_records(..., config=config)`` of the same tiles.
 
     Raises
     ------
     ValueError
         Naming the bad argument. Out-of-range block indices are reported for CPU tensors; on a
         GPU a program with an out-of-range index writes nothing.
+    NotImplementedError
+        For a ``config`` the kernel does not implement (see :func:`check_config`).
     """
+    k_rounding, v_rounding = check_config(config)
     check_dense_layout("layout", layout)
     p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale, layout=layout)
     dev = exact_k.device
@@ -460,5 +568,16 @@ def flush(
     check_index_range("dst_blocks", dst_blocks, nb)
     check_device(exact_k)
     torch.ops.kvarn.flush(
-        exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, layout.format_name
+        exact_k,
+        exact_v,
+        k_scale,
+        v_scale,
+        src_pool_blocks,
+        dst_blocks,
+        packed,
+        layout.format_name,
+        config.iters,
+        float(config.std_floor),
+        k_rounding,
+        v_rounding,
     )

@@ -1,0 +1,141 @@
+"""Sweep the launch knobs of the gather/scatter kernels on a CUDA GPU (one run, one JSON).
+
+Each knob is a module-level function or constant of a kernel module (``store.tokens_per_program``,
+``store.warps_per_program``, ...); a configuration replaces some of them by constants for the
+duration of one measurement, through the benchmark functions of ``bench_kernels.py`` and
+``bench_mla.py``. The first configuration of every op is the shipped default. The fastest
+configuration per op is printed last; change the module's function to it by hand.
+
+    python benchmarks/tune_launch.py --out results/tune.json [--ops store,materialize]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_kernels  # noqa: E402
+import bench_mla  # noqa: E402
+
+
+#: op -> (benchmark call, {knob: candidate values}); a knob is "module.attribute" under
+#: kvarn_ops.kernels. The cartesian product is measured; None keeps the shipped value.
+def _mla_decode(bits, batch, heads, context, splits):
+    ms, nbytes = bench_mla.bench_decode(bits, batch, heads, context, splits)
+    return dict(
+        op="mla_decode", shape=f"k{bits} B={batch} H={heads} L={context}", ms=ms, bytes=nbytes
+    )
+
+
+SWEEPS = {
+    "store": (
+        lambda: bench_kernels.bench_store(128, 8, 32768, 64, torch.bfloat16),
+        {
+            "store.tokens_per_program": [None, 16, 64, 128],
+            "store.warps_per_program": [None, 8],
+            "store.native_dot": [None, False],
+        },
+    ),
+    "store_fp8": (
+        lambda: bench_kernels.bench_store(128, 8, 32768, 64, torch.float8_e4m3fn),
+        {
+            "store.tokens_per_program": [None, 16, 64, 128],
+            "store.warps_per_program": [None, 8],
+        },
+    ),
+    "mla_decode_b8": (
+        lambda: _mla_decode(4, 8, 16, 32768, 128),
+        {"mla_decode.NUM_WARPS": [None, 4, 16]},
+    ),
+    "mla_decode_b64": (
+        lambda: _mla_decode(4, 64, 16, 16384, 128),
+        {"mla_decode.MAXNREG": [None, 168]},
+    ),
+    "mla_decode_h128": (
+        lambda: _mla_decode(4, 32, 128, 8192, 128),
+        {"mla_decode.NUM_WARPS": [None]},
+    ),
+}
+
+
+def _patch(knob: str, value):
+    mod_name, attr = knob.rsplit(".", 1)
+    mod = importlib.import_module(f"kvarn_ops.kernels.{mod_name}")
+    old = getattr(mod, attr)
+    new = (lambda *a, _v=value, **k: _v) if callable(old) else value
+    setattr(mod, attr, new)
+    return mod, attr, old
+
+
+def run_op(name: str, bw: float) -> list[dict]:
+    call, knobs = SWEEPS[name]
+    names = list(knobs)
+    rows = []
+    for values in itertools.product(*(knobs[k] for k in names)):
+        config = {k: v for k, v in zip(names, values, strict=True) if v is not None}
+        patched = [_patch(k, v) for k, v in config.items()]
+        try:
+            r = call()
+            r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+            r["fraction_of_copy"] = r["bytes"] / (r["ms"] * 1e-3) / bw
+        except Exception as exc:  # a configuration that does not compile is a result too
+            r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        finally:
+            for mod, attr, old in reversed(patched):
+                setattr(mod, attr, old)
+        r["op_sweep"] = name
+        r["config"] = {k: repr(v) for k, v in config.items()}
+        rows.append(r)
+        print(name, r["config"], r.get("ms"), r.get("error", ""), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ops", default=",".join(SWEEPS))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_launch: no CUDA device; this sweep needs a GPU", file=sys.stderr)
+        return 2
+    bw = bench_kernels.copy_bandwidth()
+    rows = []
+    for name in args.ops.split(","):
+        rows += run_op(name, bw)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            dict(
+                device=torch.cuda.get_device_name(),
+                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                copy_bandwidth_gbps=bw / 1e9,
+                rows=rows,
+            ),
+            indent=2,
+        )
+    )
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    for name in args.ops.split(","):
+        ok = [r for r in rows if r["op_sweep"] == name and "ms" in r]
+        if not ok:
+            print(f"{name}: no configuration ran")
+            continue
+        default, best = ok[0], min(ok, key=lambda r: r["ms"])
+        print(
+            f"{name}: default {default['ms']:.4f} ms ({100 * default['fraction_of_copy']:.1f}%)"
+            f" best {best['ms']:.4f} ms ({100 * best['fraction_of_copy']:.1f}%) {best['config']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
