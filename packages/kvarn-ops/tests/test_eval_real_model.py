@@ -34,7 +34,7 @@ def test_smollm2_one_format():
     assert h.num_layers == 30 and h.head_dim == 64
     ex = h.exact_summary()
     assert 3.0 < ex["ppl"] < 30.0  # 7.6656 at 2048 tokens
-    r = h.run_variant(make_variant("kvarn_ub_v", "kvarn_k4v2_g64", sink=True))
+    r = h.run_variant(make_variant("kvarn", "kvarn_k4v2_g64", sink=True))
     s = r["vs_exact"]
     assert math.isfinite(s["ppl_increase"]) and -0.05 < s["ppl_increase"] < 0.15
     assert s["ppl_increase_se"] > 0

@@ -47,8 +47,10 @@ def test_rtn_mode_is_quantize_rows(gen):
     assert torch.equal(c0, c1) and torch.equal(s0, s1) and torch.equal(z0, z1)
 
 
-def test_default_config_unchanged():
-    assert ref.DEFAULT_CONFIG.rounding == "rtn"
+def test_default_config():
+    # The dense default: the clipping search with the unbiased refit, K and V (ACCURACY.md).
+    assert ref.DEFAULT_CONFIG.rounding == "unbiased_clip" and ref.DEFAULT_CONFIG.rounding_v is None
+    assert ref.NormalizeConfig().rounding == "rtn"
     assert ref.PUBLISHED_CONFIG.rounding == "rtn"
     with pytest.raises(ValueError, match="rounding"):
         ref.NormalizeConfig(rounding="nearest")
@@ -58,7 +60,7 @@ def test_default_config_unchanged():
 def test_mse_clip_lowers_error_on_rotated_tiles(gen, bits, max_ratio):
     # 2-bit min/max RTN over 64 near-Gaussian values wastes about half its MSE.
     x = _rotated_tiles(gen)
-    e_rtn = _rel(x, ref.quantize_tiles(x, bits))
+    e_rtn = _rel(x, ref.quantize_tiles(x, bits, ref.NormalizeConfig()))
     e_mse = _rel(x, ref.quantize_tiles(x, bits, ref.NormalizeConfig(rounding="mse_clip")))
     assert e_mse < max_ratio * e_rtn
 
@@ -89,7 +91,7 @@ def test_mse_clip_records_same_layout(gen):
     rec = ref.encode_records(k, v, lay, config=cfg)
     assert rec.shape == (3, lay.record_bytes)
     kd, vd = ref.decode_records(rec, lay)
-    kd0, vd0 = ref.decode_records(ref.encode_records(k, v, lay), lay)
+    kd0, vd0 = ref.decode_records(ref.encode_records(k, v, lay, config=ref.NormalizeConfig()), lay)
     # V (2-bit) improves markedly, K (4-bit) does not get worse.
     assert (vd - v).norm() < 0.85 * (vd0 - v).norm()
     assert (kd - k).norm() <= 1.001 * (kd0 - k).norm()
@@ -116,7 +118,7 @@ def test_unbiased_clip_has_unit_slope(gen):
 def test_rounding_v_only_changes_v(gen):
     lay = kf.dense_layout("kvarn_k4v2_g64", 64)
     k, v = _rotated_tiles(gen, n=2), _rotated_tiles(gen, n=2)
-    rec0 = ref.encode_records(k, v, lay)
+    rec0 = ref.encode_records(k, v, lay, config=ref.NormalizeConfig())
     rec1 = ref.encode_records(k, v, lay, config=ref.NormalizeConfig(rounding_v="unbiased_clip"))
     f0, f1 = ref.record_fields(rec0, lay), ref.record_fields(rec1, lay)
     for name in ("k_codes", "k_col_scale", "k_zero_point", "k_row_scale"):

@@ -36,6 +36,15 @@ def rotated_tiles(gen, n, r, c):
     )
 
 
+RTN = ref.NormalizeConfig()
+"""Min/max RTN (the published rounding): every element is within half a step of its value,
+which :func:`error_bound` checks. The default clipping search trades that per-element bound
+for a lower error in the mean (tests/test_eval_rounding.py); its tests here check what it
+keeps: finite, normal scales, exact zero and constant tiles, outliers preserved."""
+CONFIGS = [RTN, ref.DEFAULT_CONFIG]
+CONFIG_IDS = ["rtn", "default"]
+
+
 def error_bound(q: ref.QuantizedTiles, x: torch.Tensor) -> torch.Tensor:
     s = q.row_scale.double().abs()[:, :, None]
     z = q.zero_point.double().abs()[:, :, None]
@@ -199,18 +208,24 @@ def test_published_variant_is_not_scale_invariant(gen):
     assert abs(float(e1 - e2)) <= 1e-3 * float(e1)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("magnitude", [1e-4, 3.7e-3, 1.0, 71.0, 1e4])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_fp16_scales_stay_normal(gen, magnitude, bits):
+def test_fp16_scales_stay_normal(gen, magnitude, bits, config):
     x = rotated_tiles(gen, 8, 128, 64)
     x = x / x.abs().amax(dim=(1, 2), keepdim=True) * magnitude
-    q = ref.quantize_tiles(x, bits)
-    for t in (q.row_scale, q.zero_point, q.col_scale):
+    q = ref.quantize_tiles(x, bits, config)
+    # The refit's zero point (mean minus step times mean code) can be far below the step, so
+    # subnormal (quantize.py step 6): only RTN's zero point (the row minimum) is bounded.
+    fields = [q.row_scale, q.col_scale] + ([q.zero_point] if config is RTN else [])
+    for t in fields:
         vals = t.float().abs()
         assert torch.isfinite(vals).all()
         assert (vals[vals != 0] >= FP16_TINY).all(), float(vals[vals != 0].min())
+    assert torch.isfinite(q.zero_point.float()).all()
     assert (q.col_scale.float() > 0).all()
-    assert_within_bound(q, x)
+    if config is RTN:
+        assert_within_bound(q, x)
     if magnitude == 1e-4:  # the published variant (plain fp16 cast) gets subnormal scales here
         pub = ref.quantize_tiles(x, bits, ref.PUBLISHED_CONFIG)
         vals = pub.row_scale.float().abs()
@@ -225,16 +240,18 @@ def test_constant_tile_decodes_exactly(value):
     assert torch.equal(ref.dequantize_v(fields), x)
 
 
-def test_all_zero_tile(gen):
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_all_zero_tile(gen, config):
     x = torch.zeros(3, 64, 128)
     x[1] = ref.hadamard(realistic_kv(gen, 64, 128))  # a live tile in the same batch
     for bits in (2, 4):
-        q = ref.quantize_tiles(x, bits)
+        q = ref.quantize_tiles(x, bits, config)
         d = ref.dequantize_tiles(q)
         assert torch.equal(d[0], x[0]) and torch.equal(d[2], x[2])
         for t in (q.row_scale, q.zero_point, q.col_scale):
             assert torch.isfinite(t).all()
-        assert_within_bound(q, x)
+        if config is RTN:
+            assert_within_bound(q, x)
 
 
 def test_constant_rows_and_columns(gen):
@@ -246,46 +263,58 @@ def test_constant_rows_and_columns(gen):
     x[2, 40, :] = x[2, 40, 0] + 1e-6  # near-constant row
     x[3, :, :32] = 0.5  # half the tile constant
     for bits in (2, 4, 5):
-        q = ref.quantize_tiles(x, bits)
+        q = ref.quantize_tiles(x, bits, RTN)
         assert_within_bound(q, x)
         d = ref.dequantize_tiles(q)
         assert float((d[1, :, 3]).abs().max()) <= float(error_bound(q, x)[1, :, 3].max())
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("bits", [2, 4])
-def test_single_huge_outlier(gen, bits):
+def test_single_huge_outlier(gen, bits, config):
     x = torch.randn(6, 128, 64, generator=gen)
-    base = ref.dequantize_tiles(ref.quantize_tiles(x, bits)) - x
+    base = ref.dequantize_tiles(ref.quantize_tiles(x, bits, config)) - x
     y = x.clone()
     y[:, 10, 20] = 1e4
-    q = ref.quantize_tiles(y, bits)
-    assert_within_bound(q, y)
+    q = ref.quantize_tiles(y, bits, config)
+    if config is RTN:
+        assert_within_bound(q, y)
     err = ref.dequantize_tiles(q) - y
     # The outlier keeps its value; elements outside its row and column keep their accuracy.
     assert (err[:, 10, 20].abs() <= 1e-2 * 1e4).all()
     away = torch.ones(128, 64, dtype=torch.bool)
     away[10] = False
     away[:, 20] = False
-    assert err[:, away].pow(2).mean().sqrt() <= 1.2 * base.pow(2).mean().sqrt()
+    if config is RTN:
+        assert err[:, away].pow(2).mean().sqrt() <= 1.2 * base.pow(2).mean().sqrt()
+    else:
+        # The clipping search weighs each column's error by its scale, so it spends its levels
+        # on the outlier's column (measured: whole-tile squared error 20-70x below RTN's, the
+        # other elements' RMS 3-25% above RTN's): never worse than RTN on the whole tile.
+        rtn = ref.dequantize_tiles(ref.quantize_tiles(y, bits, RTN)) - y
+        assert err.pow(2).sum() <= rtn.pow(2).sum()
+        assert err[:, away].pow(2).mean().sqrt() <= 1.5 * base.pow(2).mean().sqrt()
     # Its column's scale multiplies the RTN error of the column in every row: bounded by half
     # a step of the tile range (a known cost of dual-axis scaling; the rotation spreads real
     # outliers over a whole token, see test_outlier_in_model_frame).
     assert (err.abs() <= 0.5 * (1e4 - y.amin()) / ((1 << bits) - 1)).all()
 
 
-def test_outlier_in_model_frame(gen):
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_outlier_in_model_frame(gen, config):
     # An outlier of the model frame becomes, after rotation, a massive token.
     x = torch.randn(6, 64, 128, generator=gen)  # [N, G, D] token-major
-    base = ref.dequantize_v(ref.quantize_v(ref.hadamard(x), 4)) - ref.hadamard(x)
+    base = ref.dequantize_v(ref.quantize_v(ref.hadamard(x), 4, config)) - ref.hadamard(x)
     y = x.clone()
     y[:, 10, 20] = 1e4
     v = ref.hadamard(y)
-    err = ref.dequantize_v(ref.quantize_v(v, 4)) - v
+    err = ref.dequantize_v(ref.quantize_v(v, 4, config)) - v
     others = torch.arange(64) != 10
     assert err[:, others].pow(2).mean().sqrt() <= 1.1 * base.pow(2).mean().sqrt()
     # The massive token (|values| ~ 1e4 / sqrt(128)) keeps a 4-bit accuracy of its own range.
     assert (err[:, 10].pow(2).mean(-1).sqrt() <= 0.1 * 1e4 / 128**0.5).all()
-    assert_within_bound(ref.quantize_tiles(v, 4), v)
+    if config is RTN:
+        assert_within_bound(ref.quantize_tiles(v, 4, config), v)
 
 
 @pytest.mark.parametrize("magnitude", [1e-30, 1e30])

@@ -23,8 +23,8 @@ from typing import Any
 __all__ = ["main"]
 
 DEFAULT_FORMATS = ("kvarn_k4v4_g64", "kvarn_k4v2_g64", "kvarn_k2v2_g64")
-DEFAULT_METHODS = ("fp8", "kivi", "kivi_h", "published", "kvarn", "kvarn_ub_v")
-DEFAULT_DETAIL = ("fp8", "published/kvarn_k4v2_g64", "kvarn_ub_v/kvarn_k4v2_g64")
+DEFAULT_METHODS = ("fp8", "kivi", "kivi_h", "published", "kvarn_rtn", "kvarn")
+DEFAULT_DETAIL = ("fp8", "published/kvarn_k4v2_g64", "kvarn/kvarn_k4v2_g64")
 
 
 def _machine() -> str:
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         default=",".join(DEFAULT_METHODS),
         help="comma-separated: fp8 or keys of kvarn_ops.evaluation.variants.METHODS "
-        "(kivi, kivi_h, published, kvarn, kvarn_ub, kvarn_mse, ...)",
+        "(kivi, kivi_h, published, kvarn, kvarn_rtn, kvarn_mse, ...)",
     )
     r.add_argument(
         "--sink",

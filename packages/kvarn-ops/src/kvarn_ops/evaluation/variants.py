@@ -17,6 +17,7 @@ import torch
 
 import kvarn_formats as kf
 from kvarn_ops.reference import (
+    DEFAULT_CONFIG,
     PUBLISHED_CONFIG,
     NormalizeConfig,
     decode_records,
@@ -29,7 +30,8 @@ from kvarn_ops.reference import (
 __all__ = ["METHODS", "CacheVariant", "make_variant", "parse_variant"]
 
 METHODS = {
-    "kvarn": NormalizeConfig(),
+    "kvarn": DEFAULT_CONFIG,
+    "kvarn_rtn": NormalizeConfig(),
     "kvarn_mse": NormalizeConfig(rounding="mse_clip"),
     "kvarn_grid": NormalizeConfig(rounding="mse_grid"),
     "kvarn_refit": NormalizeConfig(rounding="rtn_refit"),
@@ -50,12 +52,15 @@ METHODS = {
     "kivi_h_ub": NormalizeConfig(iters=0, rounding="unbiased_clip"),
 }
 """Method name -> NormalizeConfig of the record path. ``kvarn``: the project's default
-quantizer (scale invariant, no clip, min/max RTN); ``kvarn_mse``: the same with
-``rounding="mse_clip"``; ``published``: the published algorithm (-0.3 log-scale clip, no
-prescale, plain fp16 scales); ``kivi``: KIVI-style RTN without rotation; ``kivi_h``: with the
-Hadamard rotation; ``kvarn_mse_v``/``kvarn_mse_k``: ``mse_clip`` for the V (K) tiles only.
-A method maps to one NormalizeConfig, or to a (K config, V config) pair. Every record method
-except ``kivi`` is rotated."""
+quantizer (``DEFAULT_CONFIG``: scale invariant, no clip, the clipping search with the unbiased
+refit for K and V; ``kvarn_ub`` is the same configuration under its earlier name);
+``kvarn_rtn``: the same normalization with min/max RTN (the default until the measurements of
+ACCURACY.md); ``kvarn_ub_v``: unbiased clip for V only; ``kvarn_mse``: ``rounding="mse_clip"``;
+``published``: the published algorithm (-0.3 log-scale clip, no prescale, plain fp16 scales);
+``kivi``: KIVI-style RTN without rotation; ``kivi_h``: with the Hadamard rotation;
+``kvarn_mse_v``/``kvarn_mse_k``: ``mse_clip`` for the V (K) tiles only. A method maps to one
+NormalizeConfig, or to a (K config, V config) pair. Every record method except ``kivi`` is
+rotated."""
 
 _FP8_MAX = 448.0
 

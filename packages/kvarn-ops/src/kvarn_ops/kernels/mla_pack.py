@@ -29,8 +29,13 @@ from kvarn_ops.kernels._common import (
     unpack_codes_load,
 )
 from kvarn_ops.kernels.mla_common import field_offsets, pool_round, pool_views
-from kvarn_ops.reference.mla import GROUP, _check_block_pairs, check_mla_pool, check_packed
-from kvarn_ops.reference.quantize import DEFAULT_CONFIG
+from kvarn_ops.reference.mla import (
+    GROUP,
+    MLA_CONFIG,
+    _check_block_pairs,
+    check_mla_pool,
+    check_packed,
+)
 
 __all__ = ["mla_pack", "mla_rehydrate"]
 
@@ -246,7 +251,7 @@ def _pack_op(
         return
     offs, geo = _geometry(format_name)
     pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
-    cfg = DEFAULT_CONFIG
+    cfg = MLA_CONFIG
     # FMA contraction off: the reference rounds every product and sum separately.
     _mla_pack_kernel[(n,)](
         pl,
@@ -324,11 +329,12 @@ def mla_pack(
     _check_block_pairs(src_pool_blocks, dst_blocks, p, nb, "src_pool_blocks", "dst_blocks", dev)
     check_device(pool_latent)
     if (
-        DEFAULT_CONFIG.log_scale_clip is not None
-        or not DEFAULT_CONFIG.prescale
-        or not DEFAULT_CONFIG.rebalance_fp16
+        MLA_CONFIG.log_scale_clip is not None
+        or not MLA_CONFIG.prescale
+        or not MLA_CONFIG.rebalance_fp16
+        or MLA_CONFIG.rounding != "rtn"
     ):  # pragma: no cover - guards a config change
-        raise NotImplementedError("the MLA pack kernel implements only the default config")
+        raise NotImplementedError("the MLA pack kernel implements only min/max RTN (MLA_CONFIG)")
     torch.ops.kvarn.mla_pack(
         pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed, layout.format_name
     )

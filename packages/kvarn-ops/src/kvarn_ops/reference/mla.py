@@ -42,9 +42,10 @@ import kvarn_formats as kf
 from kvarn_ops._validate import FP8_MAX, MODEL_DTYPES, check_index_range, check_tensor
 from kvarn_ops.reference.bitpack import pack_codes, unpack_codes
 from kvarn_ops.reference.hadamard import hadamard
-from kvarn_ops.reference.quantize import dequantize_k, quantize_k
+from kvarn_ops.reference.quantize import NormalizeConfig, dequantize_k, quantize_k
 
 __all__ = [
+    "MLA_CONFIG",
     "GROUP",
     "LATENT_DIM",
     "MLA_DIM",
@@ -69,6 +70,11 @@ __all__ = [
     "refit_affine",
     "stage_records_from_latent",
 ]
+
+MLA_CONFIG = NormalizeConfig()
+"""The MLA pack's quantizer: the dense default's normalization with min/max RTN. The dense
+formats moved to the clipping search with the unbiased refit after measuring it on a real
+model; no real MLA model runs offline here to measure it on latents, so MLA keeps RTN."""
 
 LATENT_DIM = 512
 ROPE_DIM = 64
@@ -229,7 +235,7 @@ def encode_mla_records(
     check_mla_layout("layout", layout)
     n = latent.shape[0]
     bits = layout.field("codes").bits
-    fields = quantize_k(latent.to(torch.float32), bits)
+    fields = quantize_k(latent.to(torch.float32), bits, MLA_CONFIG)
     if refit:
         tiles = torch.nan_to_num(latent.to(torch.float32)).transpose(1, 2)
         fields = refit_affine(tiles, fields)
