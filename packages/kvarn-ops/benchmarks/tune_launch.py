@@ -54,11 +54,11 @@ SWEEPS = {
     ),
     "mla_decode_b8": (
         lambda: _mla_decode(4, 8, 16, 32768, 128),
-        {"mla_decode.NUM_WARPS": [None, 4, 16]},
+        {"mla_decode.MAXNREG": [None, 128], "mla_decode.CTAS_PER_SM": [None, 4]},
     ),
     "mla_decode_b64": (
         lambda: _mla_decode(4, 64, 16, 16384, 128),
-        {"mla_decode.MAXNREG": [None, 168]},
+        {"mla_decode.MAXNREG": [None, 128]},
     ),
     "mla_decode_h128": (
         lambda: _mla_decode(4, 32, 128, 8192, 128),

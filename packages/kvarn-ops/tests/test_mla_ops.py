@@ -422,6 +422,27 @@ def test_decode_blocks_per_split(gen, bits, dtype, splits):
     assert float((o - o_ref).abs().max()) <= 2 * 2**-10 * top
 
 
+@pytest.mark.parametrize("chunk", [256, 512])
+def test_decode_latent_chunk_knob(gen, monkeypatch, chunk):
+    """The full-context loop with fewer, wider latent chunks (CHUNK launch knob)."""
+    monkeypatch.setattr(kdec, "CHUNK", chunk)
+    test_decode_blocks_per_split(gen, 4, BF16, 2)
+
+
+def test_decode_latent_chunk_knob_is_checked(monkeypatch):
+    monkeypatch.setattr(kdec, "CHUNK", 64)
+    layout = kf.mla_layout("kvarn_mla_k4_g64")
+    pool = make_pool(2, BF16)
+    packed = torch.zeros(2, layout.record_bytes, dtype=torch.uint8)
+    q = torch.zeros(1, 16, 576)
+    ws = ref.mla_decode_workspace(1, 16, 1)
+    with pytest.raises(ValueError, match="CHUNK"):
+        kdec.mla_decode(
+            q, packed, i32(0, 1).view(1, 2), i32(70), i32(-1, -1), *pool, layout, 0.1,
+            torch.empty(1, 16, 512), ws,
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------- bad input
 
 

@@ -210,17 +210,20 @@ def words_to_codes_f16(
 
 
 @triton.jit
-def window_codes_f16(row32, t, BITS: tl.constexpr, CENTER: tl.constexpr):
+def window_codes_f16(row32, t, BITS: tl.constexpr, CENTER: tl.constexpr, EVICT: tl.constexpr = ""):
     """Centered codes ``code - CENTER`` (exact fp16) of tokens ``t [T]`` of the 64-code rows
     starting at the int32 pointers ``row32 [M]`` (any width; a code may straddle two words).
 
     Reads the two aligned words around each code; the word after a record's last code row is
-    still inside the record (the scale fields follow the codes)."""
+    still inside the record (the scale fields follow the codes). ``EVICT``: the loads' eviction
+    policy (a second read of the same words with another policy is not merged with the first
+    by the compiler)."""
     bit = t * BITS
     wi = bit >> 5
     sh = (bit & 31).to(tl.uint32)
-    lo = tl.load(row32[:, None] + wi[None, :]).to(tl.uint32, bitcast=True)
-    hi = tl.load(row32[:, None] + wi[None, :] + 1).to(tl.uint32, bitcast=True)
+    lo = tl.load(row32[:, None] + wi[None, :], eviction_policy=EVICT).to(tl.uint32, bitcast=True)
+    hi = tl.load(row32[:, None] + wi[None, :] + 1, eviction_policy=EVICT)
+    hi = hi.to(tl.uint32, bitcast=True)
     v = (lo >> sh[None, :]) | ((hi << 1) << (31 - sh[None, :]))
     code = (v & ((1 << BITS) - 1)) | 0x6400
     return code.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + CENTER)

@@ -14,10 +14,12 @@ captures it); the kernel gives each split ``max(ceil(n / splits), MIN_BLOCKS_PER
 the request's ``n`` 64-token blocks (device-side, from ``seq_lens``).
 
 Full context (no ``indices``): the loop walks whole blocks through the block table, software
-pipelined (block u + 1's code words, channel scales and pool-map entry and block u + 2's table
-entry are loaded while block u is computed). A block mapped to the exact pool (the filling
-tail, sinks, rehydrated blocks) takes the pool path: its fp8/bf16 rows dequantized to fp32,
-16 tokens per step, fp32 dots (tf32 on the GPU). A packed block never dequantizes: with the
+pipelined (block u + 1's code words and pool-map entry and block u + 2's table entry are
+loaded while block u is computed). The 512 latent channels are processed in ``512 / CHUNK``
+chunks (query chunks and output accumulators are separate register tiles). A block mapped to
+the exact pool (the filling tail, sinks, rehydrated blocks) takes the pool path: its fp8/bf16
+rows dequantized to fp32 chunk by chunk, all 64 tokens at once, fp32 dots (tf32 on the GPU),
+each chunk read twice (scores, then values). A packed block never dequantizes: with the
 record's ``x[d, t] = (code * cs[d] + zp[d]) * rs[t]`` (K orientation, code index ``d*64 + t``)
 and centered codes ``c = code - 2^(b-1)``, ``zpc = zp + 2^(b-1) * cs``::
 
@@ -26,23 +28,28 @@ and centered codes ``c = code - 2^(b-1)``, ``zpc = zp + 2^(b-1) * cs``::
 
 (``cmax = max |cs|``, ``rmax = max rs``, block-relative softmax weights rescaled into the
 running accumulator by ``exp(m_block - m) * rmax``). Both products are fp16 tensor-core dots
-with fp32 accumulation whose code operand is exact; the per-element work is an unpack. Codes
-are loaded as int32 words, coalesced: for widths dividing 8 a word tile ``[512, 2b]`` is
-unpacked by phase (the field at bit ``e * b`` of every byte: ``8 / b`` tiles ``[512, 8 * b]``)
-by masking two fields per 32-bit op into the mantissas of fp16 1024.0 and one
-packed fp16 subtraction (``mla_common.words_to_codes_f16``; inline PTX on the GPU, a plain twin
-in the interpreter); a tile's columns are tokens in ``mla_common.phase_token`` order, and row
-scales and RoPE rows are loaded in that order. Other widths (3, 5, 6, 7) read each code's
-two-word window (``window_codes_f16``). The 16-bit operands are the only roundings besides
-fp32 arithmetic (tests: ``fp16_operand_decode``).
+with fp32 accumulation whose code operand is exact; the per-element work is an unpack. Pass 1
+sums the score dot over the chunks; pass 2 reads each chunk's code words again (cache hits:
+the first read asks to keep them, the second to evict them) and unpacks them again for its
+value dot, so no unpacked ``[512, 64]`` tile is live across the softmax (registers, shared
+memory). Codes are loaded as int32 words, coalesced: for widths dividing 8 a chunk's word tile
+``[CHUNK, 2b]`` is unpacked by phase (the field at bit ``e * b`` of every byte: ``8 / b``
+tiles ``[CHUNK, 8 * b]``, joined column by column into one ``[CHUNK, 64]`` tile in registers)
+by masking two fields per 32-bit op into the mantissas of fp16 1024.0 and one packed fp16
+subtraction (``mla_common.words_to_codes_f16``; inline PTX on the GPU, a plain twin in the
+interpreter); a tile's columns are tokens in ``_column_token`` order, and row scales and RoPE
+rows are loaded in that order. Other widths (3, 5, 6, 7) read each code's two-word window
+(``window_codes_f16``). The 16-bit operands are the only roundings besides fp32 arithmetic
+(tests: ``fp16_operand_decode``).
 
 Sparse (``indices``): each split walks its share of the selected entries 16 at a time,
 gathering each token from its pool block or record (``mla_common.load_tokens``), fp32 dots.
 
-Memory traffic: every selected token is read once (``R/64`` record bytes for a packed token,
-``512*E + s + 128`` for a pool token; a request's pool blocks also read their stale record
-once, and a split re-reads its last record once as the pipeline's overrun), ``q`` once,
-``out`` written once, plus ``B*H*(512 + 1)*4`` partial bytes per live split written and read
+Memory traffic: every selected token is read once from memory (``R/64`` record bytes for a
+packed token, ``512*E + s + 128`` for a pool token; a request's pool blocks also read their
+stale record's words once, and a split re-reads its last record's words once as the
+pipeline's overrun; the second pass over a block hits the cache), ``q`` once, ``out``
+written once, plus ``B*H*(512 + 1)*4`` partial bytes per live split written and read
 once and the ``B*H*512*4`` rotated query.
 """
 
@@ -76,17 +83,23 @@ __all__ = ["mla_decode", "mla_decode_workspace"]
 BLOCK_H = 16
 """Heads per program (the smallest tl.dot M; DeepSeek serves 16 or 128 heads per rank)."""
 BLOCK_N = 16
-"""Tokens per step of the sparse gather and of an exact-pool block (4 steps per block)."""
+"""Tokens per step of the sparse gather."""
 NUM_WARPS = 8
 """Warps of the decode kernel."""
 MAXNREG = 255
 """Register cap passed to ptxas. Without it ptxas 12.8 compiled the full-context loop at 32
-registers (kilobytes of spills) for sm_90a; with it, 255 registers and ~1.8 KB of spills."""
+registers (kilobytes of spills) for sm_90a; with it (CHUNK 128), 255 registers and no spill
+inside the loop (40 bytes of stack around it, k4)."""
 CTAS_PER_SM = 2
 """Programs per SM the split count aims at: ``B * splits * head_groups <= SMs * CTAS_PER_SM``."""
 MIN_BLOCKS_PER_SPLIT = 2
 """A split gets at least this many 64-token blocks (fewer, longer splits for short contexts:
 each split costs a query load and a partial row written and read back)."""
+CHUNK = 128
+"""Latent channels per chunk of the full-context loop (128, 256 or 512): pass 1 sums the
+scores over the chunks, pass 2 unpacks each chunk's codes again for the value dot. Offline
+sm_90a, k4: 128 -> 68 KB shared memory, 40 B stack; 256 -> 100 KB, 224 B; 512 -> 164 KB,
+480 B."""
 _DEFAULT_SMS = 132
 
 
@@ -115,45 +128,169 @@ def _softmax_step(m, l, acc, s, lat):
 
 
 @triton.jit
-def _pool_block(m, l, acc, q, qr, pb, valid, pool_ptr, pscale_ptr, prope_ptr, sm_scale, FP8):
-    """The first ``valid`` tokens of exact-pool block ``pb`` (fp8 or bf16 latent, bf16 RoPE):
-    dequantized to fp32 (cheap next to a packed block), 16 tokens per step."""
-    d = tl.arange(0, 512)
-    r = tl.arange(0, 64)
-    for c in tl.static_range(64 // 16):
-        tok = c * 16 + tl.arange(0, 16)
-        ok = tok < valid
-        row = pb.to(tl.int64) * 64 + tok
-        lat = tl.load(pool_ptr + row[:, None] * 512 + d[None, :], mask=ok[:, None], other=0.0)
-        lat = lat.to(tl.float32)
-        if FP8:
-            lat = lat * tl.load(pscale_ptr + row, mask=ok, other=0.0)[:, None]
-        rope = tl.load(prope_ptr + row[:, None] * 64 + r[None, :], mask=ok[:, None], other=0)
-        s = tl.dot(q, tl.trans(lat)) + tl.dot(qr, tl.trans(bf16_bits_to_f32(rope)))
-        s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
-        m, l, acc = _softmax_step(m, l, acc, s, lat)
-    return m, l, acc
+def _load_q(qrot_ptr, qrow, hok, C: tl.constexpr, CH: tl.constexpr):
+    """Rotated-query chunk ``[BH, CH]`` (fp32) of latent channels ``[C * CH, (C + 1) * CH)``."""
+    d = C * CH + tl.arange(0, CH)
+    return tl.load(qrot_ptr + qrow[:, None] * 512 + d[None, :], mask=hok[:, None], other=0.0)
 
 
 @triton.jit
-def _phase_scores(qs, cmax, qz, qr, codes, rs, rope, tok, valid, sm_scale):
-    """Scores of one code tile ``codes [512, T]`` (centered codes, exact fp16) of tokens
-    ``tok [T]``: ``rs[t] * (cmax * (qs @ codes) + qz) + qr @ rope[t]`` times ``sm_scale``,
-    -inf past ``valid``."""
-    s = (tl.dot(qs, codes) * cmax + qz[:, None]) * rs[None, :]
-    s = s + tl.dot(qr, tl.trans(bf16_bits_to_f32(rope)))
-    return tl.where(tok[None, :] < valid, s * sm_scale, float("-inf"))
+def _absmax_f16(bits):
+    """Largest magnitude of a vector of fp16 bit patterns, as fp32."""
+    return tl.max(tl.abs(bits.to(tl.float16, bitcast=True).to(tl.float32)), axis=0)
 
 
 @triton.jit
-def _phase_values(s, m_blk, rs, codes, va, pl, pz):
-    """Block-relative softmax weights of one code tile: ``p = exp(s - m_blk)`` (<= 1), the
-    fp16 value weights ``pw = p * rs`` (``rs`` normalized by the block's largest row scale)
-    into ``va += pw @ codes^T``, and the row sums of ``p`` and of the rounded ``pw``."""
-    p = tl.exp(s - m_blk[:, None])
-    pw = (p * rs[None, :]).to(tl.float16)
-    va = tl.dot(pw, tl.trans(codes), va)
-    return va, pl + tl.sum(p, axis=1), pz + tl.sum(pw.to(tl.float32), axis=1)
+def _pool_lat(pool_ptr, pscale_ptr, pb, valid, C: tl.constexpr, CH: tl.constexpr, FP8):
+    """Channels ``[C * CH, (C + 1) * CH)`` of the 64 rows of exact-pool block ``pb`` as fp32
+    ``[64, CH]`` (rows past ``valid`` are zeros)."""
+    tok = tl.arange(0, 64)
+    ok = tok < valid
+    row = pb.to(tl.int64) * 64 + tok
+    d = C * CH + tl.arange(0, CH)
+    lat = tl.load(pool_ptr + row[:, None] * 512 + d[None, :], mask=ok[:, None], other=0.0)
+    lat = lat.to(tl.float32)
+    if FP8:
+        lat = lat * tl.load(pscale_ptr + row, mask=ok, other=0.0)[:, None]
+    return lat
+
+
+@triton.jit
+def _pool_values(acc, p, alpha, pool_ptr, pscale_ptr, pb, valid, C: tl.constexpr, FP8):
+    """``acc * alpha + p @ lat`` for one latent chunk ``acc [BH, CH]`` of a pool block."""
+    lat = _pool_lat(pool_ptr, pscale_ptr, pb, valid, C, acc.shape[1], FP8)
+    return acc * alpha[:, None] + tl.dot(p, lat)
+
+
+@triton.jit
+def _chunk_words(
+    rec32_ptr, base, C: tl.constexpr, CH: tl.constexpr, W: tl.constexpr, EVICT: tl.constexpr
+):
+    """int32 code words ``[CH, W]`` of channels ``[C * CH, (C + 1) * CH)`` of the record at
+    byte ``base``."""
+    d = C * CH + tl.arange(0, CH)
+    ptr = rec32_ptr + base // 4 + d[:, None] * W + tl.arange(0, W)[None, :]
+    return tl.load(ptr, eviction_policy=EVICT)
+
+
+@triton.jit
+def _chunk_scale(rec16_ptr, base, OFF: tl.constexpr, C: tl.constexpr, CH: tl.constexpr):
+    """Channel-scale field at byte ``OFF`` of a record, one chunk, as fp32 ``[CH]``."""
+    x = tl.load(rec16_ptr + base // 2 + OFF // 2 + C * CH + tl.arange(0, CH))
+    return x.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _column_token(t, NP: tl.constexpr):
+    """Token held by column ``t`` of a chunk tile of :func:`_chunk_codes` (FAST widths): the
+    ``NP`` phase tiles of :func:`words_to_codes_f16` interleaved column by column."""
+    e = t % NP
+    if NP == 4:
+        e = 2 * (e & 1) + (e >> 1)
+    return phase_token(t // NP, NP, 0) + e
+
+
+@triton.jit
+def _chunk_codes(
+    w,
+    rec32_ptr,
+    base,
+    C: tl.constexpr,
+    CH: tl.constexpr,
+    BITS: tl.constexpr,
+    FAST: tl.constexpr,
+    ASM: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """Centered fp16 codes ``[CH, 64]`` of one chunk. FAST: the phase tiles of the word tile
+    ``w`` joined column by column (register-local), tokens named by :func:`_column_token`;
+    other widths: read through the two-word windows, tokens in order."""
+    CENTER: tl.constexpr = 1 << (BITS - 1)
+    if FAST:
+        NP: tl.constexpr = 8 // BITS
+        x = words_to_codes_f16(w, 0, BITS, CENTER, ASM)
+        if NP >= 2:
+            x1 = words_to_codes_f16(w, BITS, BITS, CENTER, ASM)
+            if NP >= 4:
+                x2 = words_to_codes_f16(w, 2 * BITS, BITS, CENTER, ASM)
+                x3 = words_to_codes_f16(w, 3 * BITS, BITS, CENTER, ASM)
+                x = tl.join(tl.join(x, x1), tl.join(x2, x3))
+            else:
+                x = tl.join(x, x1)
+            x = tl.reshape(x, [CH, 64])
+        return x
+    else:
+        d = C * CH + tl.arange(0, CH)
+        row32 = rec32_ptr + base // 4 + d * 2 * BITS
+        return window_codes_f16(row32, tl.arange(0, 64), BITS, CENTER, EVICT)
+
+
+@triton.jit
+def _chunk_scores(
+    sa,
+    qz,
+    cmax,
+    q,
+    w,
+    rec16_ptr,
+    rec32_ptr,
+    base,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    CS_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr,
+    FAST: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Pass 1 of a packed block, one latent chunk ``q [BH, CH]``: the score sums
+    ``sa += (q * cs / cmax) @ codes`` (fp16 operands) and ``qz += q @ zpc``."""
+    CH: tl.constexpr = q.shape[1]
+    cs = _chunk_scale(rec16_ptr, base, CS_OFF, C, CH)
+    zpc = _chunk_scale(rec16_ptr, base, ZP_OFF, C, CH) + cs * (1 << (BITS - 1))
+    qs = (q * (cs / cmax)[None, :]).to(tl.float16)
+    qz = qz + tl.sum(q * zpc[None, :], axis=1)
+    codes = _chunk_codes(w, rec32_ptr, base, C, CH, BITS, FAST, ASM, "evict_last")
+    return tl.dot(qs, codes, sa), qz
+
+
+@triton.jit
+def _chunk_values(
+    acc,
+    pw,
+    pz,
+    alpha,
+    wscale,
+    rec16_ptr,
+    rec32_ptr,
+    base,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    W: tl.constexpr,
+    CS_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr,
+    FAST: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Pass 2 of a packed block, one latent chunk ``acc [BH, CH]``: the chunk's words and
+    scales are read again (cache hits) and unpacked again rather than kept live across the
+    softmax; ``acc = acc * alpha + wscale * (cs * (pw @ codes^T) + zpc * pz)``."""
+    CH: tl.constexpr = acc.shape[1]
+    w = pz  # no word tile on the window path
+    if FAST:
+        w = _chunk_words(rec32_ptr, base, C, CH, W, "evict_first")
+    codes = _chunk_codes(w, rec32_ptr, base, C, CH, BITS, FAST, ASM, "evict_first")
+    va = tl.dot(pw, tl.trans(codes))
+    cs = _chunk_scale(rec16_ptr, base, CS_OFF, C, CH)
+    zpc = _chunk_scale(rec16_ptr, base, ZP_OFF, C, CH) + cs * (1 << (BITS - 1))
+    return acc * alpha[:, None] + wscale[:, None] * (va * cs[None, :] + pz[:, None] * zpc[None, :])
+
+
+@triton.jit
+def _store_chunk(po_ptr, prow, hok, acc, l, C: tl.constexpr):
+    CH: tl.constexpr = acc.shape[1]
+    d = C * CH + tl.arange(0, CH)
+    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    tl.store(po_ptr + prow[:, None] * 512 + d[None, :], out, mask=hok[:, None])
 
 
 @triton.jit
@@ -190,6 +327,7 @@ def _mla_decode_kernel(
     REC: tl.constexpr,
     FP8: tl.constexpr,
     ASM: tl.constexpr,
+    NC: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -216,13 +354,13 @@ def _mla_decode_kernel(
         # nothing to read: the combine skips this split's (unwritten) partial row
         tl.store(plse_ptr + prow, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hok)
         return
-    q = tl.load(qrot_ptr + qrow[:, None] * 512 + d[None, :], mask=hok[:, None], other=0.0)
     qr = tl.load(q_ptr + qrow[:, None] * 576 + 512 + r[None, :], mask=hok[:, None], other=0.0)
     qr = qr.to(tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, 512], tl.float32)
     if SPARSE:
+        q = tl.load(qrot_ptr + qrow[:, None] * 512 + d[None, :], mask=hok[:, None], other=0.0)
+        acc = tl.zeros([BLOCK_H, 512], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             inb = n < hi
@@ -254,54 +392,98 @@ def _mla_decode_kernel(
             s = tl.dot(q, tl.trans(lat)) + tl.dot(qr, tl.trans(bf16_bits_to_f32(rope)))
             s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
             m, l, acc = _softmax_step(m, l, acc, s, lat)
+        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+        tl.store(po_ptr + prow[:, None] * 512 + d[None, :], out, mask=hok[:, None])
     else:
-        # Whole blocks. Widths dividing 8 (FAST) load a block's codes as int32 words [512, W]
-        # and unpack them by phase (the field at bit e * BITS of every byte: NP tiles of
-        # [512, 64 / NP], tokens named by phase_token); other widths read each code's
-        # two-word window (window_codes_f16), one tile [512, 64] in token order.
+        # Whole blocks, the 512 latent channels in NC chunks of CH. Widths dividing 8 (FAST)
+        # load a chunk's codes as int32 words [CH, W] and unpack them by phase (the field at
+        # bit e * BITS of every byte) into one tile [CH, 64] whose columns are the tokens
+        # tokc; other widths read each code's two-word window (window_codes_f16), tokens in
+        # order. Pass 1 sums the scores over the chunks; pass 2 reads each chunk's words
+        # again (cache hits) for the value dot, so no unpacked tile stays live across the
+        # softmax.
         FAST: tl.constexpr = (8 % BITS) == 0
         NP: tl.constexpr = 8 // BITS if FAST else 1
-        T: tl.constexpr = 64 // NP
         W: tl.constexpr = 2 * BITS if FAST else 1
-        CENTER: tl.constexpr = 1 << (BITS - 1)
-        c = tl.arange(0, T)
-        wv = tl.arange(0, W)
+        CH: tl.constexpr = 512 // NC
+        tok = tl.arange(0, 64)
         if FAST:
-            tok0 = phase_token(c, NP, 0)
-            tok1 = phase_token(c, NP, 1 % NP)
-            tok2 = phase_token(c, NP, 2 % NP)
-            tok3 = phase_token(c, NP, 3 % NP)
+            tokc = _column_token(tok, NP)  # token of each column of a chunk's code tile
         else:
-            tok0 = c
-            tok1 = c
-            tok2 = c
-            tok3 = c
+            tokc = tok
+        q0 = _load_q(qrot_ptr, qrow, hok, 0, CH)
+        a0 = tl.zeros([BLOCK_H, CH], tl.float32)
+        if NC >= 2:
+            q1 = _load_q(qrot_ptr, qrow, hok, 1, CH)
+            a1 = tl.zeros([BLOCK_H, CH], tl.float32)
+        if NC >= 4:
+            q2 = _load_q(qrot_ptr, qrow, hok, 2, CH)
+            q3 = _load_q(qrot_ptr, qrow, hok, 3, CH)
+            a2 = tl.zeros([BLOCK_H, CH], tl.float32)
+            a3 = tl.zeros([BLOCK_H, CH], tl.float32)
         bt_row = bt_ptr + b * bt_stride
-        # Software pipeline: the words and channel scales of block u + 1, its block-pool map
-        # entry and the block-table entry of u + 2 are loaded during block u, so every load
-        # of an iteration depends only on the previous one. The record of a pool block is
-        # read too (unused; a request has few pool blocks).
+        # Software pipeline: the pass-1 code words of block u + 1, its block-pool map entry
+        # and the block-table entry of u + 2 are loaded during block u (the small scale and
+        # RoPE loads of block u are issued at its start). The words of a pool block are read
+        # too (unused; a request has few pool blocks).
         blk = tl.load(bt_row + lo)
         blk_n = tl.load(bt_row + tl.minimum(lo + 1, hi - 1))
         pb = tl.load(map_ptr + blk)
         base = blk.to(tl.int64) * REC
+        w0 = blk  # no word tiles on the window path
+        w1 = blk
+        w2 = blk
+        w3 = blk
         if FAST:
-            words = tl.load(rec32_ptr + base // 4 + d[:, None] * W + wv[None, :])
-        cs16 = tl.load(rec16_ptr + base // 2 + CS_OFF // 2 + d)
-        zp16 = tl.load(rec16_ptr + base // 2 + ZP_OFF // 2 + d)
+            w0 = _chunk_words(rec32_ptr, base, 0, CH, W, "evict_last")
+        if NC >= 2 and FAST:
+            w1 = _chunk_words(rec32_ptr, base, 1, CH, W, "evict_last")
+        if NC >= 4 and FAST:
+            w2 = _chunk_words(rec32_ptr, base, 2, CH, W, "evict_last")
+            w3 = _chunk_words(rec32_ptr, base, 3, CH, W, "evict_last")
         for u in range(lo, hi):
             blk_nn = tl.load(bt_row + tl.minimum(u + 2, hi - 1))
             pb_n = tl.load(map_ptr + blk_n)
             base_n = blk_n.to(tl.int64) * REC
             if FAST:
-                words_n = tl.load(rec32_ptr + base_n // 4 + d[:, None] * W + wv[None, :])
-            cs16_n = tl.load(rec16_ptr + base_n // 2 + CS_OFF // 2 + d)
-            zp16_n = tl.load(rec16_ptr + base_n // 2 + ZP_OFF // 2 + d)
+                w0_n = _chunk_words(rec32_ptr, base_n, 0, CH, W, "evict_last")
+            if NC >= 2 and FAST:
+                w1_n = _chunk_words(rec32_ptr, base_n, 1, CH, W, "evict_last")
+            if NC >= 4 and FAST:
+                w2_n = _chunk_words(rec32_ptr, base_n, 2, CH, W, "evict_last")
+                w3_n = _chunk_words(rec32_ptr, base_n, 3, CH, W, "evict_last")
             valid = tl.minimum(seq_len - u * 64, 64)
             if pb >= 0:
-                m, l, acc = _pool_block(
-                    m, l, acc, q, qr, pb, valid, pool_ptr, pscale_ptr, prope_ptr, sm_scale, FP8
+                # exact-pool block: fp32 latent chunks (tf32 dots on the GPU), read twice
+                prow_ = pb.to(tl.int64) * 64 + tok
+                rope = tl.load(
+                    prope_ptr + prow_[:, None] * 64 + r[None, :],
+                    mask=(tok < valid)[:, None],
+                    other=0,
                 )
+                s = tl.dot(qr, tl.trans(bf16_bits_to_f32(rope)))
+                s = tl.dot(q0, tl.trans(_pool_lat(pool_ptr, pscale_ptr, pb, valid, 0, CH, FP8)), s)
+                if NC >= 2:
+                    lat1 = _pool_lat(pool_ptr, pscale_ptr, pb, valid, 1, CH, FP8)
+                    s = tl.dot(q1, tl.trans(lat1), s)
+                if NC >= 4:
+                    lat2 = _pool_lat(pool_ptr, pscale_ptr, pb, valid, 2, CH, FP8)
+                    s = tl.dot(q2, tl.trans(lat2), s)
+                    lat3 = _pool_lat(pool_ptr, pscale_ptr, pb, valid, 3, CH, FP8)
+                    s = tl.dot(q3, tl.trans(lat3), s)
+                s = tl.where(tok[None, :] < valid, s * sm_scale, float("-inf"))
+                # valid >= 1 token: m_new is finite
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l = l * alpha + tl.sum(p, axis=1)
+                a0 = _pool_values(a0, p, alpha, pool_ptr, pscale_ptr, pb, valid, 0, FP8)
+                if NC >= 2:
+                    a1 = _pool_values(a1, p, alpha, pool_ptr, pscale_ptr, pb, valid, 1, FP8)
+                if NC >= 4:
+                    a2 = _pool_values(a2, p, alpha, pool_ptr, pscale_ptr, pb, valid, 2, FP8)
+                    a3 = _pool_values(a3, p, alpha, pool_ptr, pscale_ptr, pb, valid, 3, FP8)
+                m = m_new
             else:
                 # Scales fold into the dots (record: x[d, t] = (code * cs[d] + zp[d]) * rs[t]):
                 #   score[t] = rs[t] * (cmax * ((q * cs / cmax) @ (code - C)) + q @ zpc) + rope
@@ -310,74 +492,85 @@ def _mla_decode_kernel(
                 # operands, fp32 accumulation; p relative to the block's max score and rs to
                 # its largest row scale, so both fp16 operands are normalized).
                 rb16 = rec16_ptr + base // 2
-                rs0 = tl.load(rb16 + RS_OFF // 2 + tok0, mask=tok0 < valid, other=0)
-                rp0 = tl.load(rb16 + ROPE_OFF // 2 + tok0[:, None] * 64 + r[None, :])
-                rs0 = rs0.to(tl.float16, bitcast=True).to(tl.float32)
-                rmax = tl.max(rs0, axis=0)
-                if NP >= 2:
-                    rs1 = tl.load(rb16 + RS_OFF // 2 + tok1, mask=tok1 < valid, other=0)
-                    rp1 = tl.load(rb16 + ROPE_OFF // 2 + tok1[:, None] * 64 + r[None, :])
-                    rs1 = rs1.to(tl.float16, bitcast=True).to(tl.float32)
-                    rmax = tl.maximum(rmax, tl.max(rs1, axis=0))
-                if NP >= 4:
-                    rs2 = tl.load(rb16 + RS_OFF // 2 + tok2, mask=tok2 < valid, other=0)
-                    rp2 = tl.load(rb16 + ROPE_OFF // 2 + tok2[:, None] * 64 + r[None, :])
-                    rs2 = rs2.to(tl.float16, bitcast=True).to(tl.float32)
-                    rs3 = tl.load(rb16 + RS_OFF // 2 + tok3, mask=tok3 < valid, other=0)
-                    rp3 = tl.load(rb16 + ROPE_OFF // 2 + tok3[:, None] * 64 + r[None, :])
-                    rs3 = rs3.to(tl.float16, bitcast=True).to(tl.float32)
-                    rmax = tl.maximum(rmax, tl.maximum(tl.max(rs2, axis=0), tl.max(rs3, axis=0)))
+                rs = tl.load(rb16 + RS_OFF // 2 + tokc, mask=tokc < valid, other=0)
+                rope = tl.load(rb16 + ROPE_OFF // 2 + tokc[:, None] * 64 + r[None, :])
+                rs = rs.to(tl.float16, bitcast=True).to(tl.float32)
+                rmax = tl.max(rs, axis=0)
                 rmax = tl.where(rmax > 0.0, rmax, 1.0)
-                cs = cs16.to(tl.float16, bitcast=True).to(tl.float32)
-                zpc = zp16.to(tl.float16, bitcast=True).to(tl.float32) + cs * CENTER
-                cmax = tl.max(tl.abs(cs), axis=0)
+                cmax = tl.max(tl.abs(_chunk_scale(rec16_ptr, base, CS_OFF, 0, 512)), axis=0)
                 cmax = tl.where(cmax > 0.0, cmax, 1.0)
-                qs = (q * (cs / cmax)[None, :]).to(tl.float16)
-                qz = tl.sum(q * zpc[None, :], axis=1)
-                if FAST:
-                    c0 = words_to_codes_f16(words, 0, BITS, CENTER, ASM)
-                else:
-                    c0 = window_codes_f16(rec32_ptr + base // 4 + d * 2 * BITS, c, BITS, CENTER)
-                s0 = _phase_scores(qs, cmax, qz, qr, c0, rs0, rp0, tok0, valid, sm_scale)
-                m_blk = tl.max(s0, axis=1)
-                if NP >= 2:
-                    c1 = words_to_codes_f16(words, BITS, BITS, CENTER, ASM)
-                    s1 = _phase_scores(qs, cmax, qz, qr, c1, rs1, rp1, tok1, valid, sm_scale)
-                    m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
-                if NP >= 4:
-                    c2 = words_to_codes_f16(words, 2 * BITS, BITS, CENTER, ASM)
-                    s2 = _phase_scores(qs, cmax, qz, qr, c2, rs2, rp2, tok2, valid, sm_scale)
-                    c3 = words_to_codes_f16(words, 3 * BITS, BITS, CENTER, ASM)
-                    s3 = _phase_scores(qs, cmax, qz, qr, c3, rs3, rp3, tok3, valid, sm_scale)
-                    m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
-                # valid >= 1 token: m_blk is finite
+                # pass 1: scores, summed over the chunks
+                sa = tl.zeros([BLOCK_H, 64], tl.float32)
+                qz = tl.zeros([BLOCK_H], tl.float32)
+                sa, qz = _chunk_scores(
+                    sa, qz, cmax, q0, w0, rec16_ptr, rec32_ptr, base, 0, BITS, CS_OFF, ZP_OFF,
+                    FAST, ASM,
+                )  # fmt: skip
+                if NC >= 2:
+                    sa, qz = _chunk_scores(
+                        sa, qz, cmax, q1, w1, rec16_ptr, rec32_ptr, base, 1, BITS, CS_OFF,
+                        ZP_OFF, FAST, ASM,
+                    )  # fmt: skip
+                if NC >= 4:
+                    sa, qz = _chunk_scores(
+                        sa, qz, cmax, q2, w2, rec16_ptr, rec32_ptr, base, 2, BITS, CS_OFF,
+                        ZP_OFF, FAST, ASM,
+                    )  # fmt: skip
+                    sa, qz = _chunk_scores(
+                        sa, qz, cmax, q3, w3, rec16_ptr, rec32_ptr, base, 3, BITS, CS_OFF,
+                        ZP_OFF, FAST, ASM,
+                    )  # fmt: skip
+                s = (sa * cmax + qz[:, None]) * rs[None, :]
+                s = s + tl.dot(qr, tl.trans(bf16_bits_to_f32(rope)))
+                s = tl.where(tokc[None, :] < valid, s * sm_scale, float("-inf"))
+                # valid >= 1 token: m_blk is finite. Block-relative weights p = exp(s - m_blk)
+                # (<= 1); fp16 value weights pw = p * rs / rmax.
+                m_blk = tl.max(s, axis=1)
                 m_new = tl.maximum(m, m_blk)
                 alpha = tl.exp(m - m_new)
                 beta = tl.exp(m_blk - m_new)
-                va = tl.zeros([BLOCK_H, 512], tl.float32)
-                pl = tl.zeros([BLOCK_H], tl.float32)
-                pz = tl.zeros([BLOCK_H], tl.float32)
-                va, pl, pz = _phase_values(s0, m_blk, rs0 / rmax, c0, va, pl, pz)
-                if NP >= 2:
-                    va, pl, pz = _phase_values(s1, m_blk, rs1 / rmax, c1, va, pl, pz)
-                if NP >= 4:
-                    va, pl, pz = _phase_values(s2, m_blk, rs2 / rmax, c2, va, pl, pz)
-                    va, pl, pz = _phase_values(s3, m_blk, rs3 / rmax, c3, va, pl, pz)
-                l = l * alpha + beta * pl
-                acc = acc * alpha[:, None] + (beta * rmax)[:, None] * (
-                    va * cs[None, :] + pz[:, None] * zpc[None, :]
-                )
+                p = tl.exp(s - m_blk[:, None])
+                pw = (p * (rs / rmax)[None, :]).to(tl.float16)
+                pz = tl.sum(pw.to(tl.float32), axis=1)
+                l = l * alpha + beta * tl.sum(p, axis=1)
+                ws = beta * rmax
+                # pass 2: values, chunk by chunk
+                a0 = _chunk_values(
+                    a0, pw, pz, alpha, ws, rec16_ptr, rec32_ptr, base, 0, BITS, W, CS_OFF,
+                    ZP_OFF, FAST, ASM,
+                )  # fmt: skip
+                if NC >= 2:
+                    a1 = _chunk_values(
+                        a1, pw, pz, alpha, ws, rec16_ptr, rec32_ptr, base, 1, BITS, W, CS_OFF,
+                        ZP_OFF, FAST, ASM,
+                    )  # fmt: skip
+                if NC >= 4:
+                    a2 = _chunk_values(
+                        a2, pw, pz, alpha, ws, rec16_ptr, rec32_ptr, base, 2, BITS, W, CS_OFF,
+                        ZP_OFF, FAST, ASM,
+                    )  # fmt: skip
+                    a3 = _chunk_values(
+                        a3, pw, pz, alpha, ws, rec16_ptr, rec32_ptr, base, 3, BITS, W, CS_OFF,
+                        ZP_OFF, FAST, ASM,
+                    )  # fmt: skip
                 m = m_new
             blk_n = blk_nn
             pb = pb_n
             base = base_n
             if FAST:
-                words = words_n
-            cs16 = cs16_n
-            zp16 = zp16_n
+                w0 = w0_n
+            if NC >= 2 and FAST:
+                w1 = w1_n
+            if NC >= 4 and FAST:
+                w2 = w2_n
+                w3 = w3_n
+        _store_chunk(po_ptr, prow, hok, a0, l, 0)
+        if NC >= 2:
+            _store_chunk(po_ptr, prow, hok, a1, l, 1)
+        if NC >= 4:
+            _store_chunk(po_ptr, prow, hok, a2, l, 2)
+            _store_chunk(po_ptr, prow, hok, a3, l, 3)
     lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), float("-inf"))
-    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
-    tl.store(po_ptr + prow[:, None] * 512 + d[None, :], out, mask=hok[:, None])
     tl.store(plse_ptr + prow, lse, mask=hok)
 
 
@@ -487,6 +680,7 @@ def _decode_op(
         MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
         FP8=fp8,
         ASM=not INTERPRET,
+        NC=512 // CHUNK,
         num_warps=NUM_WARPS,
         maxnreg=MAXNREG,
         **offs,
@@ -558,6 +752,8 @@ def mla_decode(
         indices,
     )
     check_device(q)
+    if CHUNK not in (128, 256, 512):
+        raise ValueError(f"CHUNK: must be 128, 256 or 512 latent channels, got {CHUNK}")
     torch.ops.kvarn.mla_decode(
         q,
         packed,
