@@ -13,6 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 import kvarn_ops
+from cubin_info import cubin_resources
 
 _DECODE_PY = Path(kvarn_ops.__file__).parent / "kernels" / "decode.py"
 
@@ -75,6 +76,19 @@ CASES = [
     ("kvarn_k2v2_g128", 512, 1, 1, "float16", "float16"),
 ]
 TARGETS = [GPUTarget("cuda", 90, 32), GPUTarget("cuda", 120, 32)]
+#: Case -> stack frame (spill) bytes allowed: the larger of sm_90a and sm_120a measured offline
+#: with aligned pointers, rounded up to 64 B. The benchmark target (k4v2 g64 d128 GQA 4 T 1) and
+#: the other cases not listed compile without spilling; the listed ones spill a little (T 8 with
+#: an fp8 pool, the generic widths, d64 GQA 3) or more (d512: 1.1-1.6 KB).
+SPILL_ALLOWANCE = {
+    ("kvarn_k4v2_g64", 128, 4, 8, "float8_e4m3fn", "bfloat16"): 512,
+    ("kvarn_k2v2_g64", 128, 1, 1, "bfloat16", "bfloat16"): 64,
+    ("kvarn_k4v2_g64", 64, 3, 1, "bfloat16", "bfloat16"): 64,
+    ("kvarn_k5v5_g64", 128, 4, 1, "bfloat16", "bfloat16"): 256,
+    ("kvarn_k3v6_g64", 64, 4, 2, "float8_e4m3fn", "float16"): 128,
+    ("kvarn_k4v2_g64", 512, 8, 1, "bfloat16", "bfloat16"): 1152,
+    ("kvarn_k2v2_g128", 512, 1, 1, "float16", "float16"): 1600,
+}
 
 
 def _split_source(fmt, d, gqa, t, pool, qdt, kv_rows=None):
@@ -91,8 +105,14 @@ def _split_source(fmt, d, gqa, t, pool, qdt, kv_rows=None):
             sig[name] = "*fp32" if pool == "float8_e4m3fn" else POOL[pool]
         else:
             sig[name] = SPLIT_PTRS[name]
+    # 16-byte aligned pointers, as the JIT specializes torch tensors.
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(KD._decode_split_kernel.arg_names)
+        if sig[name].startswith("*")
+    }
     return triton.compiler.ASTSource(
-        fn=KD._decode_split_kernel, signature=sig, constexprs=consts
+        fn=KD._decode_split_kernel, signature=sig, constexprs=consts, attrs=attrs
     ), opts
 
 
@@ -102,10 +122,10 @@ def test_split_kernel_compiles(case, target):
     src, opts = _split_source(*case)
     k = triton.compile(src, target=target, options=opts)
     assert "ptx" in k.asm
-    n_regs = getattr(k, "n_regs", None)
-    spills = getattr(k, "n_spills", 0) or 0
-    if n_regs is not None:
-        assert spills == 0, f"{case}: {spills} register spills"
+    regs, frame = cubin_resources(k.asm["cubin"])
+    print(f"{case} sm{target.arch}: {regs} registers, {frame} B stack frame")
+    assert 0 < regs <= 255
+    assert frame <= SPILL_ALLOWANCE.get(case, 0), f"{case}: {frame} B of spills"
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")

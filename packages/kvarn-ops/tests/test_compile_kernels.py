@@ -17,7 +17,6 @@ JITFunctions even when the interpreter tests run in the same process.
 from __future__ import annotations
 
 import os
-import struct
 import sys
 import types
 from pathlib import Path
@@ -29,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 
 import kvarn_formats as kf
 import kvarn_ops
+from cubin_info import cubin_resources
 
 _KERNELS = Path(kvarn_ops.__file__).parent / "kernels"
 TARGETS = [GPUTarget("cuda", 90, 32), GPUTarget("cuda", 120, 32)]
@@ -75,15 +75,34 @@ def _cases(cases: list, default: int) -> list:
     return cases if ALL else cases[:default]
 
 
+#: Stack frame bytes (spills) measured offline with aligned pointers, rounded up, where it is
+#: not zero: fp32 inputs (the 3-pass tf32 rotation) and store at D 512 (sm_90a). Every other
+#: case, the bf16/fp16 paths models run included, must compile without spilling.
+SPILL_ALLOWANCE = {
+    ("rotate", 128, "float32"): 832,
+    ("rotate", 512, "float32"): 192,
+    ("store", 512, "bfloat16"): 384,
+    ("store", 64, "float32"): 704,
+}
+
+
 def _compile(fn, types_by_name: dict, consts: dict, target, num_warps: int):
     sig = {}
     for name in fn.arg_names:
         sig[name] = "constexpr" if name in consts else types_by_name[name]
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    # 16-byte aligned pointers, as the JIT specializes every torch tensor argument: without
+    # the hint the address arithmetic differs from what runs on a GPU (and spills more).
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig[name].startswith("*")
+    }
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=target, options=dict(num_warps=num_warps))
     assert "ptx" in k.asm
-    spills = getattr(k, "n_spills", 0) or 0
-    return k, spills
+    # The stack frame read from the cubin: offline, ``k.n_spills`` does not exist (it is set
+    # when a kernel is loaded on a GPU), so it would always read 0.
+    return k, cubin_resources(k.asm["cubin"])[1]
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
@@ -110,7 +129,7 @@ def test_rotate_compiles(d, x, out, target):
         target,
         4,
     )
-    assert spills == 0
+    assert spills <= SPILL_ALLOWANCE.get(("rotate", d, x), 0), spills
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
@@ -153,7 +172,7 @@ def test_store_compiles(d, src, pool, target):
         "num_slots": "i64",
     }
     _, spills = _compile(mod._store_kernel, types_, consts, target, mod.warps_per_program(d))
-    assert spills == 0
+    assert spills <= SPILL_ALLOWANCE.get(("store", d, src), 0), spills
 
 
 FLUSH_CASES = [
@@ -199,41 +218,12 @@ def test_flush_compiles(case, target):
         "num_blocks": "i32",
     }
     k, _ = _compile(mod._flush_kernel, types_, consts, target, mod.warps_for(d, lay.block_size))
-    regs, frame = _cubin_resources(k.asm["cubin"])
+    regs, frame = cubin_resources(k.asm["cubin"])
     print(
         f"flush {case} sm{target.arch}: {regs} registers, {frame} B stack frame (spills), "
         f"{k.metadata.shared} B shared memory"
     )
     assert 0 < regs <= 255
-
-
-def _cubin_resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, stack frame bytes) of the kernel in a cubin, read from its ``.nv.info``
-    attributes (EIATTR_REGCOUNT 0x2f, EIATTR_FRAME_SIZE 0x11): offline, the compiled kernel's
-    ``n_regs``/``n_spills`` exist only once loaded on a GPU. A nonzero frame here is spill space
-    (these kernels have no local arrays or calls)."""
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    headers = [
-        struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)
-    ]
-    names = headers[shstrndx][4]
-    found = {}
-    for h in headers:
-        name = cubin[names + h[0] : cubin.index(b"\0", names + h[0])]
-        if name != b".nv.info":
-            continue
-        data = cubin[h[4] : h[4] + h[5]]
-        pos = 0
-        while pos + 4 <= len(data):
-            fmt, attr, size = struct.unpack_from("<BBH", data, pos)
-            if fmt != 0x04:  # attributes without a payload
-                pos += 4
-                continue
-            if attr in (0x2F, 0x11) and size == 8:
-                found[attr] = struct.unpack_from("<II", data, pos + 4)[1]
-            pos += 4 + size
-    return found.get(0x2F, 0), found.get(0x11, 0)
 
 
 MATERIALIZE_CASES = [
