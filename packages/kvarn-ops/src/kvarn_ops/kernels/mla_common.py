@@ -19,6 +19,7 @@ __all__ = [
     "bf16_bits_to_f32",
     "field_offsets",
     "load_tokens",
+    "pair_codes_f16",
     "phase_token",
     "pool_round",
     "token_mask_rows",
@@ -207,6 +208,70 @@ def words_to_codes_f16(
         x = tl.join(tl.join(b0, b1), tl.join(b2, b3))
         x = tl.reshape(x, [M, 4 * W]).to(tl.int16).to(tl.float16, bitcast=True)
         return x - (1024.0 + CENTER)
+
+
+@triton.jit
+def pair_codes_f16(
+    lo, hi, SH: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr
+):
+    """Centered codes ``code - CENTER`` (exact fp16) of the two ``BITS``-bit fields of the
+    32-bit window at bit ``SH`` of the int32 word pairs ``(lo, hi)`` (same-shape tiles; ``hi``
+    is the word after ``lo``, read only when the window straddles them; ``SH < 0`` shifts
+    ``lo`` left): field ``A`` at window bit ``P`` and field ``B = A + 4`` (4 codes later) at
+    window bit ``16 + Q``, with ``(P, Q) = (0, 4)`` for 5 bits and ``(4, 0)`` for 3 bits.
+
+    One 32-bit logic op masks both fields into the mantissas of two fp16 ``1024.0`` (0x6400),
+    i.e. ``1024 + code * 2^P`` and ``1024 + code * 2^Q``; one packed fp16 fma by
+    ``2^-P | 2^-Q`` less ``1024 * 2^-P + CENTER | 1024 * 2^-Q + CENTER`` leaves the centered
+    codes (exact: powers of two times small integers). ``ASM``: inline PTX (GPU); the plain
+    twin (interpreter) gives the same bits."""
+    P: tl.constexpr = 4 if BITS == 3 else 0
+    Q: tl.constexpr = 4 * BITS - 16 + P
+    mask: tl.constexpr = (1 << BITS) - 1
+    if ASM:
+        m2: tl.constexpr = (mask << P) | (mask << (16 + Q))
+        sc_lo: tl.constexpr = 0x3C00 - (P << 10)  # fp16 2^-P
+        sc_hi: tl.constexpr = 0x3C00 - (Q << 10)
+        # fp16 bits of -(1024 * 2^-P + CENTER) and -(1024 * 2^-Q + CENTER): exact integers
+        # below 2048, so the mantissa is the integer's bits below its leading one.
+        n_lo: tl.constexpr = (1024 >> P) + CENTER
+        n_hi: tl.constexpr = (1024 >> Q) + CENTER
+        e_lo: tl.constexpr = n_lo.bit_length() - 1
+        e_hi: tl.constexpr = n_hi.bit_length() - 1
+        b_lo: tl.constexpr = 0x8000 | ((e_lo + 15) << 10) | ((n_lo << (10 - e_lo)) & 0x3FF)
+        b_hi: tl.constexpr = 0x8000 | ((e_hi + 15) << 10) | ((n_hi << (10 - e_hi)) & 0x3FF)
+        if SH < 0:
+            win: tl.constexpr = f"shl.b32 $2, $5, {-SH}; "
+        elif SH == 0:
+            win: tl.constexpr = "mov.b32 $2, $5; "
+        elif SH + 16 + Q + BITS <= 32:
+            win: tl.constexpr = f"shr.u32 $2, $5, {SH}; "
+        else:
+            win: tl.constexpr = f"shf.r.clamp.b32 $2, $5, $6, {SH}; "
+        a, b, _t, _s, _b = tl.inline_asm_elementwise(
+            asm=win + f"lop3.b32 $2, $2, {m2}, 1677747200, 0xea; "
+            f"mov.b32 $3, {sc_lo | (sc_hi << 16)}; mov.b32 $4, {b_lo | (b_hi << 16)}; "
+            "fma.rn.f16x2 $2, $2, $3, $4; mov.b32 {$0, $1}, $2;",
+            constraints="=h,=h,=r,=r,=r,r,r",
+            args=[lo, hi],
+            dtype=(tl.float16, tl.float16, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        return a, b
+    else:
+        ulo = lo.to(tl.uint32, bitcast=True)
+        if SH < 0:
+            v = ulo << (-SH)
+        elif SH == 0:
+            v = ulo
+        else:
+            v = (ulo >> SH) | (hi.to(tl.uint32, bitcast=True) << (32 - SH))
+        a = ((v >> P) & mask) | 0x6400
+        b = ((v >> (16 + Q)) & mask) | 0x6400
+        a = a.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + CENTER)
+        b = b.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + CENTER)
+        return a, b
 
 
 @triton.jit

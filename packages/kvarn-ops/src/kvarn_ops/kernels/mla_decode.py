@@ -38,9 +38,12 @@ tiles ``[CHUNK, 8 * b]``, joined column by column into one ``[CHUNK, 64]`` tile 
 by masking two fields per 32-bit op into the mantissas of fp16 1024.0 and one packed fp16
 subtraction (``mla_common.words_to_codes_f16``; inline PTX on the GPU, a plain twin in the
 interpreter); a tile's columns are tokens in ``_column_token`` order, and row scales and RoPE
-rows are loaded in that order. Other widths (3, 5, 6, 7) read each code's two-word window
-(``window_codes_f16``). The 16-bit operands are the only roundings besides fp32 arithmetic
-(tests: ``fp16_operand_decode``).
+rows are loaded in that order. Widths 3 and 5 load a chunk's ``b`` words of each 32-code
+half-row once (tiles ``[2, CH]``, one per word index) and take codes ``i`` and ``i + 4`` of a
+half from one fixed 32-bit window per op (``mla_common.pair_codes_f16``: shift or funnel
+shift, one mask op, one packed fp16 fma), tokens in ``_pair_token`` order. Other widths (6, 7)
+read each code's two-word window (``window_codes_f16``). The 16-bit operands are the only
+roundings besides fp32 arithmetic (tests: ``fp16_operand_decode``).
 
 Sparse (``indices``): each split walks its share of the selected entries 16 at a time,
 gathering each token from its pool block or record (``mla_common.load_tokens``), fp32 dots.
@@ -66,6 +69,7 @@ from kvarn_ops.kernels.mla_common import (
     bf16_bits_to_f32,
     field_offsets,
     load_tokens,
+    pair_codes_f16,
     phase_token,
     pool_views,
     window_codes_f16,
@@ -191,6 +195,96 @@ def _column_token(t, NP: tl.constexpr):
 
 
 @triton.jit
+def _pair_token(c):
+    """Token held by column ``c`` of a chunk tile of :func:`_chunk_codes` (PAIR widths): half
+    ``c >> 5`` of the row, code ``8 * g + 4 * h + r`` of that half for ``g = c & 3``, ``r =
+    (c >> 2) & 3``, ``h = (c >> 4) & 1`` (the join order of :func:`_pair_codes`)."""
+    return (c >> 5) * 32 + (c & 3) * 8 + ((c >> 4) & 1) * 4 + ((c >> 2) & 3)
+
+
+@triton.jit
+def _word(w0, w1, w2, w3, w4, K: tl.constexpr):
+    if K == 0:
+        x = w0
+    elif K == 1:
+        x = w1
+    elif K == 2:
+        x = w2
+    elif K == 3:
+        x = w3
+    else:
+        x = w4
+    return x
+
+
+@triton.jit
+def _pair(w0, w1, w2, w3, w4, I: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Codes ``I`` and ``I + 4`` of each half-row (word tiles ``w0..w4 [2, CH]``: word ``k``
+    of half ``j`` in row ``j``) joined: ``[2, CH, 2]``."""
+    P: tl.constexpr = 4 if BITS == 3 else 0
+    START: tl.constexpr = BITS * I - P  # window start, bits into the half-row
+    K: tl.constexpr = START // 32 if START > 0 else 0
+    SH: tl.constexpr = START - 32 * K
+    END: tl.constexpr = BITS * (I + 5)  # first bit after code I + 4, into the half-row
+    tl.static_assert(END <= 32 * BITS, "a pair must stay inside its half-row")
+    lo = _word(w0, w1, w2, w3, w4, K)
+    if END > 32 * (K + 1):
+        hi = _word(w0, w1, w2, w3, w4, K + 1)
+    else:
+        hi = lo
+    a, b = pair_codes_f16(lo, hi, SH, BITS, 1 << (BITS - 1), ASM)
+    return tl.join(a, b)
+
+
+@triton.jit
+def _pair_group(w0, w1, w2, w3, w4, G: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Codes ``8 * G .. 8 * G + 7`` of each half-row, ``[2, CH, 2, 2, 2]`` (``4 * h + r``)."""
+    t0 = _pair(w0, w1, w2, w3, w4, 8 * G, BITS, ASM)
+    t1 = _pair(w0, w1, w2, w3, w4, 8 * G + 1, BITS, ASM)
+    t2 = _pair(w0, w1, w2, w3, w4, 8 * G + 2, BITS, ASM)
+    t3 = _pair(w0, w1, w2, w3, w4, 8 * G + 3, BITS, ASM)
+    return tl.join(tl.join(t0, t2), tl.join(t1, t3))
+
+
+@triton.jit
+def _pair_codes(
+    rec32_ptr,
+    base,
+    C: tl.constexpr,
+    CH: tl.constexpr,
+    BITS: tl.constexpr,
+    ASM: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """Centered fp16 codes ``[CH, 64]`` of one chunk for 3 or 5 bits (PAIR widths): the
+    ``BITS`` words of each half-row (32 codes, ``32 * BITS`` bits) are loaded once as tiles
+    ``[2, CH]`` (one per word index), and every 32-bit op of
+    :func:`pair_codes_f16` yields codes ``i`` and ``i + 4`` of a half from a fixed window
+    (constexpr word, shift and straddle per ``i``); tokens named by :func:`_pair_token`.
+    The halves run along dim 0 of the word tiles and are permuted to the columns at the end:
+    the tile then has the register layout of the FAST widths (32 columns per thread) and is
+    stored to shared memory with 16-byte stores (scalar 2-byte stores with the halves along
+    dim 1)."""
+    d = C * CH + tl.arange(0, CH)
+    ptr = rec32_ptr + base // 4 + d[None, :] * (2 * BITS) + tl.arange(0, 2)[:, None] * BITS
+    w0 = tl.load(ptr, eviction_policy=EVICT)
+    w1 = tl.load(ptr + 1, eviction_policy=EVICT)
+    w2 = tl.load(ptr + 2, eviction_policy=EVICT)
+    if BITS == 5:
+        w3 = tl.load(ptr + 3, eviction_policy=EVICT)
+        w4 = tl.load(ptr + 4, eviction_policy=EVICT)
+    else:
+        w3 = w2
+        w4 = w2
+    x0 = _pair_group(w0, w1, w2, w3, w4, 0, BITS, ASM)
+    x1 = _pair_group(w0, w1, w2, w3, w4, 1, BITS, ASM)
+    x2 = _pair_group(w0, w1, w2, w3, w4, 2, BITS, ASM)
+    x3 = _pair_group(w0, w1, w2, w3, w4, 3, BITS, ASM)
+    x = tl.join(tl.join(x0, x2), tl.join(x1, x3))
+    return tl.reshape(tl.permute(x, (1, 0, 2, 3, 4, 5, 6)), [CH, 64])
+
+
+@triton.jit
 def _chunk_codes(
     w,
     rec32_ptr,
@@ -204,6 +298,7 @@ def _chunk_codes(
 ):
     """Centered fp16 codes ``[CH, 64]`` of one chunk. FAST: the phase tiles of the word tile
     ``w`` joined column by column (register-local), tokens named by :func:`_column_token`;
+    3 and 5 bits: :func:`_pair_codes` (loads its words), tokens named by :func:`_pair_token`;
     other widths: read through the two-word windows, tokens in order."""
     CENTER: tl.constexpr = 1 << (BITS - 1)
     if FAST:
@@ -219,6 +314,8 @@ def _chunk_codes(
                 x = tl.join(x, x1)
             x = tl.reshape(x, [CH, 64])
         return x
+    elif BITS == 3 or BITS == 5:
+        return _pair_codes(rec32_ptr, base, C, CH, BITS, ASM, EVICT)
     else:
         d = C * CH + tl.arange(0, CH)
         row32 = rec32_ptr + base // 4 + d * 2 * BITS
@@ -398,10 +495,11 @@ def _mla_decode_kernel(
         # Whole blocks, the 512 latent channels in NC chunks of CH. Widths dividing 8 (FAST)
         # load a chunk's codes as int32 words [CH, W] and unpack them by phase (the field at
         # bit e * BITS of every byte) into one tile [CH, 64] whose columns are the tokens
-        # tokc; other widths read each code's two-word window (window_codes_f16), tokens in
-        # order. Pass 1 sums the scores over the chunks; pass 2 reads each chunk's words
-        # again (cache hits) for the value dot, so no unpacked tile stays live across the
-        # softmax.
+        # tokc; widths 3 and 5 load each half-row's words once and unpack two codes per op
+        # (_pair_codes, columns tokc); other widths read each code's two-word window
+        # (window_codes_f16), tokens in order. Pass 1 sums the scores over the chunks; pass 2
+        # reads each chunk's words again (cache hits) for the value dot, so no unpacked tile
+        # stays live across the softmax.
         FAST: tl.constexpr = (8 % BITS) == 0
         NP: tl.constexpr = 8 // BITS if FAST else 1
         W: tl.constexpr = 2 * BITS if FAST else 1
@@ -409,6 +507,8 @@ def _mla_decode_kernel(
         tok = tl.arange(0, 64)
         if FAST:
             tokc = _column_token(tok, NP)  # token of each column of a chunk's code tile
+        elif BITS == 3 or BITS == 5:
+            tokc = _pair_token(tok)
         else:
             tokc = tok
         q0 = _load_q(qrot_ptr, qrow, hok, 0, CH)
