@@ -243,11 +243,11 @@ def pair_codes_f16(
         if SH < 0:
             win: tl.constexpr = f"shl.b32 $2, $5, {-SH}; "
         elif SH == 0:
-            win: tl.constexpr = "mov.b32 $2, $5; "
+            win: tl.constexpr = "mov.b32 $2, $5; "  # type: ignore[no-redef]
         elif SH + 16 + Q + BITS <= 32:
-            win: tl.constexpr = f"shr.u32 $2, $5, {SH}; "
+            win: tl.constexpr = f"shr.u32 $2, $5, {SH}; "  # type: ignore[no-redef]
         else:
-            win: tl.constexpr = f"shf.r.clamp.b32 $2, $5, $6, {SH}; "
+            win: tl.constexpr = f"shf.r.clamp.b32 $2, $5, $6, {SH}; "  # type: ignore[no-redef]
         a, b, _t, _s, _b = tl.inline_asm_elementwise(
             asm=win + f"lop3.b32 $2, $2, {m2}, 1677747200, 0xea; "
             f"mov.b32 $3, {sc_lo | (sc_hi << 16)}; mov.b32 $4, {b_lo | (b_hi << 16)}; "
