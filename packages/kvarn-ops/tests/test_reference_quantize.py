@@ -215,14 +215,18 @@ def test_fp16_scales_stay_normal(gen, magnitude, bits, config):
     x = rotated_tiles(gen, 8, 128, 64)
     x = x / x.abs().amax(dim=(1, 2), keepdim=True) * magnitude
     q = ref.quantize_tiles(x, bits, config)
-    # The refit's zero point (mean minus step times mean code) can be far below the step, so
-    # subnormal (quantize.py step 6): only RTN's zero point (the row minimum) is bounded.
-    fields = [q.row_scale, q.col_scale] + ([q.zero_point] if config is RTN else [])
-    for t in fields:
+    for t in (q.row_scale, q.col_scale):
         vals = t.float().abs()
         assert torch.isfinite(vals).all()
         assert (vals[vals != 0] >= FP16_TINY).all(), float(vals[vals != 0].min())
-    assert torch.isfinite(q.zero_point.float()).all()
+    # A zero point far below its row's step can be subnormal (quantize.py step 6; the rebalance
+    # bounds the row scales): RTN's when the row minimum is near zero (seen at 1e-4, seed
+    # 3910923123: 5.3e-5), the refit's (mean minus step times mean code) more often. Subnormal
+    # only below the step.
+    z = q.zero_point.float().abs()
+    assert torch.isfinite(z).all()
+    sub = (z != 0) & (z < FP16_TINY)
+    assert (q.row_scale.float().abs()[sub] > z[sub]).all()
     assert (q.col_scale.float() > 0).all()
     if config is RTN:
         assert_within_bound(q, x)
