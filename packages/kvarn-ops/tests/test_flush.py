@@ -13,6 +13,9 @@ What must hold, and why:
 - decoded tile: rms error vs the input <= 1.02 x the reference's (ERR_RATIO) + 1e-6 x max abs:
   same quantizer; a 1-LSB code flip moves the error by well under 2%.
 - records not in dst_blocks: untouched (poison 0xAB kept).
+- special tiles (a lone 1e4 element, constant rows and channels): error ratio 1.25 plus the
+  rms change one fp16 ulp on every scale field can make: there the fields, not the codes,
+  limit the decoded error, and the kernel's fp32 moments may round a field the other way.
 - rounding="unbiased_clip" (K and V, or V only): the same checks against the reference under
   the same config; the candidate search needs no wider bound. Measured over 15 seeds (2 blocks,
   2 KV heads) of each of k4v2 g64 D128 bf16, k2v2 g64 D128 fp8, k3v5 g32 fp8 and k7v6 g32
@@ -128,9 +131,36 @@ def _fill_pool(gen, p, g, hkv, d, dtype):
     return ek, ev, ks, vs
 
 
-def _compare(packed, packed_ref, dst, layout, pool_tiles, err_ratio=ERR_RATIO):
+def _fp16_ulp(f: torch.Tensor) -> torch.Tensor:
+    """The fp16 spacing at each |f| (float64): the step above, or below at the largest finite."""
+    a = f.abs()
+    up = torch.nextafter(a, torch.full_like(a, float("inf")))
+    down = torch.nextafter(a, torch.zeros_like(a))
+    return torch.where(up.isfinite(), up.double() - a.double(), a.double() - down.double())
+
+
+def _field_ulp_slack(fields: dict, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element of the decoded (K, V) tiles, float64: the most that moving every fp16 scale
+    and zero-point field by one of its ulps can change it (first order, summed over fields;
+    the decode is bilinear, so the second-order rest is below 2**-10 of this)."""
+    base = (ref.dequantize_k(fields, torch.float64), ref.dequantize_v(fields, torch.float64))
+    slack = [torch.zeros_like(t) for t in base]
+    for name, val in fields.items():
+        if val.dtype != torch.float16:
+            continue
+        moved = dict(fields)
+        moved[name] = (val.double() + _fp16_ulp(val)).to(torch.float64)
+        dec = (ref.dequantize_k(moved, torch.float64), ref.dequantize_v(moved, torch.float64))
+        for s, got, want in zip(slack, dec, base, strict=True):
+            s += (got - want).abs()
+    return slack[0] * (1 + 2.0**-10), slack[1] * (1 + 2.0**-10)
+
+
+def _compare(packed, packed_ref, dst, layout, pool_tiles, err_ratio=ERR_RATIO, ulp_slack=False):
     """Checks of the table above for records ``dst``; returns (code agreement, byte-identical
-    record fraction)."""
+    record fraction). ``ulp_slack``: the decoded error may also exceed ``err_ratio`` times the
+    reference's by what one fp16 ulp on every scale field can move it (rms over the tile); for
+    tiles whose weighted refit is ill-conditioned (see test_flush_special_tiles)."""
     r = layout.record_bytes
     written = torch.zeros(packed.shape[0], dtype=torch.bool)
     written[dst.long()] = True
@@ -150,17 +180,22 @@ def _compare(packed, packed_ref, dst, layout, pool_tiles, err_ratio=ERR_RATIO):
         total += diff.numel()
     agreement = same / total
     assert agreement >= CODE_AGREEMENT, f"code agreement {agreement:.5f}"
-    for got, want, x in zip(
+    slacks = _field_ulp_slack(fields_ref, layout) if ulp_slack else (None, None)
+    for got, want, x, slack in zip(
         ref.decode_records(recs, layout),
         ref.decode_records(recs_ref, layout),
         pool_tiles,
+        slacks,
         strict=True,
     ):
         x = x.reshape(-1, layout.block_size, layout.head_dim)
         err = ((got - x) ** 2).mean(dim=(1, 2)).sqrt()
         err_ref = ((want - x) ** 2).mean(dim=(1, 2)).sqrt()
         amax = x.abs().amax(dim=(1, 2))
-        assert bool((err <= err_ratio * err_ref + 1e-6 * amax).all()), (err / err_ref).tolist()
+        bound = err_ratio * err_ref + 1e-6 * amax
+        if slack is not None:
+            bound = bound + (slack**2).mean(dim=(1, 2)).sqrt().float()
+        assert bool((err <= bound).all()), (err / err_ref).tolist()
     identical = float((recs == recs_ref).all(dim=1).float().mean())
     return agreement, identical
 
@@ -447,8 +482,13 @@ def test_flush_special_tiles(config, gen):
     tiles = [ref.zero_nonfinite_tokens(t.float()).permute(0, 2, 1, 3) for t in (ek, ev)]
     # A tile with a constant channel and a constant token has many nearly tied iterates; the
     # kernel may keep another one than the reference (measured up to 1.15x the reference's
-    # error over 12 seeds; 1.09x and 1.15x in the two seeds over 1.02x).
-    _compare(packed, packed_ref, src, lay, tiles, err_ratio=1.25)
+    # error over 12 seeds; 1.09x and 1.15x in the two seeds over 1.02x). In the outlier tile
+    # one column carries almost all the error weight, so the unbiased refit's weighted moments
+    # of the other columns cancel and the kernel's fp16 row fields may land one ulp from the
+    # reference's; with row zero points in the thousands (normalized units) that ulp moves the
+    # decoded error itself (seed 757067747: 7 of 32 V zero points one ulp apart, codes
+    # identical, error 1.86x the reference's), hence the ulp slack.
+    _compare(packed, packed_ref, src, lay, tiles, err_ratio=1.25, ulp_slack=True)
 
 
 @pytest.mark.parametrize("config", list(EDGE_CONFIGS))
