@@ -6,15 +6,13 @@ bandwidth (read + write) measured in the same run. Targets (issue 4): flush >= 5
 bandwidth counted on its bf16 input bytes, store and materialize >= 60%.
 
     python benchmarks/bench_kernels.py --out results/kernels.json [--head-dim 128]
-        [--format kvarn_k4v2_g64] [--kv-heads 8] [--quick] [--sweep]
+        [--format kvarn_k4v2_g64] [--kv-heads 8] [--quick]
 
-``--sweep`` times the launch knobs instead (dense materialize: ``materialize.MATERIALIZE_WARPS``
-and ``materialize.CHUNK_VALUES``; MLA gathers: ``mla_gather.STAGE_TOKENS``, ``STAGE_WARPS``,
-``MATERIALIZE_TOKENS``, ``MATERIALIZE_WARPS``), MLA staging for random slots and for the same
-slots sorted (tokens of a block adjacent). The 512 codes of a staged token lie in 512 different
-dimension rows of ``8*b`` bytes (the record is dim-major), so one token touches ~512 32-byte
-sectors; the rows also report ``sector_bytes`` (each touched block's record read once, plus
-slots and outputs), the traffic floor when every block comes from DRAM once.
+The launch knobs of these kernels are swept by ``tune_launch.py``, through the benchmark
+functions here (``bench_mla_gather`` times MLA staging and materialize for random or sorted
+slots; it also reports ``sector_bytes``: the 512 codes of a staged token lie in 512 dimension
+rows of ``8*b`` bytes (the record is dim-major), so one token touches ~512 32-byte sectors,
+and each touched block's record read once, plus slots and outputs, is the traffic floor).
 
 Writes JSON (and a PNG bar chart when matplotlib is installed); prints a short table last.
 """
@@ -22,7 +20,6 @@ Writes JSON (and a PNG bar chart when matplotlib is installed); prints a short t
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
 import sys
@@ -37,9 +34,6 @@ import kvarn_formats as kf
 import kvarn_ops
 from kvarn_ops import kernels
 from kvarn_ops.kernels import mla_gather, mla_pack
-
-# The module, not the function kvarn_ops.kernels re-exports under the same name.
-dense_mat = importlib.import_module("kvarn_ops.kernels.materialize")
 
 TARGETS = {"rotate": None, "store": 0.60, "flush": 0.50, "materialize": 0.60}
 
@@ -207,65 +201,6 @@ def bench_mla_gather(bits: int, tokens: int, num_blocks: int, stage: bool, order
     )
 
 
-def sweep(args, bw: float) -> list:
-    """Time each launch knob setting; the knobs are restored afterwards."""
-    d, hkv, fmt = args.head_dim, args.kv_heads, args.format
-    rows = []
-    saved = {
-        "dense": (dense_mat.MATERIALIZE_WARPS, dense_mat.CHUNK_VALUES),
-        "mla": (
-            mla_gather.STAGE_TOKENS,
-            mla_gather.STAGE_WARPS,
-            mla_gather.MATERIALIZE_TOKENS,
-            mla_gather.MATERIALIZE_WARPS,
-        ),
-    }
-    try:
-        for warps in (4, 8):
-            for chunk in (8192, 4096):
-                dense_mat.MATERIALIZE_WARPS, dense_mat.CHUNK_VALUES = warps, chunk
-                r = bench_materialize(fmt, d, hkv, 16, 8192, torch.bfloat16)
-                r["knobs"] = dict(MATERIALIZE_WARPS=warps, CHUNK_VALUES=chunk)
-                rows.append(r)
-        dense_mat.MATERIALIZE_WARPS, dense_mat.CHUNK_VALUES = saved["dense"]
-        for order in ("random", "sorted"):
-            for tokens, warps in ((8, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)):
-                mla_gather.STAGE_TOKENS, mla_gather.STAGE_WARPS = tokens, warps
-                r = bench_mla_gather(4, 65536, 8192, True, order)
-                r["knobs"] = dict(STAGE_TOKENS=tokens, STAGE_WARPS=warps)
-                rows.append(r)
-            for tokens, warps in ((16, 4), (16, 8), (32, 8)):
-                mla_gather.MATERIALIZE_TOKENS, mla_gather.MATERIALIZE_WARPS = tokens, warps
-                r = bench_mla_gather(4, 65536, 8192, False, order)
-                r["knobs"] = dict(MATERIALIZE_TOKENS=tokens, MATERIALIZE_WARPS=warps)
-                rows.append(r)
-    finally:
-        dense_mat.MATERIALIZE_WARPS, dense_mat.CHUNK_VALUES = saved["dense"]
-        (
-            mla_gather.STAGE_TOKENS,
-            mla_gather.STAGE_WARPS,
-            mla_gather.MATERIALIZE_TOKENS,
-            mla_gather.MATERIALIZE_WARPS,
-        ) = saved["mla"]
-    for r in rows:
-        r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
-        r["fraction_of_copy"] = r["bytes"] / (r["ms"] * 1e-3) / bw
-        if "sector_bytes" in r:
-            r["sector_fraction_of_copy"] = r["sector_bytes"] / (r["ms"] * 1e-3) / bw
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
-    for r in rows:
-        extra = (
-            f" sectors {100 * r['sector_fraction_of_copy']:5.1f}%"
-            if "sector_fraction_of_copy" in r
-            else ""
-        )
-        print(
-            f"{r['op']:<16} {r['shape']:<40} {json.dumps(r['knobs']):<48} {r['ms']:8.3f} ms "
-            f"{100 * r['fraction_of_copy']:5.1f}%{extra}"
-        )
-    return rows
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON results path")
@@ -273,7 +208,6 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="smaller sizes, one pool dtype")
-    ap.add_argument("--sweep", action="store_true", help="time the launch knobs instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device; this benchmark needs a GPU", file=sys.stderr)
@@ -283,11 +217,6 @@ def main(argv=None) -> int:
     scale = 1 if args.quick else 4
     pools = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float8_e4m3fn]
     bw = copy_bandwidth()
-    if args.sweep:
-        rows = sweep(args, bw)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(copy_bandwidth_gbps=bw / 1e9, rows=rows), indent=2))
-        return 0
     rows = []
     rows.append(bench_rotate(d, 65536 * scale))
     for pdt in pools:

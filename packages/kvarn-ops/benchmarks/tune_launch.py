@@ -7,6 +7,10 @@ duration of one measurement, through the benchmark functions of ``bench_kernels.
 configuration per op is printed last; change the module's function to it by hand.
 
     python benchmarks/tune_launch.py --out results/tune.json [--ops store,materialize]
+
+Ops: store, store_fp8, materialize (dense), mla_stage_random, mla_stage_sorted (the staging
+rows also give ``sector_fraction_of_copy``, see ``bench_kernels.bench_mla_gather``),
+mla_materialize, mla_decode_b8, mla_decode_b64, mla_decode_h128.
 """
 
 from __future__ import annotations
@@ -52,6 +56,22 @@ SWEEPS = {
             "store.warps_per_program": [None, 8],
         },
     ),
+    "materialize": (
+        lambda: bench_kernels.bench_materialize("kvarn_k4v2_g64", 128, 8, 16, 8192, torch.bfloat16),
+        {"materialize.MATERIALIZE_WARPS": [None, 8], "materialize.CHUNK_VALUES": [None, 4096]},
+    ),
+    # MLA staging and materialize for random slots and for the same slots sorted by block.
+    **{
+        f"mla_stage_{order}": (
+            lambda order=order: bench_kernels.bench_mla_gather(4, 65536, 8192, True, order),
+            {"mla_gather.STAGE_TOKENS": [None, 16, 32, 64], "mla_gather.STAGE_WARPS": [None, 2, 8]},
+        )
+        for order in ("random", "sorted")
+    },
+    "mla_materialize": (
+        lambda: bench_kernels.bench_mla_gather(4, 65536, 8192, False, "random"),
+        {"mla_gather.MATERIALIZE_TOKENS": [None, 32], "mla_gather.MATERIALIZE_WARPS": [None, 8]},
+    ),
     "mla_decode_b8": (
         lambda: _mla_decode(4, 8, 16, 32768, 128),
         {"mla_decode.MAXNREG": [None, 128], "mla_decode.CTAS_PER_SM": [None, 4]},
@@ -87,6 +107,8 @@ def run_op(name: str, bw: float) -> list[dict]:
             r = call()
             r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
             r["fraction_of_copy"] = r["bytes"] / (r["ms"] * 1e-3) / bw
+            if "sector_bytes" in r:
+                r["sector_fraction_of_copy"] = r["sector_bytes"] / (r["ms"] * 1e-3) / bw
         except Exception as exc:  # a configuration that does not compile is a result too
             r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         finally:

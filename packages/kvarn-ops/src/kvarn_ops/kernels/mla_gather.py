@@ -46,9 +46,9 @@ __all__ = ["mla_materialize", "mla_remap_indices", "mla_stage_fp8"]
 STAGE_TOKENS = 8
 """Tokens per program of ``mla_stage_fp8`` (``BLOCK_T``; a power of two >= 1). A launch knob:
 read at every call, so a sweep can set it between calls. H200 sweep (65,536 k4 tokens of 8,192
-blocks, ``bench_kernels.py --sweep``): 8 tokens x 4 warps 0.243 ms for random slots (16 x 4:
-0.282, 64 x 8: 0.397) and 0.104 ms for sorted slots (16 x 4: 0.156), the best or within 2% of
-it in both orders."""
+blocks; ``benchmarks/tune_launch.py --ops mla_stage_random,mla_stage_sorted`` sweeps it now):
+8 tokens x 4 warps 0.243 ms for random slots (16 x 4: 0.282, 64 x 8: 0.397) and 0.104 ms for
+sorted slots (16 x 4: 0.156), the best or within 2% of it in both orders."""
 STAGE_WARPS = 4
 """``num_warps`` of ``mla_stage_fp8``."""
 MATERIALIZE_TOKENS = 16
