@@ -9,7 +9,8 @@ Bytes moved (R = record bytes, b = code bits):
 - stage: per token read ``64*b + 128 + 4`` (codes, RoPE, amortized scales ~ 2050/64) and 8 slot
   bytes, write 656.
 - decode: read ``B*L*R/64`` record bytes (+ pool tail rows), ``B*H*576*2`` query bytes, write
-  ``B*H*512*2``.
+  ``B*H*512*2``; sparse: the same with L = the selected tokens (a token's share of its
+  record; its scales are read once per token, so this undercounts the sectors touched).
 Targets (issue 5): staging and decode >= 70% of copy bandwidth.
 """
 
@@ -75,7 +76,9 @@ def bench_stage(bits, tokens, num_blocks):
     return ms, nbytes
 
 
-def bench_decode(bits, batch, heads, context, splits):
+def bench_decode(bits, batch, heads, context, splits, topk=None):
+    """Full-context decode, or with ``topk`` the sparse path over ``topk`` random distinct
+    positions per request (DeepSeek-V3.2's DSA selects 2048)."""
     blocks_per = -(-context // 64)
     layout, packed, pl, ps, pr = random_cache(bits, batch * blocks_per, 8, torch.bfloat16)
     bt = torch.arange(batch * blocks_per, device="cuda", dtype=torch.int32).view(batch, -1)
@@ -84,17 +87,28 @@ def bench_decode(bits, batch, heads, context, splits):
     q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
     ws = ref.mla_decode_workspace(batch, heads, splits, device="cuda")
+    idx = None
+    if topk is not None:
+        idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).to(
+            torch.int32
+        )
     ms = triton.testing.do_bench(
-        lambda: mla_decode.mla_decode(q, packed, bt, seq, bmap, pl, ps, pr, layout, 0.07, out, ws)
+        lambda: mla_decode.mla_decode(
+            q, packed, bt, seq, bmap, pl, ps, pr, layout, 0.07, out, ws, indices=idx
+        )
     )
-    nbytes = batch * context * layout.record_bytes // 64 + batch * heads * (576 + 512) * 2
+    tokens = context if topk is None else topk
+    nbytes = batch * tokens * layout.record_bytes // 64 + batch * heads * (576 + 512) * 2
     return ms, nbytes
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_mla.json")
+    ap.add_argument("--ops", default="pack,stage,decode,sparse", help="comma list")
+    ap.add_argument("--bits", default="4,5", help="code widths, comma list")
     args = ap.parse_args()
+    ops = set(args.ops.split(","))
     bw = copy_bandwidth()
     rows = []
 
@@ -111,15 +125,23 @@ def main() -> None:
             }
         )
 
-    for bits in (4, 5):
-        for dt in (torch.bfloat16, torch.float8_e4m3fn):
+    for bits in (int(b) for b in args.bits.split(",")):
+        for dt in (torch.bfloat16, torch.float8_e4m3fn) if "pack" in ops else ():
             record("pack", f"k{bits} N=2048 pool={str(dt)[6:]}", *bench_pack(bits, 2048, dt))
-        record("stage", f"k{bits} 65536 tokens", *bench_stage(bits, 65536, 8192))
-        for batch, heads, ctx in ((1, 16, 32768), (8, 16, 32768), (32, 128, 8192), (64, 16, 16384)):
+        if "stage" in ops:
+            record("stage", f"k{bits} 65536 tokens", *bench_stage(bits, 65536, 8192))
+        full = ((1, 16, 32768), (8, 16, 32768), (32, 128, 8192), (64, 16, 16384))
+        for batch, heads, ctx in full if "decode" in ops else ():
             record(
                 "decode",
                 f"k{bits} B={batch} H={heads} L={ctx}",
                 *bench_decode(bits, batch, heads, ctx, 32),
+            )
+        for batch, heads in ((8, 16), (64, 16), (32, 128)) if "sparse" in ops else ():
+            record(
+                "sparse",
+                f"k{bits} B={batch} H={heads} L=32768 top-2048",
+                *bench_decode(bits, batch, heads, 32768, 32, topk=2048),
             )
     result = {"device": torch.cuda.get_device_name(), "copy_bw_bytes_per_s": bw, "rows": rows}
     with open(args.out, "w") as f:

@@ -355,9 +355,18 @@ def fp16_operand_decode(q, packed, bt, seq, bmap, pool, layout, scale):
     return out
 
 
-@pytest.mark.parametrize("sparse,dtype,splits", [(False, BF16, 3), (True, FP8, 2), (False, FP8, 1)])
-def test_decode_matches_oracle(gen, sparse, dtype, splits):
-    layout = kf.mla_layout("kvarn_mla_k4_g64")
+@pytest.mark.parametrize(
+    "sparse,dtype,splits,bits",
+    [
+        (False, BF16, 3, 4),
+        (True, FP8, 2, 4),
+        (True, BF16, 1, 5),
+        (True, FP8, 3, 3),
+        (False, FP8, 1, 4),
+    ],
+)
+def test_decode_matches_oracle(gen, sparse, dtype, splits, bits):
+    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
     pool, _ = filled_pool(gen, 3, dtype)
     packed = torch.zeros(6, layout.record_bytes, dtype=torch.uint8)
     ref.mla_pack(
@@ -442,9 +451,11 @@ def test_decode_blocks_per_split(gen, bits, dtype, splits):
 
 @pytest.mark.parametrize("chunk", [256, 512])
 def test_decode_latent_chunk_knob(gen, monkeypatch, chunk):
-    """The full-context loop with fewer, wider latent chunks (CHUNK launch knob)."""
+    """The full-context loop and the sparse gather with fewer, wider latent chunks (CHUNK
+    launch knob)."""
     monkeypatch.setattr(kdec, "CHUNK", chunk)
     test_decode_blocks_per_split(gen, 4, BF16, 2)
+    test_decode_matches_oracle(gen, True, FP8, 2, 5)
 
 
 def test_decode_latent_chunk_knob_is_checked(monkeypatch):

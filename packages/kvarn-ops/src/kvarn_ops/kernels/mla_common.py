@@ -18,11 +18,13 @@ from kvarn_ops.kernels._common import round_to_bf16, round_to_e4m3
 __all__ = [
     "bf16_bits_to_f32",
     "field_offsets",
-    "load_tokens",
+    "latent_cols",
     "pair_codes_f16",
     "phase_token",
     "pool_round",
     "token_mask_rows",
+    "token_rope",
+    "token_sources",
     "window_codes_f16",
     "words_to_codes_f16",
 ]
@@ -65,32 +67,11 @@ def token_mask_rows(ok, N: tl.constexpr):
 
 
 @triton.jit
-def load_tokens(
-    slot,
-    ok,
-    rec_ptr,
-    rec16_ptr,
-    map_ptr,
-    pool_ptr,
-    pscale_ptr,
-    prope_ptr,
-    BLOCK_T: tl.constexpr,
-    BITS: tl.constexpr,
-    CS_OFF: tl.constexpr,
-    ZP_OFF: tl.constexpr,
-    RS_OFF: tl.constexpr,
-    ROPE_OFF: tl.constexpr,
-    REC: tl.constexpr,
-    FP8: tl.constexpr,
-):
-    """Latent (fp32 ``[BLOCK_T, 512]``, rotated frame) and RoPE bits (int16 ``[BLOCK_T, 64]``)
-    of the tokens at physical ``slot [BLOCK_T]`` (lanes with ``ok`` false return zeros).
-
-    A token comes from its block's exact-pool rows when ``block_pool_map`` maps the block, else
-    from the packed record: ``(code * col_scale[d] + zero_point[d]) * row_scale[t]`` (fp32; the
-    product code*col_scale is exact, so the result does not depend on FMA contraction)."""
-    d = tl.arange(0, LATENT)
-    r = tl.arange(0, ROPE)
+def token_sources(slot, ok, map_ptr, REC: tl.constexpr):
+    """Where the tokens at physical ``slot [T]`` live: ``(in_pool, in_rec, pool row, record
+    byte base, offset in the block)``. A token comes from its block's exact-pool rows when
+    ``block_pool_map`` maps the block, else from the packed record; lanes with ``ok`` false are
+    in neither."""
     slot = tl.where(ok, slot, 0)
     blk = slot // GROUP
     off = slot % GROUP
@@ -99,14 +80,40 @@ def load_tokens(
     in_rec = ok & (pb < 0)
     prow = tl.where(in_pool, pb, 0).to(tl.int64) * GROUP + off
     rbase = tl.where(in_rec, blk, 0).to(tl.int64) * REC
-    # pool rows
-    pm = token_mask_rows(in_pool, LATENT)
+    return in_pool, in_rec, prow, rbase, off
+
+
+@triton.jit
+def latent_cols(
+    in_pool,
+    in_rec,
+    prow,
+    rbase,
+    off,
+    rec_ptr,
+    rec16_ptr,
+    pool_ptr,
+    pscale_ptr,
+    C0: tl.constexpr,
+    CH: tl.constexpr,
+    BITS: tl.constexpr,
+    CS_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr,
+    RS_OFF: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """Latent channels ``[C0, C0 + CH)`` (fp32 ``[T, CH]``, rotated frame) of the tokens
+    located by :func:`token_sources` (zeros for tokens in neither). From a record:
+    ``(code * col_scale[d] + zero_point[d]) * row_scale[t]`` in fp32 (the product
+    code*col_scale is exact, so the result does not depend on FMA contraction)."""
+    d = C0 + tl.arange(0, CH)
+    pm = token_mask_rows(in_pool, CH)
     pv = tl.load(pool_ptr + prow[:, None] * LATENT + d[None, :], mask=pm, other=0.0)
     pv = pv.to(tl.float32)
     if FP8:
         pv = pv * tl.load(pscale_ptr + prow, mask=in_pool, other=1.0)[:, None]
     # packed records: code of (d, t) is stream index d*64 + t of the codes field
-    rm = token_mask_rows(in_rec, LATENT)
+    rm = token_mask_rows(in_rec, CH)
     bit = (d[None, :] * GROUP + off[:, None]) * BITS
     byte_ptr = rec_ptr + rbase[:, None] + (bit >> 3)
     lo = tl.load(byte_ptr, mask=rm, other=0).to(tl.int32)
@@ -125,18 +132,24 @@ def load_tokens(
     zp = zp.to(tl.float16, bitcast=True)
     rs = rs.to(tl.float16, bitcast=True)
     rv = (code.to(tl.float32) * cs.to(tl.float32) + zp.to(tl.float32)) * rs.to(tl.float32)[:, None]
-    lat = tl.where(pm, pv, tl.where(rm, rv, 0.0))
-    # RoPE bits: int16 views of the pool and of the records
+    return tl.where(pm, pv, tl.where(rm, rv, 0.0))
+
+
+@triton.jit
+def token_rope(in_pool, in_rec, prow, rbase, off, rec16_ptr, prope_ptr, ROPE_OFF: tl.constexpr):
+    """RoPE bits (int16 ``[T, 64]``, bf16 patterns) of the tokens located by
+    :func:`token_sources`, from int16 views of the pool and of the records (zeros for tokens
+    in neither)."""
+    r = tl.arange(0, ROPE)
     pr = tl.load(
         prope_ptr + prow[:, None] * ROPE + r[None, :], mask=token_mask_rows(in_pool, ROPE), other=0
     )
     rr = tl.load(
-        rec16_ptr + r16[:, None] + ROPE_OFF // 2 + off[:, None] * ROPE + r[None, :],
+        rec16_ptr + rbase[:, None] // 2 + ROPE_OFF // 2 + off[:, None] * ROPE + r[None, :],
         mask=token_mask_rows(in_rec, ROPE),
         other=0,
     )
-    rope = tl.where(token_mask_rows(in_pool, ROPE), pr, rr)
-    return lat, rope
+    return tl.where(token_mask_rows(in_pool, ROPE), pr, rr)
 
 
 @triton.jit

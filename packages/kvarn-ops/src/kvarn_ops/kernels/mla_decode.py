@@ -46,7 +46,11 @@ read each code's two-word window (``window_codes_f16``). The 16-bit operands are
 roundings besides fp32 arithmetic (tests: ``fp16_operand_decode``).
 
 Sparse (``indices``): each split walks its share of the selected entries 16 at a time,
-gathering each token from its pool block or record (``mla_common.load_tokens``), fp32 dots.
+gathering each token from its pool block or record (``mla_common.token_sources``,
+``latent_cols``, ``token_rope``) in the same channel chunks as the full-context path, fp32
+(tf32) dots, the loop not software-pipelined: offline at k5 with an fp8 pool, 76 KB of shared
+memory on sm_90a and sm_120a (123 KB pipelined; 148 KB with whole 512-channel tiles), so the
+sparse path fits sm_120's 99 KB.
 
 Memory traffic: every selected token is read once from memory (``R/64`` record bytes for a
 packed token, ``512*E + s + 128`` for a pool token; a request's pool blocks also read their
@@ -68,10 +72,12 @@ from kvarn_ops.kernels._common import INTERPRET, cast_rne, check_device, rotate_
 from kvarn_ops.kernels.mla_common import (
     bf16_bits_to_f32,
     field_offsets,
-    load_tokens,
+    latent_cols,
     pair_codes_f16,
     phase_token,
     pool_views,
+    token_rope,
+    token_sources,
     window_codes_f16,
     words_to_codes_f16,
 )
@@ -116,19 +122,6 @@ def _mla_qrot_kernel(q_ptr, qrot_ptr, BH, BLOCK_H: tl.constexpr):
     x = tl.load(q_ptr + row[:, None] * 576 + d[None, :], mask=ok[:, None], other=0.0)
     y = rotate_rows(x.to(tl.float32), BLOCK_H, 512, False)
     tl.store(qrot_ptr + row[:, None] * 512 + d[None, :], y, mask=ok[:, None])
-
-
-@triton.jit
-def _softmax_step(m, l, acc, s, lat):
-    """Online-softmax update with fp32 scores ``s [BH, N]`` (-inf where masked) and fp32 values
-    ``lat [N, 512]`` (the sparse gather and the exact-pool blocks)."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, lat)
-    return m_new, l, acc
 
 
 @triton.jit
@@ -432,7 +425,6 @@ def _mla_decode_kernel(
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     hok = h < H
     h = tl.where(hok, h, 0)
-    d = tl.arange(0, 512)
     r = tl.arange(0, 64)
     qrow = b * H + h
     prow = qrow * S + split
@@ -455,10 +447,23 @@ def _mla_decode_kernel(
     qr = qr.to(tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
+    CH: tl.constexpr = 512 // NC
+    q0 = _load_q(qrot_ptr, qrow, hok, 0, CH)
+    a0 = tl.zeros([BLOCK_H, CH], tl.float32)
+    if NC >= 2:
+        q1 = _load_q(qrot_ptr, qrow, hok, 1, CH)
+        a1 = tl.zeros([BLOCK_H, CH], tl.float32)
+    if NC >= 4:
+        q2 = _load_q(qrot_ptr, qrow, hok, 2, CH)
+        q3 = _load_q(qrot_ptr, qrow, hok, 3, CH)
+        a2 = tl.zeros([BLOCK_H, CH], tl.float32)
+        a3 = tl.zeros([BLOCK_H, CH], tl.float32)
     if SPARSE:
-        q = tl.load(qrot_ptr + qrow[:, None] * 512 + d[None, :], mask=hok[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_H, 512], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
+        # BLOCK_N selected tokens at a time, each from its pool row or record; the 512 latent
+        # channels in NC fp32 chunks (tf32 dots on the GPU), so no dot operand is wider than
+        # [BLOCK_N, CH]. num_stages=1: the pipeliner's staging buffers for the gathered
+        # scales and codes took 45 KB of shared memory (over sm_120's limit).
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1):
             n = n0 + tl.arange(0, BLOCK_N)
             inb = n < hi
             logical = tl.load(idx_ptr + b * idx_stride + tl.where(inb, n, 0), mask=inb, other=-1)
@@ -468,29 +473,62 @@ def _mla_decode_kernel(
             ok = ok & (lb < max_blocks)
             pb = tl.load(bt_ptr + b * bt_stride + tl.where(ok, lb, 0), mask=ok, other=0)
             slot = pb.to(tl.int64) * 64 + lg % 64
-            lat, rope = load_tokens(
-                slot,
-                ok,
-                rec_ptr,
-                rec16_ptr,
-                map_ptr,
-                pool_ptr,
-                pscale_ptr,
-                prope_ptr,
-                BLOCK_N,
-                BITS,
-                CS_OFF,
-                ZP_OFF,
-                RS_OFF,
-                ROPE_OFF,
-                REC,
-                FP8,
-            )
-            s = tl.dot(q, tl.trans(lat)) + tl.dot(qr, tl.trans(bf16_bits_to_f32(rope)))
+            in_pool, in_rec, prow_, rbase, off = token_sources(slot, ok, map_ptr, REC)
+            rope = token_rope(in_pool, in_rec, prow_, rbase, off, rec16_ptr, prope_ptr, ROPE_OFF)
+            s = tl.dot(qr, tl.trans(bf16_bits_to_f32(rope)))
+            lat0 = latent_cols(
+                in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+                0, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+            )  # fmt: skip
+            s = tl.dot(q0, tl.trans(lat0), s)
+            if NC >= 2:
+                lat1 = latent_cols(
+                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+                    CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+                )  # fmt: skip
+                s = tl.dot(q1, tl.trans(lat1), s)
+            if NC >= 4:
+                lat2 = latent_cols(
+                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+                    2 * CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+                )  # fmt: skip
+                s = tl.dot(q2, tl.trans(lat2), s)
+                lat3 = latent_cols(
+                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+                    3 * CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+                )  # fmt: skip
+                s = tl.dot(q3, tl.trans(lat3), s)
             s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
-            m, l, acc = _softmax_step(m, l, acc, s, lat)
-        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
-        tl.store(po_ptr + prow[:, None] * 512 + d[None, :], out, mask=hok[:, None])
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            # The value dots read each chunk again (cache hits) instead of keeping the four
+            # chunks live across the softmax, whose shared-memory buffers would then overlap.
+            lat0 = latent_cols(
+                in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+                0, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+            )  # fmt: skip
+            a0 = a0 * alpha[:, None] + tl.dot(p, lat0)
+            if NC >= 2:
+                lat1 = latent_cols(
+                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+                    CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+                )  # fmt: skip
+                a1 = a1 * alpha[:, None] + tl.dot(p, lat1)
+            if NC >= 4:
+                lat2 = latent_cols(
+                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+                    2 * CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+                )  # fmt: skip
+                a2 = a2 * alpha[:, None] + tl.dot(p, lat2)
+                lat3 = latent_cols(
+                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+                    3 * CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+                )  # fmt: skip
+                a3 = a3 * alpha[:, None] + tl.dot(p, lat3)
+            m = m_new
     else:
         # Whole blocks, the 512 latent channels in NC chunks of CH. Widths dividing 8 (FAST)
         # load a chunk's codes as int32 words [CH, W] and unpack them by phase (the field at
@@ -503,7 +541,6 @@ def _mla_decode_kernel(
         FAST: tl.constexpr = (8 % BITS) == 0
         NP: tl.constexpr = 8 // BITS if FAST else 1
         W: tl.constexpr = 2 * BITS if FAST else 1
-        CH: tl.constexpr = 512 // NC
         tok = tl.arange(0, 64)
         if FAST:
             tokc = _column_token(tok, NP)  # token of each column of a chunk's code tile
@@ -511,16 +548,6 @@ def _mla_decode_kernel(
             tokc = _pair_token(tok)
         else:
             tokc = tok
-        q0 = _load_q(qrot_ptr, qrow, hok, 0, CH)
-        a0 = tl.zeros([BLOCK_H, CH], tl.float32)
-        if NC >= 2:
-            q1 = _load_q(qrot_ptr, qrow, hok, 1, CH)
-            a1 = tl.zeros([BLOCK_H, CH], tl.float32)
-        if NC >= 4:
-            q2 = _load_q(qrot_ptr, qrow, hok, 2, CH)
-            q3 = _load_q(qrot_ptr, qrow, hok, 3, CH)
-            a2 = tl.zeros([BLOCK_H, CH], tl.float32)
-            a3 = tl.zeros([BLOCK_H, CH], tl.float32)
         bt_row = bt_ptr + b * bt_stride
         # Software pipeline: the pass-1 code words of block u + 1, its block-pool map entry
         # and the block-table entry of u + 2 are loaded during block u (the small scale and
@@ -664,12 +691,12 @@ def _mla_decode_kernel(
             if NC >= 4 and FAST:
                 w2 = w2_n
                 w3 = w3_n
-        _store_chunk(po_ptr, prow, hok, a0, l, 0)
-        if NC >= 2:
-            _store_chunk(po_ptr, prow, hok, a1, l, 1)
-        if NC >= 4:
-            _store_chunk(po_ptr, prow, hok, a2, l, 2)
-            _store_chunk(po_ptr, prow, hok, a3, l, 3)
+    _store_chunk(po_ptr, prow, hok, a0, l, 0)
+    if NC >= 2:
+        _store_chunk(po_ptr, prow, hok, a1, l, 1)
+    if NC >= 4:
+        _store_chunk(po_ptr, prow, hok, a2, l, 2)
+        _store_chunk(po_ptr, prow, hok, a3, l, 3)
     lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), float("-inf"))
     tl.store(plse_ptr + prow, lse, mask=hok)
 
