@@ -189,6 +189,8 @@ def test_stage_fp8_and_materialize(gen, bits, dtype):
         (4, FP8, [65536 + 3], 128, False),
         (2, BF16, [1, 64, 65, 3000], 16, False),
         (5, BF16, [20000, 9000], 64, True),
+        (4, FP8, [32768 + 5] * 4, 128, True),
+        (3, BF16, [2100, 4097, 64], 16, True),
     ],
 )
 def test_decode(gen, bits, dtype, lens, heads, sparse):
@@ -212,9 +214,10 @@ def test_decode(gen, bits, dtype, lens, heads, sparse):
     indices = None
     if sparse:
         topk = 2048
-        indices = torch.stack(
-            [torch.randperm(n, generator=gen, device=DEVICE)[:topk] for n in lens]
-        ).to(torch.int32)
+        indices = torch.full((b, topk), -1, dtype=torch.int32, device=DEVICE)
+        for r, n in enumerate(lens):  # shorter requests select all they have, then -1
+            sel = torch.randperm(n, generator=gen, device=DEVICE)[:topk]
+            indices[r, : sel.numel()] = sel.to(torch.int32)
         indices[:, -7:] = -1
     scale = 1 / math.sqrt(576)
     args = (packed, table, seq, block_pool_map, *pool, layout, scale)
