@@ -496,11 +496,13 @@ def test_flush_saturates_scales_beyond_fp16(config, gen):
     """Channels spanning 1e-12..1e12 do not fit fp16 on either side: fields saturate at
     +-65504 (never Inf), as the reference.
 
-    Codes: identical, except under unbiased_clip in V columns (channels) whose error weight
-    ``exp(2 * (lc - max lc))`` is below 2**-20: there the heaviest channel dominates every
-    candidate's error, candidates tie to the last ulp and a summation order picks one or the
-    other (measured over 40 seeds: up to 37 of 2048 V codes, 1 LSB, all in channels of weight
-    <= 2.3e-7)."""
+    Codes: identical, except under unbiased_clip in V rows where the heaviest channel dominates
+    every candidate's error: candidates tie to the last ulp and a summation order picks one or
+    the other (measured over 40 seeds: up to 37 of 2048 V codes, 1 LSB, mostly in channels of
+    weight <= 2.3e-7; seed 2502968739: one code in a channel of weight 7.9e-4, its row's
+    candidate differing, the row's error 1 + 1.9e-9 times the reference's). So differing V
+    codes are 1 LSB apart and every row's decoded error (fp64, the tile's own frame, where the
+    column weights are implicit) is the reference's to a relative 1e-6: ties only."""
     cfg = EDGE_CONFIGS[config]
     lay = kf.dense_layout("kvarn_k4v2_g32", 64)
     spread = torch.logspace(-12, 12, 64)
@@ -521,11 +523,12 @@ def test_flush_saturates_scales_beyond_fp16(config, gen):
     if cfg.rounding == "rtn":
         assert torch.equal(fields["v_codes"], fields_ref["v_codes"])
         return
-    _, _, lc, _ = ref.normalize_tiles(ek.float().reshape(1, 32, 64), cfg)
-    heavy = torch.exp(2.0 * (lc - lc.amax())) >= 2.0**-20  # [1, D]
     diff = (fields["v_codes"].int() - fields_ref["v_codes"].int()).abs()  # [1, G, D]
     assert int(diff.max()) <= 1
-    assert bool((diff == 0)[heavy[:, None, :].expand_as(diff)].all())
+    x = ek.double().reshape(1, 32, 64)
+    sse = ((ref.dequantize_v(fields, torch.float64) - x) ** 2).sum(-1)
+    sse_ref = ((ref.dequantize_v(fields_ref, torch.float64) - x) ** 2).sum(-1)
+    assert bool((sse <= sse_ref * (1 + 1e-6)).all()), (sse / sse_ref).max().item()
 
 
 def test_flush_empty_is_a_no_op():

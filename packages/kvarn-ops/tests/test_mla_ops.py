@@ -24,10 +24,13 @@ Tolerance table (kernel vs reference):
 - decode, full context: packed blocks feed the dots 16-bit operands (q times the channel
   scales, the softmax weights times the row scales; codes exact). Yardstick:
   ``fp16_operand_decode`` below, the oracle with exactly those two roundings (fp64
-  otherwise). Kernel vs yardstick: 2e-4 * max abs(out), the fp32 allowance above. Kernel vs
-  oracle: 2 * 2**-10 * max abs(out), the bound gpu_parity derives for 10-bit-mantissa
-  operands (fp16 rounds to nearest, so it is at least as tight as truncated tf32); measured
-  (interpreter): the yardstick itself is 3e-4..1.1e-3 * max abs(out) from the oracle.
+  otherwise). Kernel vs yardstick: 2e-4 * max abs(out), the fp32 allowance above (plus an
+  isolated fp16 rounding flip, ``assert_near_yardstick``). Kernel vs oracle: the yardstick's
+  own error on the same input plus that allowance; the yardstick itself must stay within
+  8 * 2**-10 * max abs(out) of the oracle, a guard on the operand design (measured over 900
+  seeds of ``test_decode_blocks_per_split``'s geometry, k2-k5, bf16/fp8 pools: mean 7e-4,
+  p99 2.5e-3, max 3.3e-3 = 3.4 * 2**-10; a fixed 2 * 2**-10 was exceeded by the yardstick on
+  1-5% of seeds; bf16 operands would be 8x).
 """
 
 from __future__ import annotations
@@ -399,7 +402,7 @@ def test_decode_matches_oracle(gen, sparse, dtype, splits, bits):
         model = fp16_operand_decode(q, packed, bt, seq, bmap, pool, layout, 0.04)
         print(f"fp16 yardstick vs oracle: {float((model - o_ref).abs().max()) / top:.2e} * max")
         assert_near_yardstick(o, model, top)
-        assert float((o - o_ref).abs().max()) <= 2 * 2**-10 * top
+        assert_near_oracle(o, model, o_ref, top)
 
 
 def assert_near_yardstick(o, model, top):
@@ -412,6 +415,18 @@ def assert_near_yardstick(o, model, top):
     err = (o - model).abs()
     assert float(err.max()) <= (2e-4 + 2**-10) * top
     assert float((err > 2e-4 * top).double().mean()) <= 1e-3
+
+
+YARDSTICK_ORACLE_BOUND = 8 * 2**-10
+"""Largest error of the fp16-operand yardstick vs the fp64 oracle, relative to max abs(out)."""
+
+
+def assert_near_oracle(o, model, o_ref, top):
+    """Kernel vs the oracle: within the yardstick's own error on this input plus the
+    kernel-vs-yardstick allowance; the yardstick within YARDSTICK_ORACLE_BOUND (module doc)."""
+    own = float((model - o_ref).abs().max())
+    assert own <= YARDSTICK_ORACLE_BOUND * top, f"yardstick vs oracle {own / top:.2e} * max"
+    assert float((o - o_ref).abs().max()) <= own + (2e-4 + 2**-10) * top
 
 
 @pytest.mark.parametrize(
@@ -446,7 +461,7 @@ def test_decode_blocks_per_split(gen, bits, dtype, splits):
     model = fp16_operand_decode(q, packed, bt, seq, bmap, pool, layout, 0.05)
     print(f"fp16 yardstick vs oracle: {float((model - o_ref).abs().max()) / top:.2e} * max")
     assert_near_yardstick(o, model, top)
-    assert float((o - o_ref).abs().max()) <= 2 * 2**-10 * top
+    assert_near_oracle(o, model, o_ref, top)
 
 
 @pytest.mark.parametrize("chunk", [256, 512])
