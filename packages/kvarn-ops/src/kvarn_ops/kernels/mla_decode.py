@@ -316,6 +316,50 @@ def _chunk_codes(
 
 
 @triton.jit
+def _gather_lat(
+    in_pool, in_rec, prow, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+    C: tl.constexpr, CH: tl.constexpr, BITS: tl.constexpr, CS_OFF: tl.constexpr,
+    ZP_OFF: tl.constexpr, RS_OFF: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Latent chunk ``C`` (channels ``[C * CH, (C + 1) * CH)``, fp32 ``[N, CH]``) of the
+    gathered tokens located by ``mla_common.token_sources``."""
+    return latent_cols(
+        in_pool, in_rec, prow, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr, C * CH, CH,
+        BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gather_scores(
+    s, q, in_pool, in_rec, prow, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+    C: tl.constexpr, BITS: tl.constexpr, CS_OFF: tl.constexpr, ZP_OFF: tl.constexpr,
+    RS_OFF: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """``s + q @ lat^T`` for the latent chunk ``C`` of the gathered tokens (``q [BH, CH]``)."""
+    lat = _gather_lat(
+        in_pool, in_rec, prow, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr, C,
+        q.shape[1], BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+    )  # fmt: skip
+    return tl.dot(q, tl.trans(lat), s)
+
+
+@triton.jit
+def _gather_values(
+    acc, p, alpha, in_pool, in_rec, prow, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
+    C: tl.constexpr, BITS: tl.constexpr, CS_OFF: tl.constexpr, ZP_OFF: tl.constexpr,
+    RS_OFF: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """``acc * alpha + p @ lat`` for the latent chunk ``C`` of the gathered tokens, read again
+    (cache hits) rather than kept live across the softmax, where the four chunks' shared-memory
+    buffers would overlap."""
+    lat = _gather_lat(
+        in_pool, in_rec, prow, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr, C,
+        acc.shape[1], BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
+    )  # fmt: skip
+    return acc * alpha[:, None] + tl.dot(p, lat)
+
+
+@triton.jit
 def _chunk_scores(
     sa,
     qz,
@@ -476,58 +520,25 @@ def _mla_decode_kernel(
             in_pool, in_rec, prow_, rbase, off = token_sources(slot, ok, map_ptr, REC)
             rope = token_rope(in_pool, in_rec, prow_, rbase, off, rec16_ptr, prope_ptr, ROPE_OFF)
             s = tl.dot(qr, tl.trans(bf16_bits_to_f32(rope)))
-            lat0 = latent_cols(
-                in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
-                0, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
-            )  # fmt: skip
-            s = tl.dot(q0, tl.trans(lat0), s)
+            src = (in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr)
+            s = _gather_scores(s, q0, *src, 0, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8)
             if NC >= 2:
-                lat1 = latent_cols(
-                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
-                    CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
-                )  # fmt: skip
-                s = tl.dot(q1, tl.trans(lat1), s)
+                s = _gather_scores(s, q1, *src, 1, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8)
             if NC >= 4:
-                lat2 = latent_cols(
-                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
-                    2 * CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
-                )  # fmt: skip
-                s = tl.dot(q2, tl.trans(lat2), s)
-                lat3 = latent_cols(
-                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
-                    3 * CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
-                )  # fmt: skip
-                s = tl.dot(q3, tl.trans(lat3), s)
+                s = _gather_scores(s, q2, *src, 2, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8)
+                s = _gather_scores(s, q3, *src, 3, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8)
             s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            # The value dots read each chunk again (cache hits) instead of keeping the four
-            # chunks live across the softmax, whose shared-memory buffers would then overlap.
-            lat0 = latent_cols(
-                in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
-                0, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
-            )  # fmt: skip
-            a0 = a0 * alpha[:, None] + tl.dot(p, lat0)
+            a0 = _gather_values(a0, p, alpha, *src, 0, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8)
             if NC >= 2:
-                lat1 = latent_cols(
-                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
-                    CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
-                )  # fmt: skip
-                a1 = a1 * alpha[:, None] + tl.dot(p, lat1)
+                a1 = _gather_values(a1, p, alpha, *src, 1, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8)
             if NC >= 4:
-                lat2 = latent_cols(
-                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
-                    2 * CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
-                )  # fmt: skip
-                a2 = a2 * alpha[:, None] + tl.dot(p, lat2)
-                lat3 = latent_cols(
-                    in_pool, in_rec, prow_, rbase, off, rec_ptr, rec16_ptr, pool_ptr, pscale_ptr,
-                    3 * CH, CH, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8,
-                )  # fmt: skip
-                a3 = a3 * alpha[:, None] + tl.dot(p, lat3)
+                a2 = _gather_values(a2, p, alpha, *src, 2, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8)
+                a3 = _gather_values(a3, p, alpha, *src, 3, BITS, CS_OFF, ZP_OFF, RS_OFF, FP8)
             m = m_new
     else:
         # Whole blocks, the 512 latent channels in NC chunks of CH. Widths dividing 8 (FAST)
