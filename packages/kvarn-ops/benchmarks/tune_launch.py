@@ -44,15 +44,16 @@ SWEEPS = {
     "store": (
         lambda: bench_kernels.bench_store(128, 8, 32768, 64, torch.bfloat16),
         {
-            "store.tokens_per_program": [None, 16, 64, 128],
+            "store.tokens_per_program": [None, 16, 64],
+            "store.tiles_per_program": [None, 1, 2, 8, 16],
             "store.warps_per_program": [None, 8],
-            "store.native_dot": [None, False],
         },
     ),
     "store_fp8": (
         lambda: bench_kernels.bench_store(128, 8, 32768, 64, torch.float8_e4m3fn),
         {
-            "store.tokens_per_program": [None, 16, 64, 128],
+            "store.tokens_per_program": [None, 32, 128],
+            "store.tiles_per_program": [None, 1, 2, 8],
             "store.warps_per_program": [None, 8],
         },
     ),

@@ -170,6 +170,7 @@ def test_store_compiles(d, src, pool, target):
         "v_scale_ptr": scale,
         "T": "i32",
         "num_slots": "i64",
+        "TILES": "i32",
     }
     _, spills = _compile(mod._store_kernel, types_, consts, target, mod.warps_per_program(d))
     assert spills <= SPILL_ALLOWANCE.get(("store", d, src), 0), spills

@@ -63,6 +63,9 @@ CASES = [
     (17, 2, 256, 16, 3, torch.float32, FP8),
     (13, 1, 512, 32, 2, torch.bfloat16, torch.bfloat16),
     (9, 2, 512, 16, 2, torch.float16, FP8),
+    # several token tiles per program (store.tiles_per_program), the last program partial
+    (300, 2, 128, 64, 6, torch.float16, torch.float16),
+    (300, 1, 64, 32, 10, torch.bfloat16, FP8),
 ]
 
 

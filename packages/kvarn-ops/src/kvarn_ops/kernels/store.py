@@ -4,8 +4,9 @@ Memory traffic (E = pool element bytes, s = 4 if fp8 else 0): read
 ``T*Hkv*D*(itemsize(k) + itemsize(v)) + 8T``; write ``2*T'*Hkv*(D*E + s)`` for the T' tokens
 with a slot (docs/contracts.md; the same formula as ``kvarn_ops.reference.store``).
 
-One program per (``BLOCK_T`` tokens, KV head) does K then V, so the Hadamard signs are built
-once for both. Slot -1 skips a token; a slot outside the pool is also skipped in the kernel
+One program per (``TILES * BLOCK_T`` tokens, KV head) does K then V of each of its ``TILES``
+token tiles; the Hadamard signs are built (and staged as a tensor-core operand) once per program,
+not once per tile. Slot -1 skips a token; a slot outside the pool is also skipped in the kernel
 (on the CPU the launcher rejects it first), so no input writes outside the pool.
 """
 
@@ -30,15 +31,24 @@ __all__ = ["store"]
 
 
 def tokens_per_program(head_dim: int, fp8: bool = False) -> int:
-    """16 (the smallest ``tl.dot`` M) up to 4096 values per operand tile, 8192 for an fp8
-    pool. H200 sweep (T = 32768, Hkv 8, D 128, ``benchmarks/tune_launch.py``): bf16 pool 32
-    tokens 0.120 ms (16: 0.169, 64: 0.128, 128: 0.146); fp8 pool 64 tokens 0.139 ms (32:
-    0.203, 128: 0.364 at 4 warps)."""
-    return max(16, (8192 if fp8 else 4096) // head_dim)
+    """16 (the smallest ``tl.dot`` M) up to 8192 values per operand tile, at most 64 tokens
+    (more spill in the fp32-input path at D 64). H200 sweep (T = 32768, Hkv 8, D 128,
+    ``benchmarks/tune_launch.py``, ``results/tune_h200_2026-11-30_store.json``): bf16 pool, 8
+    tiles per program: 64 tokens 0.086 ms (32: 0.095, 16: 0.115); fp8 pool, one tile: 64
+    tokens 0.139 ms (32: 0.209, 128: 0.375)."""
+    return max(16, min(64, 8192 // head_dim))
+
+
+def tiles_per_program(head_dim: int, fp8: bool = False) -> int:
+    """Token tiles of ``tokens_per_program`` tokens one program stores in turn: the signs
+    operand is built once per program. Same sweep: bf16 pool 8 tiles 0.086 ms (1: 0.104, 2:
+    0.097, 16: 0.086); the fp8 pool's per-token scale path is fastest with one (0.139 ms; 2:
+    0.207, 8: 0.194)."""
+    return 1 if fp8 else 8
 
 
 def warps_per_program(head_dim: int) -> int:
-    """Warps per program (8 was slower at every tile size of the sweep above)."""
+    """Warps per program (8 was no faster at any tile size of the sweep above)."""
     return 4
 
 
@@ -54,10 +64,21 @@ def native_dot(dtype: torch.dtype, head_dim: int, interpret: bool = INTERPRET) -
 
 
 @triton.jit
+def _signs_operand(src_ptr, D: tl.constexpr, NATIVE: tl.constexpr):
+    """The +-1 Hadamard signs in the input's 16-bit type (the ``NATIVE`` product's operand),
+    built once per program; 0 when the rotation takes the fp32 path."""
+    if NATIVE:
+        return hadamard_signs(D).to(src_ptr.dtype.element_ty)
+    else:
+        return 0
+
+
+@triton.jit
 def _store_one(
     src_ptr,
     pool_ptr,
     scale_ptr,
+    signs,
     tok,
     slot,
     ok,
@@ -73,7 +94,6 @@ def _store_one(
     src = (tok[:, None] * H + head) * D + d[None, :]
     if NATIVE:
         x16 = tl.load(src_ptr + src, mask=ok[:, None], other=0.0)
-        signs = hadamard_signs(D).to(x16.dtype)
         y = tl.dot(x16, signs, out_dtype=tl.float32)
         # fp32(1/sqrt(D)), the constant the reference multiplies by (as rotate_rows).
         if D == 64:
@@ -111,6 +131,7 @@ def _store_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    TILES,
     EXACT_K: tl.constexpr,
     EXACT_V: tl.constexpr,
     FP8: tl.constexpr,
@@ -118,19 +139,48 @@ def _store_kernel(
     NATIVE_V: tl.constexpr,
 ):
     head = tl.program_id(1)
-    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = tok < T
-    slot = tl.load(slots_ptr + tok, mask=in_range, other=-1)
-    ok = in_range & (slot >= 0) & (slot < num_slots)
-    # Masked-off lanes still form addresses: keep them inside the tensors.
-    tok = tl.where(in_range, tok, 0)
-    slot = tl.where(ok, slot, 0)
-    _store_one(
-        k_ptr, exact_k_ptr, k_scale_ptr, tok, slot, ok, head, H, D, BLOCK_T, EXACT_K, FP8, NATIVE_K
-    )
-    _store_one(
-        v_ptr, exact_v_ptr, v_scale_ptr, tok, slot, ok, head, H, D, BLOCK_T, EXACT_V, FP8, NATIVE_V
-    )
+    signs_k = _signs_operand(k_ptr, D, NATIVE_K)
+    signs_v = _signs_operand(v_ptr, D, NATIVE_V)
+    for i in tl.range(0, TILES):
+        tok = (tl.program_id(0).to(tl.int64) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        in_range = tok < T
+        slot = tl.load(slots_ptr + tok, mask=in_range, other=-1)
+        ok = in_range & (slot >= 0) & (slot < num_slots)
+        # Masked-off lanes still form addresses: keep them inside the tensors.
+        tok = tl.where(in_range, tok, 0)
+        slot = tl.where(ok, slot, 0)
+        _store_one(
+            k_ptr,
+            exact_k_ptr,
+            k_scale_ptr,
+            signs_k,
+            tok,
+            slot,
+            ok,
+            head,
+            H,
+            D,
+            BLOCK_T,
+            EXACT_K,
+            FP8,
+            NATIVE_K,
+        )
+        _store_one(
+            v_ptr,
+            exact_v_ptr,
+            v_scale_ptr,
+            signs_v,
+            tok,
+            slot,
+            ok,
+            head,
+            H,
+            D,
+            BLOCK_T,
+            EXACT_V,
+            FP8,
+            NATIVE_V,
+        )
 
 
 def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
@@ -140,7 +190,8 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
     p, g = exact_k.shape[:2]
     fp8 = exact_k.dtype == torch.float8_e4m3fn
     block_t = tokens_per_program(d, fp8)
-    grid = (triton.cdiv(t, block_t), hkv)
+    tiles = max(1, min(tiles_per_program(d, fp8), triton.cdiv(t, block_t)))
+    grid = (triton.cdiv(t, block_t * tiles), hkv)
     # Without an fp8 pool the scale pointers are never dereferenced (FP8 is a constexpr).
     ks = k_scale if fp8 else exact_k
     vs = v_scale if fp8 else exact_v
@@ -157,6 +208,7 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
         H=hkv,
         D=d,
         BLOCK_T=block_t,
+        TILES=tiles,
         EXACT_K=exact_in_tf32(k.dtype),
         EXACT_V=exact_in_tf32(v.dtype),
         FP8=fp8,

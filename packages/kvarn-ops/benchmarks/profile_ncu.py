@@ -1,0 +1,227 @@
+"""Profile the kvarn-ops kernels with Nsight Compute (``ncu``) on a CUDA GPU.
+
+Each op is driven by its benchmark function (``bench_decode``, ``bench_kernels``,
+``bench_mla``) with the timing loop replaced by three plain calls; ``ncu`` profiles one launch
+of the op's main kernel (the first is skipped: it may carry the JIT compile's first-touch
+effects). Clocks are left as they are (``--clock-control none``).
+
+    python benchmarks/profile_ncu.py profile --out DIR [--ops decode_b32,store,...]
+    python benchmarks/profile_ncu.py run OP        # what ncu runs: the op's three calls
+
+Writes ``DIR/ncu_csv.tar.gz`` (for every op the ``details`` and ``raw`` pages of
+``ncu --import``, as CSV) and one summary ``DIR/ncu_summary.json``: duration, DRAM bandwidth,
+L1/shared-memory pipe use, issue-slot and tensor-pipe use, occupancy, registers, shared memory,
+spills, warp cycles per issued instruction and the stall reasons in cycles per issued
+instruction, largest first. A short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+#: op -> (kernel-name regex for ncu, what it runs)
+OPS = {
+    "decode_b32": ("_decode_split_kernel", "k4v2 g64, B=32, 16K, 32/8/128"),
+    "decode_b1": ("_decode_split_kernel", "k4v2 g64, B=1, 32K, 32/8/128"),
+    "store": ("_store_kernel", "T=32768, Hkv 8, D 128, bf16 pool"),
+    "materialize": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128"),
+    "flush": ("_flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool"),
+    "mla_decode_b64": ("_mla_decode_kernel", "k4, B=64, 16 heads, 16K"),
+    "mla_stage": ("_mla_gather_kernel", "k4, 65,536 random tokens"),
+}
+
+SECTIONS = [
+    "SpeedOfLight",
+    "LaunchStats",
+    "Occupancy",
+    "SchedulerStats",
+    "WarpStateStats",
+    "MemoryWorkloadAnalysis",
+    "ComputeWorkloadAnalysis",
+    "InstructionStats",
+]
+
+#: raw metric -> summary key
+RAW = {
+    "gpu__time_duration.sum": "duration_us",
+    "dram__bytes.sum.per_second": "dram_gbps",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active": "l1tex_pct",
+    "l1tex__data_pipe_lsu_wavefronts.avg.pct_of_peak_sustained_elapsed": "lsu_wavefronts_pct",
+    "sm__inst_issued.avg.pct_of_peak_sustained_elapsed": "issue_pct",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pct",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    "sm__maximum_warps_per_active_cycle_pct": "theoretical_occupancy_pct",
+    "launch__registers_per_thread": "registers",
+    "launch__shared_mem_per_block": "smem_kb",
+    "launch__grid_size": "grid",
+    "launch__block_size": "block",
+    "launch__waves_per_multiprocessor": "waves",
+    "derived__local_spilling_requests": "spill_requests",
+    "smsp__average_warp_latency_per_inst_issued.ratio": "warp_cycles_per_issue",
+    "smsp__inst_issued.sum": "instructions",
+}
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+STALL_SUFFIX = "_per_issue_active.ratio"
+
+
+def _fake_do_bench(fn, *args, **kwargs):
+    for _ in range(3):
+        fn()
+    import torch
+
+    torch.cuda.synchronize()
+    return 1.0
+
+
+def run(op: str) -> None:
+    import torch
+    import triton
+
+    triton.testing.do_bench = _fake_do_bench
+    triton.testing.do_bench_cudagraph = _fake_do_bench
+    import bench_decode
+    import bench_kernels
+    import bench_mla
+
+    bench_kernels.do_bench = _fake_do_bench
+    if op.startswith("decode_"):
+        b, ctx = (32, 16384) if op == "decode_b32" else (1, 32768)
+        args, _ = bench_decode.make_inputs(b, ctx, 32, 8, 128, "kvarn_k4v2_g64")
+        _fake_do_bench(lambda: bench_decode.kd.decode(*args))
+    elif op == "store":
+        bench_kernels.bench_store(128, 8, 32768, 64, torch.bfloat16)
+    elif op == "materialize":
+        bench_kernels.bench_materialize("kvarn_k4v2_g64", 128, 8, 16, 8192, torch.bfloat16)
+    elif op == "flush":
+        bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 512, torch.bfloat16)
+    elif op == "mla_decode_b64":
+        bench_mla.bench_decode(4, 64, 16, 16384, 128)
+    elif op == "mla_stage":
+        bench_kernels.bench_mla_gather(4, 65536, 8192, True, "random")
+    else:
+        raise ValueError(f"op: unknown {op!r} (one of {', '.join(OPS)})")
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return math.nan
+
+
+def _raw_metrics(raw_csv: str) -> dict[str, float]:
+    rows = list(csv.reader(io.StringIO(raw_csv)))
+    header = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+    names, units, values = rows[header], rows[header + 1], rows[header + 2]
+    out = {}
+    to_us = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
+    to_gbps = {"Mbyte/s": 1e-3, "Gbyte/s": 1.0, "Tbyte/s": 1e3}
+    for name, unit, value in zip(names, units, values, strict=False):
+        v = _number(value)
+        if name == "gpu__time_duration.sum":
+            v *= to_us.get(unit, math.nan)
+        elif name == "dram__bytes.sum.per_second":
+            v *= to_gbps.get(unit, math.nan)
+        out[name] = v
+    return out
+
+
+def summarize(raw: dict[str, float]) -> dict:
+    s = {key: raw.get(name, math.nan) for name, key in RAW.items()}
+    stalls = {
+        name[len(STALL_PREFIX) : -len(STALL_SUFFIX)]: v
+        for name, v in raw.items()
+        if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX) and v == v
+    }
+    s["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
+    return s
+
+
+def profile(out: Path, ops: list[str]) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, dict] = {}
+    csvs: list[Path] = []
+    for op in ops:
+        kernel, what = OPS[op]
+        rep = out / f"ncu_{op}"
+        cmd = ["ncu", "--clock-control", "none", "-f", "-o", str(rep), "-k", f"regex:{kernel}"]
+        cmd += ["--launch-skip", "1", "--launch-count", "1"]
+        for sec in SECTIONS:
+            cmd += ["--section", sec]
+        cmd += [sys.executable, str(Path(__file__).resolve()), "run", op]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0 or not rep.with_suffix(".ncu-rep").exists():
+            summary[op] = {"what": what, "error": (res.stdout + res.stderr)[-3000:]}
+            print(f"{op}: ncu failed (status {res.returncode})", flush=True)
+            continue
+        pages = {}
+        for page in ("details", "raw"):
+            r = subprocess.run(
+                ["ncu", "--import", str(rep.with_suffix(".ncu-rep")), "--page", page, "--csv"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            pages[page] = r.stdout
+            path = out / f"ncu_{op}_{page}.csv"
+            path.write_text(r.stdout)
+            csvs.append(path)
+        rep.with_suffix(".ncu-rep").unlink()
+        summary[op] = {"what": what, "kernel": kernel, **summarize(_raw_metrics(pages["raw"]))}
+        print(f"{op}: done", flush=True)
+    (out / "ncu_summary.json").write_text(json.dumps(summary, indent=1))
+    with tarfile.open(out / "ncu_csv.tar.gz", "w:gz") as tar:
+        for path in csvs:
+            tar.add(path, arcname=path.name)
+            path.unlink()
+    print(
+        f"{'op':16} {'us':>8} {'GB/s':>6} {'l1%':>5} {'issue%':>6} {'tc%':>5} {'occ%':>5} "
+        f"{'regs':>4} {'spill':>7} {'cyc/is':>6}  top stalls (cycles per issued instruction)"
+    )
+    for op, s in summary.items():
+        if "error" in s:
+            print(f"{op:16} ncu failed")
+            continue
+        top = ", ".join(f"{k} {v:.1f}" for k, v in list(s["stalls_per_issue"].items())[:4])
+        print(
+            f"{op:16} {s['duration_us']:8.1f} {s['dram_gbps']:6.0f} {s['l1tex_pct']:5.1f} "
+            f"{s['issue_pct']:6.1f} {s['tensor_pct']:5.1f} {s['achieved_occupancy_pct']:5.1f} "
+            f"{s['registers']:4.0f} {s['spill_requests']:7.0f} "
+            f"{s['warp_cycles_per_issue']:6.1f}  {top}"
+        )
+    return 0 if all("error" not in s for s in summary.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("profile")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ops", default=",".join(OPS))
+    r = sub.add_parser("run")
+    r.add_argument("op", choices=list(OPS))
+    a = ap.parse_args(argv)
+    if a.cmd == "run":
+        run(a.op)
+        return 0
+    ops = [o for o in a.ops.split(",") if o]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise ValueError(f"--ops: unknown {bad} (known: {', '.join(OPS)})")
+    return profile(a.out, ops)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
