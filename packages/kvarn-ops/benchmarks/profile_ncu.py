@@ -5,7 +5,7 @@ Each op is driven by its benchmark function (``bench_decode``, ``bench_kernels``
 of the op's main kernel (the first is skipped: it may carry the JIT compile's first-touch
 effects). Clocks are left as they are (``--clock-control none``).
 
-    python benchmarks/profile_ncu.py profile --out DIR [--ops decode_b32,store,...]
+    python benchmarks/profile_ncu.py profile --out DIR [--ops decode_b32,store,...] [--deep]
     python benchmarks/profile_ncu.py run OP        # what ncu runs: the op's three calls
 
 Writes ``DIR/ncu_csv.tar.gz`` (for every op the ``details`` and ``raw`` pages of
@@ -149,7 +149,42 @@ def summarize(raw: dict[str, float]) -> dict:
     return s
 
 
-def profile(out: Path, ops: list[str]) -> int:
+#: ``--deep``: per-access-type shared/global wavefronts and bank conflicts, and per-SASS-line
+#: counters (exported as the ``source`` page)
+DEEP_SECTIONS = ["MemoryWorkloadAnalysis_Tables", "SourceCounters"]
+
+
+def sass_mix(source_csv: str, top: int = 16) -> dict[str, dict[str, float]]:
+    """Per SASS opcode (with its modifiers) of a ``source`` page: instructions executed, warp
+    stall samples (share of all), shared-memory wavefronts and the excessive ones (bank
+    conflicts); the ``top`` opcodes by stall samples."""
+    rows = list(csv.reader(io.StringIO(source_csv)))
+    header = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    col = {name: i for i, name in enumerate(rows[header])}
+    keys = {
+        "instructions": "Instructions Executed",
+        "stall_samples": "Warp Stall Sampling (All Samples)",
+        "shared_wavefronts": "L1 Wavefronts Shared",
+        "shared_wavefronts_excessive": "L1 Wavefronts Shared Excessive",
+    }
+    mix: dict[str, dict[str, float]] = {}
+    for r in rows[header + 1 :]:
+        if len(r) < len(col) or not r[col["Source"]].split():
+            continue
+        words = r[col["Source"]].split()
+        opcode = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        entry = mix.setdefault(opcode, dict.fromkeys(keys, 0.0))
+        for key, name in keys.items():
+            v = _number(r[col[name]])
+            entry[key] += 0.0 if math.isnan(v) else v
+    total = sum(e["stall_samples"] for e in mix.values()) or 1.0
+    for e in mix.values():
+        e["stall_share"] = e["stall_samples"] / total
+    ranked = sorted(mix.items(), key=lambda kv: -kv[1]["stall_samples"])
+    return dict(ranked[:top])
+
+
+def profile(out: Path, ops: list[str], deep: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, dict] = {}
     csvs: list[Path] = []
@@ -158,7 +193,7 @@ def profile(out: Path, ops: list[str]) -> int:
         rep = out / f"ncu_{op}"
         cmd = ["ncu", "--clock-control", "none", "-f", "-o", str(rep), "-k", f"regex:{kernel}"]
         cmd += ["--launch-skip", "1", "--launch-count", "1"]
-        for sec in SECTIONS:
+        for sec in SECTIONS + (DEEP_SECTIONS if deep else []):
             cmd += ["--section", sec]
         cmd += [sys.executable, str(Path(__file__).resolve()), "run", op]
         res = subprocess.run(cmd, capture_output=True, text=True)
@@ -167,19 +202,23 @@ def profile(out: Path, ops: list[str]) -> int:
             print(f"{op}: ncu failed (status {res.returncode})", flush=True)
             continue
         pages = {}
-        for page in ("details", "raw"):
+        for page in ("details", "raw") + (("source",) if deep else ()):
+            extra = ["--print-source", "sass"] if page == "source" else []
             r = subprocess.run(
-                ["ncu", "--import", str(rep.with_suffix(".ncu-rep")), "--page", page, "--csv"],
+                ["ncu", "--import", str(rep.with_suffix(".ncu-rep")), "--page", page, "--csv"]
+                + extra,
                 capture_output=True,
                 text=True,
-                check=True,
+                check=page != "source",
             )
-            pages[page] = r.stdout
+            pages[page] = r.stdout if r.returncode == 0 else r.stderr
             path = out / f"ncu_{op}_{page}.csv"
-            path.write_text(r.stdout)
+            path.write_text(pages[page])
             csvs.append(path)
         rep.with_suffix(".ncu-rep").unlink()
         summary[op] = {"what": what, "kernel": kernel, **summarize(_raw_metrics(pages["raw"]))}
+        if deep and pages["source"].lstrip().startswith('"Kernel Name"'):
+            summary[op]["sass_mix"] = sass_mix(pages["source"])
         print(f"{op}: done", flush=True)
     (out / "ncu_summary.json").write_text(json.dumps(summary, indent=1))
     with tarfile.open(out / "ncu_csv.tar.gz", "w:gz") as tar:
@@ -210,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("profile")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also shared-memory tables and per-SASS-line counters (the source page)",
+    )
     r = sub.add_parser("run")
     r.add_argument("op", choices=list(OPS))
     a = ap.parse_args(argv)
@@ -220,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise ValueError(f"--ops: unknown {bad} (known: {', '.join(OPS)})")
-    return profile(a.out, ops)
+    return profile(a.out, ops, a.deep)
 
 
 if __name__ == "__main__":

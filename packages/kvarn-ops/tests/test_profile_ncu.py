@@ -49,3 +49,19 @@ def test_units_and_stall_order():
 def test_unknown_op_is_rejected():
     with pytest.raises(ValueError, match="--ops"):
         profile_ncu.main(["profile", "--out", "/nonexistent", "--ops", "decode_b32,bogus"])
+
+
+def test_sass_mix_of_the_decode_source_page():
+    with tarfile.open(RESULTS / "ncu_h200_2026-11-30_deep_csv.tar.gz") as tar:
+        member = tar.extractfile("ncu_decode_b32_source.csv")
+        assert member is not None
+        mix = profile_ncu.sass_mix(member.read().decode(), top=1000)
+    want = json.loads((RESULTS / "ncu_h200_2026-11-30_deep.json").read_text())["decode_b32"]
+    for opcode, entry in want["sass_mix"].items():
+        assert mix[opcode] == pytest.approx(entry, rel=1e-12), opcode
+    shares = [e["stall_share"] for e in mix.values()]
+    assert sum(shares) == pytest.approx(1.0) and shares == sorted(shares, reverse=True)
+    # what BENCHMARKS.md reads off this page: the transposed ldmatrix of the code tiles has
+    # half of its shared-memory wavefronts in excess (2-way bank conflicts)
+    ldsm = mix["LDSM.16.MT88.4"]
+    assert 0.45 < ldsm["shared_wavefronts_excessive"] / ldsm["shared_wavefronts"] < 0.55
