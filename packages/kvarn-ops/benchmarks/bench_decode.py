@@ -10,7 +10,7 @@ write) bytes / time, measured in the same run. Times are medians of
 short) or, with ``--graph``, of CUDA-graph replay (GPU time). Results written before this
 docstring said "medians" were means (do_bench's default).
 
-    python bench_decode.py --out results/decode.json [--check] [--quick | --geoms 0,2]
+    python bench_decode.py --out results/decode.json [--check] [--quick | --grid | --geoms 0,2]
         [--variants fast=0,asm=0,maxnreg=168,splits=128] [--graph]
 """
 
@@ -49,6 +49,23 @@ GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     (32, 16384, 32, 8, 256, "kvarn_k4v2_g64"),
 ]
 QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
+#: ``--grid``: the issue's sweep. Llama-3.1-8B geometry, k4v2 g64, every context x batch; the
+#: other formats and model geometries at two operating points (B=8 32K, B=32 16K):
+#: Qwen-style d128 GQA 8 (64 q / 8 KV heads, as Qwen2.5-72B), d64 (16/8), d256 (32/8).
+GRID_CONTEXTS = [1024, 4096, 16384, 32768, 131072]
+GRID_BATCHES = [1, 8, 32, 64]
+GRID = [(b, c, 32, 8, 128, "kvarn_k4v2_g64") for c in GRID_CONTEXTS for b in GRID_BATCHES] + [
+    (b, c, hq, hkv, d, fmt)
+    for (b, c) in ((8, 32768), (32, 16384))
+    for (hq, hkv, d, fmt) in (
+        (32, 8, 128, "kvarn_k4v4_g64"),
+        (32, 8, 128, "kvarn_k4v2_g128"),
+        (32, 8, 128, "kvarn_k4v4_g128"),
+        (64, 8, 128, "kvarn_k4v2_g64"),
+        (16, 8, 64, "kvarn_k4v2_g64"),
+        (32, 8, 256, "kvarn_k4v2_g64"),
+    )
+]
 
 
 def copy_bandwidth() -> float:
@@ -199,6 +216,11 @@ def main() -> None:
     )
     ap.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
     ap.add_argument(
+        "--grid",
+        action="store_true",
+        help="the full sweep (GRID: contexts 1K-128K x batch 1-64, formats, geometries)",
+    )
+    ap.add_argument(
         "--graph",
         action="store_true",
         help="time CUDA-graph replay (GPU time) instead of back-to-back calls",
@@ -217,7 +239,7 @@ def main() -> None:
     rows = []
     base_cfg = kd.kernel_config
     variants = [("default", None)] + [(v, v) for v in a.variants.split(",") if v]
-    todo = QUICK if a.quick else GEOMS
+    todo = QUICK if a.quick else GRID if a.grid else GEOMS
     if a.geoms:
         todo = [GEOMS[int(i)] for i in a.geoms.split(",")]
     for geom in todo:
