@@ -52,6 +52,12 @@ def _tf32x3_atol(x: torch.Tensor, dim: int, exact_tf32: bool) -> float:
     return dim**0.5 * 2.0**-22 * float(x.double().abs().max())
 
 
+def _e4m3_ordered(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 bit patterns as integers consecutive for adjacent representable values."""
+    bits = t.view(torch.uint8).to(torch.int32)
+    return torch.where(bits >= 0x80, -(bits & 0x7F), bits)
+
+
 def _assert_within_ulp(
     x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, extra_atol: float = 0.0
 ):
@@ -105,6 +111,12 @@ def test_store(gen, pool_dtype, hkv, dim):
         # Slots nobody stored to keep their poison bytes exactly.
         assert torch.equal(got.view(torch.uint8)[~written], want.view(torch.uint8)[~written])
         if got.dtype == torch.float8_e4m3fn:
+            # The rotation's fp32 sums run in another order than the reference's, so a value
+            # next to an e4m3 rounding boundary may land one step away: at most one step, and
+            # rarely (the CPU test's 2%).
+            steps = (_e4m3_ordered(got[written]) - _e4m3_ordered(want[written])).abs()
+            assert int(steps.max()) <= 1, f"store fp8: {int(steps.max())} e4m3 steps off"
+            assert float((steps > 0).float().mean()) <= 0.02, "store fp8: too many codes off"
             continue
         extra = _tf32x3_atol(k if got is pools[0][0] else v, dim, True)
         _assert_within_ulp(got[written].float(), want[written].float(), got.dtype, "store", extra)
