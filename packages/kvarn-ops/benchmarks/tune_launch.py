@@ -101,9 +101,9 @@ def run_op(name: str, bw: float) -> list[dict]:
     call, knobs = SWEEPS[name]
     names = list(knobs)
     rows = []
-    # One untimed pass with the shipped configuration first: the first measurement of a run
-    # read up to 25% slow on the H200 (store: 0.111 ms, then 0.086-0.087 ms for the same
-    # configuration, results/tune_h200_2026-11-30_store_fp8.json).
+    # One untimed pass with the shipped configuration first: the first measurement of a sweep
+    # read up to 25% slow on the H200 (store after the fp8 store's sweep: 0.111 ms, then
+    # 0.086-0.087 ms for the same configuration, results/tune_h200_2026-11-30_store_fp8.json).
     call()
     for values in itertools.product(*(knobs[k] for k in names)):
         config = {k: v for k, v in zip(names, values, strict=True) if v is not None}
