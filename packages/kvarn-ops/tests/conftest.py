@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,9 +30,17 @@ torch.set_num_threads(int(os.environ.get("KVARN_TEST_THREADS", "1")))
 OFFLINE_COMPILE_FILES = ("test_compile_decode.py", "test_compile_kernels.py")
 
 
+# Tests of the repository's benchmark tools (benchmarks/ beside tests/): collected where the
+# tools are, i.e. not where only tests/ is copied next to an installed wheel (`nox -s wheels`).
+BENCHMARK_TOOL_FILES = ("test_profile_ncu.py",)
+_HAVE_BENCHMARKS = (Path(__file__).resolve().parents[1] / "benchmarks").is_dir()
+
+
 def pytest_ignore_collect(collection_path, config):
     if collection_path.name in OFFLINE_COMPILE_FILES:
         return os.environ.get("KVARN_OFFLINE_COMPILE_PROCESS") != "1"
+    if collection_path.name in BENCHMARK_TOOL_FILES:
+        return not _HAVE_BENCHMARKS
     return None
 
 
