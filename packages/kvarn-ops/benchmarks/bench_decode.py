@@ -211,7 +211,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--quick", action="store_true")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true")
     ap.add_argument(
         "--variants",
         default="",
@@ -219,8 +220,8 @@ def main() -> None:
         "byte-load loop), asm=0 (plain-Triton unpack on the GPU), splits=N "
         "(workspace split count; batch-1 geometries only)",
     )
-    ap.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
-    ap.add_argument(
+    which.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
+    which.add_argument(
         "--grid",
         action="store_true",
         help="the full sweep (GRID: contexts 1K-128K x batch 1-64, formats, geometries)",
