@@ -255,8 +255,6 @@ def main() -> None:
         for vname, v in variants:
             vargs = args
             if v and v.startswith("splits="):
-                if b != 1:
-                    continue
                 ws = kd.decode_workspace(
                     b,
                     1,

@@ -162,3 +162,62 @@ def test_combine_kernel_compiles(d, out, target):
     src = triton.compiler.ASTSource(fn=KD._decode_combine_kernel, signature=sig, constexprs=consts)
     k = triton.compile(src, target=target, options=dict(num_warps=4))
     assert "ptx" in k.asm
+
+
+# --------------------------------------------------------------------------------------------
+# the Gluon MMA kernel (decode_mma.py): compiles for both targets, every layout conversion is a
+# register renaming (assert_trivial inside the kernel), no shared memory, no spills
+# --------------------------------------------------------------------------------------------
+MMA_CASES = [
+    ("kvarn_k4v2_g64", 4, 1, "*bf16"),
+    ("kvarn_k4v4_g64", 8, 1, "*fp16"),
+    ("kvarn_k4v2_g64", 4, 4, "*fp32"),
+]
+#: spill frame allowed (bytes, the larger of sm_90a / sm_120a measured offline, rounded up):
+#: the benchmark target spills nothing on sm_90a (32 B on sm_120a), 4-bit V 32 B, T > 1 with
+#: the causal mask 112-136 B
+MMA_SPILL = {MMA_CASES[0]: 64, MMA_CASES[1]: 64, MMA_CASES[2]: 192}
+
+
+def _mma_source(fmt, gqa, t, qdt):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvarn_ops.kernels import decode_mma as KM
+
+    c = KD._layout_consts(fmt, 128)
+    consts = dict(T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2)
+    for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
+        consts[name] = c[name]
+    consts["VZP_OFF"] = c["VZP_OFF"]
+    ptrs = {
+        "q_ptr": qdt,
+        "rec16_ptr": "*fp16",
+        "rec32_ptr": "*i32",
+        "bt_ptr": "*i32",
+        "seq_ptr": "*i32",
+        "ws_ptr": "*fp32",
+        "qk_scale": "fp32",
+        "bt_stride": "i32",
+        "num_kv_heads": "i32",
+        "num_q_heads": "i32",
+        "lse_numel": "i32",
+    }
+    names = KM.mma_decode_kernel.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"}
+    return GluonASTSource(fn=KM.mma_decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
+def test_mma_decode_compiles_without_shared_memory(target, case):
+    k = triton.compile(_mma_source(*case), target=target, options=dict(num_warps=1))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    assert k.metadata.shared == 0 and "st.shared" not in ptx and "ld.shared" not in ptx
+    assert frame <= MMA_SPILL.get(case, 0), f"{frame} B of spill frame"
+    assert regs <= 255
+    # per 64-token block: 4 x 16 score MMAs + 4 x 16 value MMAs; the q rotation 4 x 32
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 256
+    # codes unpacked two per prmt (K: 32 x 8 per chunk and lane / 2; V: the same)
+    assert ptx.count("prmt.b32") >= 256

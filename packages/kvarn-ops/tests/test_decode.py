@@ -286,6 +286,26 @@ def test_split_counts_agree(num_splits):
     )
 
 
+TAIL_COMBINE_CASES = [
+    # (format, D, Hkv, GQA, T, pool dtype, seqs): the paths the MMA kernel takes on a GPU
+    ("kvarn_k4v2_g64", 128, 2, 4, 1, torch.bfloat16, [1, 64, 65, 700]),
+    ("kvarn_k4v4_g64", 128, 1, 4, 3, torch.float8_e4m3fn, [3, 63, 130]),
+    ("kvarn_k4v2_g64", 64, 1, 2, 4, torch.float16, [4, 66, 200]),
+]
+
+
+@pytest.mark.parametrize("case", TAIL_COMBINE_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-T{c[4]}")
+def test_tail_folded_in_by_the_combine(case, monkeypatch):
+    """The exact tail folded in by the combine kernel (how the MMA kernel's calls run, since
+    that kernel reads full blocks only): requests without a full block, with an empty tail,
+    and T > 1 rows that see none of the tail."""
+    kd = importlib.import_module("kvarn_ops.kernels.decode")
+    monkeypatch.setattr(kd, "_TAIL_IN_COMBINE", True)
+    fmt, d, hkv, gqa, t, pool, seqs = case
+    rng = np.random.default_rng([SEED, 300 + TAIL_COMBINE_CASES.index(case)])
+    run_and_check(rng, fmt, d, hkv, gqa, t, seqs, pool)
+
+
 def test_large_head_dims_and_bf16_query():
     rng = np.random.default_rng([SEED, 7])
     run_and_check(

@@ -281,6 +281,7 @@ def _decode_split_kernel(
     POOL_FP8: tl.constexpr,
     FAST: tl.constexpr,
     ASM: tl.constexpr,
+    TAIL_IN_COMBINE: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -290,7 +291,13 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_ptr + b)
     n_full = seq_len // G
     tail = seq_len - n_full * G
-    n_units = n_full + (tail > 0).to(tl.int32)
+    if TAIL_IN_COMBINE:
+        # the combine kernel folds the exact tail in: the splits share the full blocks only
+        n_units = n_full
+        if n_units == 0:
+            return
+    else:
+        n_units = n_full + (tail > 0).to(tl.int32)
     n_splits = tl.maximum(tl.minimum(S, tl.cdiv(n_units, MIN_UNITS)), 1)
     per = tl.cdiv(n_units, n_splits)
     n_live = tl.cdiv(n_units, per)
@@ -667,7 +674,7 @@ def _decode_split_kernel(
                 acc3 = acc3 * alpha_tile[:, None] + vcs3[None, :] * (va3 + pz[:, None])
 
     # exact tail: the seq_len % G newest tokens, read from the pool block tail_pool_block[b]
-    if (tail > 0) & (u1 > n_full):
+    if (tail > 0) & (u1 > n_full) & (not TAIL_IN_COMBINE):
         pb = tl.load(tail_ptr + b).to(tl.int64)
         tt = tl.arange(0, TC)
         for c in tl.static_range(G // TC):
@@ -729,6 +736,15 @@ def _decode_combine_kernel(
     out_ptr,
     lse_numel,
     rows_per_request,
+    q_ptr,
+    ek_ptr,
+    ev_ptr,
+    ks_ptr,
+    vs_ptr,
+    tail_ptr,
+    qk_scale,
+    num_kv_heads,
+    num_q_heads,
     D: tl.constexpr,
     G: tl.constexpr,
     S: tl.constexpr,
@@ -736,23 +752,70 @@ def _decode_combine_kernel(
     MIN_UNITS: tl.constexpr,
     JC: tl.constexpr,
     SC: tl.constexpr,
+    TAIL: tl.constexpr,
+    T: tl.constexpr,
+    GQA: tl.constexpr,
+    POOL_FP8: tl.constexpr,
 ):
+    """One program per query row: merge the live splits' partial rows (and, with ``TAIL``, the
+    exact tail's attention, computed here in fp32) and rotate back to the model frame."""
     row = tl.program_id(0).to(tl.int64)
     b = row // rows_per_request
     seq_len = tl.load(seq_ptr + b)
     n_full = seq_len // G
-    n_units = n_full + (seq_len - n_full * G > 0).to(tl.int32)
+    tail = seq_len - n_full * G
+    if TAIL:
+        n_units = n_full
+    else:
+        n_units = n_full + (tail > 0).to(tl.int32)
     n_splits = tl.maximum(tl.minimum(S, tl.cdiv(n_units, MIN_UNITS)), 1)
-    per = tl.cdiv(n_units, n_splits)
+    per = tl.maximum(tl.cdiv(n_units, n_splits), 1)
     n_live = tl.cdiv(n_units, per)
-
     sp = tl.arange(0, S_P2)
     lse = tl.load(ws_ptr + row * S + sp, mask=sp < n_live, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
-    w = tl.where(sp < n_live, tl.exp2(lse - lse_max), 0.0)
-    inv_w = 1.0 / tl.sum(w, axis=0)
     d = tl.arange(0, D)
-    o = tl.zeros([D], dtype=tl.float32)
+    if TAIL:
+        # the exact tail (seq_len % G newest tokens of pool block tail_pool_block[b]) in fp32:
+        # q rotated into the cache frame by column chunks, then one [G, D] tile of K and V
+        hq = row % num_q_heads
+        h = hq // GQA
+        q_pos = seq_len - T + (row % rows_per_request) // num_q_heads
+        qv = tl.load(q_ptr + row * D + d).to(tl.float32) * qk_scale
+        q_rot = tl.zeros([D], dtype=tl.float32)
+        for j0 in range(0, D, JC):
+            j = j0 + tl.arange(0, JC)
+            hs = _hadamard_signs(d[:, None], j[None, :]).to(tl.float32)
+            part = tl.sum(qv[:, None] * hs, axis=0)
+            q_rot += tl.sum(tl.where(d[:, None] == j[None, :], part[None, :], 0.0), axis=1)
+        q_rot = q_rot * (1.0 / tl.sqrt(D * 1.0))
+        tok = tl.arange(0, G)
+        t_ok = (tok < tail) & (n_full * G + tok <= q_pos)
+        pb = tl.load(tail_ptr + b, mask=tail > 0, other=0).to(tl.int64)
+        slot = (pb * G + tok) * num_kv_heads + h
+        kx = tl.load(ek_ptr + slot[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        kx = kx.to(tl.float32)
+        if POOL_FP8:
+            kx = kx * tl.load(ks_ptr + slot, mask=t_ok, other=0.0)[:, None]
+        st = tl.where(t_ok, tl.sum(kx * q_rot[None, :], axis=1), float("-inf"))
+        m_t = tl.max(st, axis=0)
+        p_t = tl.where(t_ok, tl.exp2(st - m_t), 0.0)
+        l_t = tl.sum(p_t, axis=0)
+        if POOL_FP8:
+            p_t = p_t * tl.load(vs_ptr + slot, mask=t_ok, other=0.0)
+        vx = tl.load(ev_ptr + slot[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        o_t = tl.sum(p_t[:, None] * vx.to(tl.float32), axis=0)
+        lse_t = tl.where(l_t > 0.0, m_t + tl.log2(tl.where(l_t > 0.0, l_t, 1.0)), float("-inf"))
+        top = tl.maximum(lse_max, lse_t)
+        w_t = tl.where(l_t > 0.0, tl.exp2(lse_t - top), 0.0)
+        o = o_t * tl.where(l_t > 0.0, w_t / tl.where(l_t > 0.0, l_t, 1.0), 0.0)
+        lse_max = top
+        w_sum = w_t
+    else:
+        o = tl.zeros([D], dtype=tl.float32)
+        w_sum = 0.0
+    w = tl.where(sp < n_live, tl.exp2(lse - lse_max), 0.0)
+    inv_w = 1.0 / (tl.sum(w, axis=0) + w_sum)
     # partial rows by tiles of SC splits: one memory round trip per tile, not per split
     for s0 in range(0, n_live, SC):
         sc = s0 + tl.arange(0, SC)
@@ -850,6 +913,7 @@ def kernel_config(
         POOL_FP8=pool_fp8,
         FAST=fast,
         ASM=fast and not _interpreting(),
+        TAIL_IN_COMBINE=False,
         **c,
     )
     opts = dict(num_warps=4 if d <= 128 else 8, num_stages=1)
@@ -886,13 +950,16 @@ def decode_num_splits(
     device: torch.device | str | None = None,
 ) -> int:
     """Split count a workspace is sized for: enough (request, KV head, split) programs to
-    fill the GPU about 4 times over, no more than the longest context can use."""
+    fill the GPU with about two waves of the MMA kernel's one-warp programs, no more than the
+    longest context can use."""
     sms = 132
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
     units = -(-max(1, max_seq_len) // block_size)
-    want = -(-4 * sms // max(1, batch * num_kv_heads))
+    # one-warp MMA programs, ~8 resident per SM: about two equal waves (H200, k4v2 d128: at
+    # B=32 16K, 8 splits 31.4% of copy bandwidth, 9 splits 26.3% (a third, partial wave))
+    want = max(1, 16 * sms // max(1, batch * num_kv_heads))
     by_ctx = -(-units // DECODE_MIN_UNITS_PER_SPLIT)
     return max(1, min(DECODE_MAX_SPLITS, want, by_ctx))
 
@@ -994,6 +1061,32 @@ def _check_decode_args(
     return min(splits, DECODE_MAX_SPLITS)
 
 
+_TAIL_IN_COMBINE = False
+"""Triton split kernel only: leave the exact tail to the combine kernel, as the MMA kernel
+always does (tests set it to check that combine path under the interpreter)."""
+
+
+def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
+    """The Gluon kernel (``decode_mma.py``) serves 4-bit K, 2/4-bit V, G 64, d128 on sm_80+."""
+    if _interpreting() or q.device.type != "cuda" or os.environ.get("KVARN_DECODE_MMA") == "0":
+        return False
+    c = _layout_consts(format_name, q.shape[3])
+    rows = q.shape[1] * (q.shape[2] // hkv)
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return False
+    mma = _mma_module()
+    return mma is not None and mma.mma_decode_supported(c["KB"], c["VB"], c["G"], q.shape[3], rows)
+
+
+@functools.cache
+def _mma_module():
+    try:
+        from kvarn_ops.kernels import decode_mma
+    except ImportError:  # a Triton without Gluon: the Triton split kernel serves every format
+        return None
+    return decode_mma
+
+
 def _launch(
     q,
     packed,
@@ -1019,38 +1112,87 @@ def _launch(
     lse_numel = num_splits * b * t * hq
     ks = k_scale if pool_fp8 else exact_k
     vs = v_scale if pool_fp8 else exact_v
-    _decode_split_kernel[(num_splits, b * hkv)](
-        q,
-        packed,
-        packed.view(torch.float16),
-        packed.view(torch.int32),
-        block_table,
-        seq_lens,
-        exact_k,
-        exact_v,
-        ks,
-        vs,
-        tail_pool_block,
-        workspace,
-        float(softmax_scale) * math.log2(math.e),
-        block_table.stride(0),
-        hkv,
-        hq,
-        lse_numel,
-        **consts,
-        **opts,
-    )
+    qk_scale = float(softmax_scale) * math.log2(math.e)
+    mma = _use_mma_kernel(format_name, q, hkv)
+    if mma:
+        c = _layout_consts(format_name, d)
+        _mma_module().mma_decode_kernel[(num_splits, b * hkv)](
+            q,
+            packed.view(torch.float16),
+            packed.view(torch.int32),
+            block_table,
+            seq_lens,
+            workspace,
+            qk_scale,
+            block_table.stride(0),
+            hkv,
+            hq,
+            lse_numel,
+            T=t,
+            GQA=hq // hkv,
+            VB=c["VB"],
+            REC=c["REC"],
+            K_OFF=c["K_OFF"],
+            KCS_OFF=c["KCS_OFF"],
+            KZP_OFF=c["KZP_OFF"],
+            KRS_OFF=c["KRS_OFF"],
+            V_OFF=c["V_OFF"],
+            VCS_OFF=c["VCS_OFF"],
+            VRS_OFF=c["VRS_OFF"],
+            VZP_OFF=c["VZP_OFF"],
+            S=num_splits,
+            MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
+            num_warps=1,
+        )
+        tail_in_combine = True
+    else:
+        tail_in_combine = _TAIL_IN_COMBINE
+        consts["TAIL_IN_COMBINE"] = tail_in_combine
+        _decode_split_kernel[(num_splits, b * hkv)](
+            q,
+            packed,
+            packed.view(torch.float16),
+            packed.view(torch.int32),
+            block_table,
+            seq_lens,
+            exact_k,
+            exact_v,
+            ks,
+            vs,
+            tail_pool_block,
+            workspace,
+            qk_scale,
+            block_table.stride(0),
+            hkv,
+            hq,
+            lse_numel,
+            **consts,
+            **opts,
+        )
     _decode_combine_kernel[(b * t * hq,)](
         workspace,
         seq_lens,
         out,
         lse_numel,
         t * hq,
+        q,
+        exact_k,
+        exact_v,
+        ks,
+        vs,
+        tail_pool_block,
+        qk_scale,
+        hkv,
+        hq,
         D=d,
         G=consts["G"],
         S=num_splits,
         S_P2=_next_pow2(num_splits),
         MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
+        TAIL=tail_in_combine,
+        T=t,
+        GQA=hq // hkv,
+        POOL_FP8=pool_fp8,
         **combine_consts(d, num_splits),
         num_warps=4,
     )

@@ -1,0 +1,401 @@
+"""Decode main kernel that unpacks codes straight into tensor-core operand registers (Gluon).
+
+The Triton split kernel (``decode.py``) spends most of its time moving every unpacked code
+tile through shared memory into the operand layout of the tensor cores (Nsight Compute on the
+H200: 65% of its shared-memory wavefronts). This kernel has no such trip: written in Gluon
+(Triton's explicit-layout dialect), each thread loads exactly the code words whose codes
+belong in its own ``mma.sync.m16n8k16`` operand registers, so every layout conversion is a
+renaming of registers (checked at compile time: ``assert_trivial``).
+
+That is possible with the record layout as it is, because attention does not care about the
+order of a block's tokens (softmax and the value sum run over all of them) nor about the order
+of the channels of a dot product, as long as both sides agree. A thread's B-operand registers of
+the score dot hold, for token column ``n = 8 j + w`` of the tile, channels ``16 kt + 2 c + {0, 1,
+8, 9}``; mapping column ``n`` to physical token ``8 w + j`` puts all eight nibbles of K word ``w``
+(8 consecutive tokens of one channel) in the thread that owns column ``w``. Channels are renamed
+so that a thread's 32 channels are 32 consecutive physical channels (one ``[32, 8]`` word tile,
+contiguous scale vectors); q is rotated straight into that order (the Hadamard matrix's columns
+are permuted when it is built). The value dot uses the same token order, and renames output
+channel ``n = 8 nt + g`` to physical channel ``16 g + nt``, so a thread's codes come from V word
+``g`` of its 16 tokens. The output is written to the workspace in physical order.
+
+Scope: 4-bit K, 2- or 4-bit V, 64-token blocks, head_dim 128, at most 16 query rows per KV head
+(T * GQA), one warp per program. It reads full blocks only; the exact tail is folded in by the
+combine kernel (``decode._decode_combine_kernel`` with ``TAIL=True``). Everything else uses the
+Triton split kernel. Gluon kernels do not run under the Triton interpreter: on the CPU the
+offline-compile tests build this kernel for sm_90a and sm_120a, and ``gpu/parity.py`` compares it
+with the reference on the GPU.
+
+Numerics match the Triton fast path: q is scaled, rounded to fp16 and rotated with fp32
+accumulation; the score operand is ``fp16(q_rot * s_col_K)``, the value operand
+``fp16(p * s_row_V)``; codes are exact fp16 integers; zero-point terms, softmax and the running
+accumulators are fp32.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+__all__ = ["MMA_DECODE_D", "MMA_DECODE_G", "mma_decode_supported", "mma_decode_kernel"]
+
+MMA_DECODE_D = 128
+MMA_DECODE_G = 64
+
+# one warp: m16n8k16 fragments of fp16 operands (two per 32-bit register)
+_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+    version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+)
+_OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2)
+_OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2)
+_ROWS: gl.constexpr = gl.SliceLayout(1, _MMA)
+_COLS: gl.constexpr = gl.SliceLayout(0, _MMA)
+# K words of a 32-channel chunk [8 * c + i, w] (channel 32 c + 8 * chunk + i, word w) and their
+# 8 nibbles: lane (g, c) = (lane // 4, lane % 4) holds word g of its 8 channels
+_K3: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[8, 1, 8], threads_per_warp=[4, 8, 1], warps_per_cta=[1, 1, 1], order=[2, 0, 1]
+)
+_KW: gl.constexpr = gl.SliceLayout(2, _K3)
+# V words [token 16 c + i, word g] and 4 fields of each
+_V3: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[16, 1, 4], threads_per_warp=[4, 8, 1], warps_per_cta=[1, 1, 1], order=[2, 0, 1]
+)
+_VW: gl.constexpr = gl.SliceLayout(2, _V3)
+# 1-D vectors loaded as contiguous runs per lane (lane % 4 picks the run)
+# scale vectors as [lane % 4, run] tiles: each lane loads one contiguous run (16-byte loads)
+_RUN8: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4]],
+    lane_bases=[[1, 0], [2, 0], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[4, 8],
+)
+_RUN16: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]],
+    lane_bases=[[1, 0], [2, 0], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[4, 16],
+)
+_RUN4: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0]],
+    lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[4, 2, 4],
+)
+
+
+def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: int, rows: int):
+    """Whether a geometry takes this kernel (on a GPU with mma.sync, i.e. sm_80 and newer)."""
+    return (
+        k_bits == 4
+        and v_bits in (2, 4)
+        and block_size == MMA_DECODE_G
+        and head_dim == MMA_DECODE_D
+        and rows <= 16
+    )
+
+
+@gluon.jit
+def _popc(x):
+    return gl.inline_asm_elementwise(
+        "popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _rotation_chunk(q16, CQ: gl.constexpr):
+    """Columns ``32 CQ .. 32 CQ + 31`` (logical channel order) of ``q16 @ H_128``, fp32."""
+    kk = gl.arange(0, 128, layout=gl.SliceLayout(1, _OPB))
+    nl = gl.arange(0, 32, layout=gl.SliceLayout(0, _OPB))
+    # logical channel 32 CQ + 16 kt0 + 8 z + 2 c + x  ->  physical 32 c + 8 CQ + 4 kt0 + 2 z + x
+    phys = ((nl >> 1) & 3) * 32 + 8 * CQ + (nl >> 4) * 4 + ((nl >> 3) & 1) * 2 + (nl & 1)
+    par = _popc(kk[:, None] & phys[None, :]) & 1
+    hs = (1 - 2 * par).to(gl.float16)
+    acc = gl.full([16, 32], 0.0, gl.float32, _MMA)
+    return mma_v2(q16, hs, acc) * 0.08838834764831845  # 1 / sqrt(128)
+
+
+@gluon.jit
+def _chan_vec(base, CQ: gl.constexpr):
+    """K channel vector (s_col or zero point) of chunk CQ, logical order, fp32 [32] columns."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(1, _RUN8))
+    i = gl.arange(0, 8, layout=gl.SliceLayout(0, _RUN8))
+    v = gl.load(base + c[:, None] * 32 + 8 * CQ + i[None, :]).to(gl.float32)  # channel 32c+8CQ+i
+    v = gl.permute(gl.reshape(v, [2, 2, 2, 2, 2]), [2, 3, 0, 1, 4])  # c1 c0 kt0 z x
+    return gl.convert_layout(gl.reshape(v, [32]), _COLS, assert_trivial=True)
+
+
+@gluon.jit
+def _vchan_vec(base, CQ: gl.constexpr):
+    """V column scales of output chunk CQ, logical order, fp32 [32] columns."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _RUN4)))
+    x = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _RUN4)))
+    nt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _RUN4)))
+    off = c[:, None, None] * 32 + x[None, :, None] * 16 + 4 * CQ + nt[None, None, :]
+    v = gl.load(base + off).to(gl.float32)  # channel 32 c + 16 x + 4 CQ + nt
+    v = gl.permute(gl.reshape(v, [2, 2, 2, 2, 2]), [3, 4, 0, 1, 2])  # c1 c0 x nt1 nt0
+    return gl.convert_layout(gl.reshape(v, [32]), _COLS, assert_trivial=True)
+
+
+@gluon.jit
+def _tok_vec(base):
+    """Per-token vector of a block (64 fp16), logical token order, fp32 [64] columns."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(1, _RUN16))
+    i = gl.arange(0, 16, layout=gl.SliceLayout(0, _RUN16))
+    v = gl.load(base + c[:, None] * 16 + i[None, :]).to(gl.float32)  # token 16 c + 8 x + nt
+    v = gl.permute(gl.reshape(v, [2, 2, 2, 2, 2, 2]), [3, 4, 5, 0, 1, 2])  # c1 c0 x nt
+    return gl.convert_layout(gl.reshape(v, [64]), _COLS, assert_trivial=True)
+
+
+@gluon.jit
+def _pair_f16(a, b, BYTE: gl.constexpr, MASK: gl.constexpr):
+    """Two codes as exact fp16 values in one 32-bit register: the field at the bottom of byte
+    ``BYTE`` of word ``a`` (low half) and of word ``b`` (high half). One ``prmt`` brings both
+    bytes together, one ``lop3`` masks them into the mantissas of fp16 1024.0 (0x6400) and one
+    ``sub.f16x2`` removes the 1024 (exact): three instructions per two codes."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    M2: gl.constexpr = MASK | (MASK << 16)
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t, o; prmt.b32 t, $2, $3, {SEL}; "
+        f"lop3.b32 t, t, {M2}, 1677747200, 0xea; mov.b32 o, 1677747200; "
+        f"sub.f16x2 t, t, o; mov.b32 {{$0, $1}}, t; }}",
+        "=h,=h,r,r",
+        [a, b],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _stack8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """[..., 8] with ``c_j`` at index j of the new last axis (kept in registers)."""
+    x = gl.join(
+        gl.join(gl.join(c0, c4), gl.join(c2, c6)), gl.join(gl.join(c1, c5), gl.join(c3, c7))
+    )
+    return gl.reshape(x, x.shape[:-3] + [8])
+
+
+@gluon.jit
+def _stack4(c0, c1, c2, c3):
+    x = gl.join(gl.join(c0, c2), gl.join(c1, c3))
+    return gl.reshape(x, x.shape[:-2] + [4])
+
+
+@gluon.jit
+def _k_nib(ka, kb, ka4, kb4, J: gl.constexpr):
+    if J % 2 == 0:
+        lo, hi = _pair_f16(ka, kb, J // 2, 15)
+    else:
+        lo, hi = _pair_f16(ka4, kb4, J // 2, 15)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _k_operand(kw_ptr, CQ: gl.constexpr):
+    """B operand [32 channels (logical chunk CQ), 64 tokens (logical)] of 4-bit K codes."""
+    i = gl.arange(0, 32, layout=gl.SliceLayout(1, _KW))
+    w = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
+    rows = (i >> 3) * 32 + 8 * CQ + (i & 7)
+    kw = gl.load(kw_ptr + rows[:, None] * 8 + w[None, :])  # [8 c + i, w]
+    # channel pairs (i, i + 1) of one lane: even and odd rows
+    ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
+    ka4 = ka >> 4
+    kb4 = kb >> 4
+    c = _stack8(
+        _k_nib(ka, kb, ka4, kb4, 0),
+        _k_nib(ka, kb, ka4, kb4, 1),
+        _k_nib(ka, kb, ka4, kb4, 2),
+        _k_nib(ka, kb, ka4, kb4, 3),
+        _k_nib(ka, kb, ka4, kb4, 4),
+        _k_nib(ka, kb, ka4, kb4, 5),
+        _k_nib(ka, kb, ka4, kb4, 6),
+        _k_nib(ka, kb, ka4, kb4, 7),
+    )  # [(8 c + i) // 2, w, x, j]
+    # i = 4 kt0 + 2 z + x; logical channel 16 kt0 + 8 z + 2 c + x; logical token 8 j + w
+    c = gl.permute(gl.reshape(c, [2, 2, 2, 2, 8, 2, 8]), [2, 3, 0, 1, 5, 6, 4])
+    return gl.convert_layout(gl.reshape(c, [32, 64]), _OPB, assert_trivial=True)
+
+
+@gluon.jit
+def _v_pairs(vw):
+    """V words [16 c + i, g] as token pairs (i, i + 8) of one lane: ([4, 8, 8], [4, 8, 8])."""
+    return gl.split(gl.permute(gl.reshape(vw, [4, 2, 8, 8]), [0, 2, 3, 1]))
+
+
+@gluon.jit
+def _v_field(va, vb, SH: gl.constexpr, BYTE: gl.constexpr, VB: gl.constexpr):
+    lo, hi = _pair_f16(va >> SH, vb >> SH, BYTE, (1 << VB) - 1)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _v_operand(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
+    """B operand [64 tokens (logical), 32 channels (logical chunk CQ)] from the token pairs of
+    the V words that hold this chunk (field f of word g: channel 16 g + 4 CQ + f)."""
+    BIT0: gl.constexpr = (4 * CQ * VB) % 32
+    c = _stack4(
+        _v_field(va, vb, (BIT0 + 0 * VB) % 8, (BIT0 + 0 * VB) // 8, VB),
+        _v_field(va, vb, (BIT0 + 1 * VB) % 8, (BIT0 + 1 * VB) // 8, VB),
+        _v_field(va, vb, (BIT0 + 2 * VB) % 8, (BIT0 + 2 * VB) // 8, VB),
+        _v_field(va, vb, (BIT0 + 3 * VB) % 8, (BIT0 + 3 * VB) // 8, VB),
+    )  # [c, i', g, x, f] with token 16 c + 8 x + i', i' = 2 kt + y
+    # logical token 16 kt + 8 y + 2 c + x; logical channel 8 f + g
+    c = gl.permute(gl.reshape(c, [2, 2, 2, 2, 2, 8, 2, 4]), [2, 3, 4, 0, 1, 6, 7, 5])
+    return gl.convert_layout(gl.reshape(c, [64, 32]), _OPB, assert_trivial=True)
+
+
+@gluon.jit
+def _scores_chunk(s, qz, q_rot, r16, r32, KCS_OFF, KZP_OFF, K_OFF, CQ: gl.constexpr):
+    kcs = _chan_vec(r16 + KCS_OFF // 2, CQ)
+    kzp = _chan_vec(r16 + KZP_OFF // 2, CQ)
+    qs = gl.convert_layout((q_rot * kcs[None, :]).to(gl.float16), _OPA, assert_trivial=True)
+    qz = qz + gl.sum(q_rot * kzp[None, :], axis=1)
+    return mma_v2(qs, _k_operand(r32 + K_OFF // 4, CQ), s), qz
+
+
+@gluon.jit
+def _values_chunk(acc, alpha, pw, pz, va, vb, r16, VCS_OFF, CQ: gl.constexpr, VB: gl.constexpr):
+    o = mma_v2(pw, _v_operand(va, vb, CQ, VB), gl.full([16, 32], 0.0, gl.float32, _MMA))
+    vcs = _vchan_vec(r16 + VCS_OFF // 2, CQ)
+    return acc * alpha[:, None] + vcs[None, :] * (o + pz[:, None])
+
+
+@gluon.jit
+def _store_chunk(acc, inv_l, out_rows, row_ok, CQ: gl.constexpr):
+    n = gl.arange(0, 32, layout=_COLS)  # 8 nt + 2 c + x -> channel 32 c + 16 x + 4 CQ + nt
+    phys = (n & 7) * 16 + 4 * CQ + (n >> 3)
+    gl.store(out_rows[:, None] + phys[None, :], acc * inv_l[:, None], mask=row_ok[:, None])
+
+
+@gluon.jit
+def mma_decode_kernel(
+    q_ptr,
+    rec16_ptr,
+    rec32_ptr,
+    bt_ptr,
+    seq_ptr,
+    ws_ptr,
+    qk_scale,
+    bt_stride,
+    num_kv_heads,
+    num_q_heads,
+    lse_numel,
+    T: gl.constexpr,
+    GQA: gl.constexpr,
+    VB: gl.constexpr,
+    REC: gl.constexpr,
+    K_OFF: gl.constexpr,
+    KCS_OFF: gl.constexpr,
+    KZP_OFF: gl.constexpr,
+    KRS_OFF: gl.constexpr,
+    V_OFF: gl.constexpr,
+    VCS_OFF: gl.constexpr,
+    VRS_OFF: gl.constexpr,
+    VZP_OFF: gl.constexpr,
+    S: gl.constexpr,
+    MIN_UNITS: gl.constexpr,
+):
+    """Grid ``(S, B * Hkv)``, one warp: split ``program_id(0)`` of request ``b``'s full blocks
+    for KV head ``h``; writes the normalized partial rows and their base-2 log-sum-exp to the
+    workspace exactly as the Triton split kernel does (the tail is left to the combine)."""
+    split = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    seq_len = gl.load(seq_ptr + b)
+    n_full = seq_len // 64
+    if n_full == 0:
+        return
+    n_splits = gl.maximum(gl.minimum(S, (n_full + MIN_UNITS - 1) // MIN_UNITS), 1)
+    per = (n_full + n_splits - 1) // n_splits
+    n_live = (n_full + per - 1) // per
+    if split >= n_live:
+        return
+    u0 = split * per
+    u1 = gl.minimum(u0 + per, n_full)
+
+    # query rows r = t * GQA + g (token t at position seq_len - T + t, head h * GQA + g)
+    ra = gl.arange(0, 16, layout=gl.SliceLayout(1, _OPA))
+    ka = gl.arange(0, 128, layout=gl.SliceLayout(0, _OPA))
+    ok_a = ra < T * GQA
+    qrow_a = ((b * T + ra // GQA) * num_q_heads + h * GQA + ra % GQA).to(gl.int64)
+    q = gl.load(q_ptr + qrow_a[:, None] * 128 + ka[None, :], mask=ok_a[:, None], other=0.0)
+    q16 = (q.to(gl.float32) * qk_scale).to(gl.float16)
+    q0 = _rotation_chunk(q16, 0)
+    q1 = _rotation_chunk(q16, 1)
+    q2 = _rotation_chunk(q16, 2)
+    q3 = _rotation_chunk(q16, 3)
+
+    r = gl.arange(0, 16, layout=_ROWS)
+    row_ok = r < T * GQA
+    q_pos = seq_len - T + r // GQA
+    lt = gl.arange(0, 64, layout=_COLS)
+    tok_of_col = (lt & 7) * 8 + (lt >> 3)  # logical column -> token of the block
+
+    m = gl.full([16], -1.0e30, gl.float32, _ROWS)
+    l = gl.full([16], 0.0, gl.float32, _ROWS)
+    a0 = gl.full([16, 32], 0.0, gl.float32, _MMA)
+    a1 = gl.full([16, 32], 0.0, gl.float32, _MMA)
+    a2 = gl.full([16, 32], 0.0, gl.float32, _MMA)
+    a3 = gl.full([16, 32], 0.0, gl.float32, _MMA)
+
+    WV: gl.constexpr = 128 * VB // 32  # int32 words per V token row
+    vt = gl.arange(0, 64, layout=gl.SliceLayout(1, _VW))
+    vg = gl.arange(0, 8, layout=gl.SliceLayout(0, _VW))
+    v_word = vt[:, None] * WV + vg[None, :] * (VB // 2)
+    bt_row = bt_ptr + b.to(gl.int64) * bt_stride
+    for u in range(u0, u1):
+        blk = gl.load(bt_row + u).to(gl.int64)
+        rbase = blk * num_kv_heads + h
+        r32 = rec32_ptr + rbase * (REC // 4)
+        r16 = rec16_ptr + rbase * (REC // 2)
+        vw0 = gl.load(r32 + V_OFF // 4 + v_word)
+        if VB == 4:
+            vw1 = gl.load(r32 + V_OFF // 4 + v_word + 1)
+        else:
+            vw1 = vw0
+
+        s = gl.full([16, 64], 0.0, gl.float32, _MMA)
+        qz = gl.full([16], 0.0, gl.float32, _ROWS)
+        s, qz = _scores_chunk(s, qz, q0, r16, r32, KCS_OFF, KZP_OFF, K_OFF, 0)
+        s, qz = _scores_chunk(s, qz, q1, r16, r32, KCS_OFF, KZP_OFF, K_OFF, 1)
+        s, qz = _scores_chunk(s, qz, q2, r16, r32, KCS_OFF, KZP_OFF, K_OFF, 2)
+        s, qz = _scores_chunk(s, qz, q3, r16, r32, KCS_OFF, KZP_OFF, K_OFF, 3)
+        s = (s + qz[:, None]) * _tok_vec(r16 + KRS_OFF // 2)[None, :]
+        if T > 1:
+            key = u * 64 + tok_of_col
+            s = gl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        m = m_new
+        l = l * alpha + gl.sum(p, axis=1)
+        pz = gl.sum(p * _tok_vec(r16 + VZP_OFF // 2)[None, :], axis=1)
+        pw = (p * _tok_vec(r16 + VRS_OFF // 2)[None, :]).to(gl.float16)
+        pw = gl.convert_layout(pw, _OPA, assert_trivial=True)
+        va0, vb0 = _v_pairs(vw0)
+        if VB == 4:
+            va1, vb1 = _v_pairs(vw1)
+        else:
+            va1 = va0
+            vb1 = vb0
+        a0 = _values_chunk(a0, alpha, pw, pz, va0, vb0, r16, VCS_OFF, 0, VB)
+        a1 = _values_chunk(a1, alpha, pw, pz, va0, vb0, r16, VCS_OFF, 1, VB)
+        a2 = _values_chunk(a2, alpha, pw, pz, va1, vb1, r16, VCS_OFF, 2, VB)
+        a3 = _values_chunk(a3, alpha, pw, pz, va1, vb1, r16, VCS_OFF, 3, VB)
+
+    seen = l > 0.0
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l, 1.0), 0.0)
+    lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
+    q_row = ((b * T + r // GQA) * num_q_heads + h * GQA + r % GQA).to(gl.int64)
+    ws_row = q_row * S + split
+    gl.store(ws_ptr + ws_row, lse, mask=row_ok)
+    out_rows = ws_ptr + lse_numel + ws_row * 128
+    _store_chunk(a0, inv_l, out_rows, row_ok, 0)
+    _store_chunk(a1, inv_l, out_rows, row_ok, 1)
+    _store_chunk(a2, inv_l, out_rows, row_ok, 2)
+    _store_chunk(a3, inv_l, out_rows, row_ok, 3)
