@@ -268,6 +268,10 @@ def main() -> None:
                 )
                 vargs = args[:12] + (ws,)
 
+            kd._MMA_STAGES = 3
+            if v and v.startswith("mma_stages="):
+                kd._MMA_STAGES = int(v.split("=")[1])
+
             def cfg(*xs, _v=v, **kw):
                 consts, opts = base_cfg(*xs, **kw)
                 if _v:

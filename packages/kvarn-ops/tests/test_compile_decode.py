@@ -179,13 +179,13 @@ MMA_CASES = [
 MMA_SPILL = {MMA_CASES[0]: 64, MMA_CASES[1]: 64, MMA_CASES[2]: 192}
 
 
-def _mma_source(fmt, gqa, t, qdt):
+def _mma_source(fmt, gqa, t, qdt, nbuf=3):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kvarn_ops.kernels import decode_mma as KM
 
     c = KD._layout_consts(fmt, 128)
-    consts = dict(T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2)
+    consts = dict(T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2, NBUF=nbuf)
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
         consts[name] = c[name]
     consts["VZP_OFF"] = c["VZP_OFF"]
@@ -208,13 +208,24 @@ def _mma_source(fmt, gqa, t, qdt):
     return GluonASTSource(fn=KM.mma_decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
 
 
+@pytest.mark.parametrize("nbuf", [0, 3], ids=["loads", "cp_async3"])
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
-def test_mma_decode_compiles_without_shared_memory(target, case):
-    k = triton.compile(_mma_source(*case), target=target, options=dict(num_warps=1))
+def test_mma_decode_compiles_without_operand_trips(target, case, nbuf):
+    """Codes go from global memory (or a cp.async stage) into MMA operand registers with no
+    shared-memory store and no layout shuffle: every conversion inside is a register renaming
+    (``assert_trivial``), which this compile also checks."""
+    k = triton.compile(_mma_source(*case, nbuf=nbuf), target=target, options=dict(num_warps=1))
     regs, frame = cubin_resources(k.asm["cubin"])
     ptx = k.asm["ptx"]
-    assert k.metadata.shared == 0 and "st.shared" not in ptx and "ld.shared" not in ptx
+    assert "st.shared" not in ptx
+    if nbuf == 0:
+        assert k.metadata.shared == 0 and "ld.shared" not in ptx
+    else:
+        # one record per stage: K words 4 KB, V words 2 or 4 KB, scales 1,152 B
+        vb = KD._layout_consts(case[0], 128)["VB"]
+        assert k.metadata.shared == nbuf * (4096 + 1024 * vb + 1152)
+        assert ptx.count("cp.async") >= 48
     assert frame <= MMA_SPILL.get(case, 0), f"{frame} B of spill frame"
     assert regs <= 255
     # per 64-token block: 4 x 16 score MMAs + 4 x 16 value MMAs; the q rotation 4 x 32

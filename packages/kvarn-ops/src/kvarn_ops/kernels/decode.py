@@ -1061,6 +1061,8 @@ def _check_decode_args(
     return min(splits, DECODE_MAX_SPLITS)
 
 
+_MMA_STAGES = 3
+"""Records in flight per program of the MMA kernel (cp.async stages; 0: plain loads)."""
 _TAIL_IN_COMBINE = False
 """Triton split kernel only: leave the exact tail to the combine kernel, as the MMA kernel
 always does (tests set it to check that combine path under the interpreter)."""
@@ -1142,6 +1144,7 @@ def _launch(
             VZP_OFF=c["VZP_OFF"],
             S=num_splits,
             MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
+            NBUF=_MMA_STAGES,
             num_warps=1,
         )
         tail_in_combine = True

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 __all__ = ["MMA_DECODE_D", "MMA_DECODE_G", "mma_decode_supported", "mma_decode_kernel"]
 
@@ -87,6 +87,29 @@ _RUN4: gl.constexpr = gl.DistributedLinearLayout(
 )
 
 
+# shared-memory staging of a block (cp.async, NBUF > 0): words stored lane-major, so that the
+# read of one register's word by the 32 lanes touches 32 consecutive words (no bank conflict)
+_SH2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+_CPK: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[32, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
+)
+_RDK: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[8, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
+)
+_SH3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+# scale-vector copies: 16-byte runs, [4, 32] / [4, 16] / [4, 2, 16] fp16 (lanes beyond a
+# vector's 8-element runs repeat a copy of the same bytes)
+_CP32: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[1, 1], order=[1, 0]
+)
+_CP16: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[1, 1], order=[1, 0]
+)
+_CPV16: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 1, 8], threads_per_warp=[4, 2, 4], warps_per_cta=[1, 1, 1], order=[2, 1, 0]
+)
+
+
 def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: int, rows: int):
     """Whether a geometry takes this kernel (on a GPU with mma.sync, i.e. sm_80 and newer)."""
     return (
@@ -119,35 +142,66 @@ def _rotation_chunk(q16, CQ: gl.constexpr):
 
 
 @gluon.jit
+def _chan_from_run(v):
+    """[4, 8] run tile (channel 32 c + 8 CQ + i at [c, i]) -> logical chunk order [32]."""
+    v = gl.permute(gl.reshape(v.to(gl.float32), [2, 2, 2, 2, 2]), [2, 3, 0, 1, 4])
+    return gl.convert_layout(gl.reshape(v, [32]), _COLS, assert_trivial=True)
+
+
+@gluon.jit
+def _vchan_from_run(v):
+    """[4, 2, 4] run tile (channel 32 c + 16 x + 4 CQ + nt) -> logical chunk order [32]."""
+    v = gl.permute(gl.reshape(v.to(gl.float32), [2, 2, 2, 2, 2]), [3, 4, 0, 1, 2])
+    return gl.convert_layout(gl.reshape(v, [32]), _COLS, assert_trivial=True)
+
+
+@gluon.jit
+def _tok_from_run(v):
+    """[4, 16] run tile (token 16 c + 8 x + nt) -> logical token order [64]."""
+    v = gl.permute(gl.reshape(v.to(gl.float32), [2, 2, 2, 2, 2, 2]), [3, 4, 5, 0, 1, 2])
+    return gl.convert_layout(gl.reshape(v, [64]), _COLS, assert_trivial=True)
+
+
+@gluon.jit
+def _kw_from_lanes(t):
+    """[8 i, 32 lanes] words as staged (lane = c + 4 w holds row 32 c + 8 CQ + i, word w)
+    -> [8 c + i, w] in the K word layout."""
+    t = gl.permute(gl.reshape(t, [8, 8, 4]), [2, 0, 1])
+    return gl.convert_layout(gl.reshape(t, [32, 8]), _KW, assert_trivial=True)
+
+
+@gluon.jit
+def _vw_from_lanes(t):
+    """[16 i, 32 lanes] words as staged (lane = c + 4 g holds token 16 c + i, word g)
+    -> [16 c + i, g] in the V word layout."""
+    t = gl.permute(gl.reshape(t, [16, 8, 4]), [2, 0, 1])
+    return gl.convert_layout(gl.reshape(t, [64, 8]), _VW, assert_trivial=True)
+
+
+@gluon.jit
 def _chan_vec(base, CQ: gl.constexpr):
-    """K channel vector (s_col or zero point) of chunk CQ, logical order, fp32 [32] columns."""
+    """K channel vector (s_col or zero point) of chunk CQ from global memory, logical order."""
     c = gl.arange(0, 4, layout=gl.SliceLayout(1, _RUN8))
     i = gl.arange(0, 8, layout=gl.SliceLayout(0, _RUN8))
-    v = gl.load(base + c[:, None] * 32 + 8 * CQ + i[None, :]).to(gl.float32)  # channel 32c+8CQ+i
-    v = gl.permute(gl.reshape(v, [2, 2, 2, 2, 2]), [2, 3, 0, 1, 4])  # c1 c0 kt0 z x
-    return gl.convert_layout(gl.reshape(v, [32]), _COLS, assert_trivial=True)
+    return _chan_from_run(gl.load(base + c[:, None] * 32 + 8 * CQ + i[None, :]))
 
 
 @gluon.jit
 def _vchan_vec(base, CQ: gl.constexpr):
-    """V column scales of output chunk CQ, logical order, fp32 [32] columns."""
+    """V column scales of output chunk CQ from global memory, logical order."""
     c = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _RUN4)))
     x = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _RUN4)))
     nt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _RUN4)))
     off = c[:, None, None] * 32 + x[None, :, None] * 16 + 4 * CQ + nt[None, None, :]
-    v = gl.load(base + off).to(gl.float32)  # channel 32 c + 16 x + 4 CQ + nt
-    v = gl.permute(gl.reshape(v, [2, 2, 2, 2, 2]), [3, 4, 0, 1, 2])  # c1 c0 x nt1 nt0
-    return gl.convert_layout(gl.reshape(v, [32]), _COLS, assert_trivial=True)
+    return _vchan_from_run(gl.load(base + off))
 
 
 @gluon.jit
 def _tok_vec(base):
-    """Per-token vector of a block (64 fp16), logical token order, fp32 [64] columns."""
+    """Per-token vector of a block (64 fp16) from global memory, logical token order."""
     c = gl.arange(0, 4, layout=gl.SliceLayout(1, _RUN16))
     i = gl.arange(0, 16, layout=gl.SliceLayout(0, _RUN16))
-    v = gl.load(base + c[:, None] * 16 + i[None, :]).to(gl.float32)  # token 16 c + 8 x + nt
-    v = gl.permute(gl.reshape(v, [2, 2, 2, 2, 2, 2]), [3, 4, 5, 0, 1, 2])  # c1 c0 x nt
-    return gl.convert_layout(gl.reshape(v, [64]), _COLS, assert_trivial=True)
+    return _tok_from_run(gl.load(base + c[:, None] * 16 + i[None, :]))
 
 
 @gluon.jit
@@ -195,12 +249,18 @@ def _k_nib(ka, kb, ka4, kb4, J: gl.constexpr):
 
 
 @gluon.jit
-def _k_operand(kw_ptr, CQ: gl.constexpr):
-    """B operand [32 channels (logical chunk CQ), 64 tokens (logical)] of 4-bit K codes."""
+def _k_words(kw_ptr, CQ: gl.constexpr):
+    """K words of chunk CQ from global memory: [8 c + i, w], channel 32 c + 8 CQ + i."""
     i = gl.arange(0, 32, layout=gl.SliceLayout(1, _KW))
     w = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
     rows = (i >> 3) * 32 + 8 * CQ + (i & 7)
-    kw = gl.load(kw_ptr + rows[:, None] * 8 + w[None, :])  # [8 c + i, w]
+    return gl.load(kw_ptr + rows[:, None] * 8 + w[None, :])
+
+
+@gluon.jit
+def _k_operand(kw):
+    """B operand [32 channels (logical chunk), 64 tokens (logical)] of 4-bit K codes from the
+    chunk's words ``kw`` [8 c + i, w]."""
     # channel pairs (i, i + 1) of one lane: even and odd rows
     ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
     ka4 = ka >> 4
@@ -249,19 +309,94 @@ def _v_operand(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
 
 
 @gluon.jit
-def _scores_chunk(s, qz, q_rot, r16, r32, KCS_OFF, KZP_OFF, K_OFF, CQ: gl.constexpr):
-    kcs = _chan_vec(r16 + KCS_OFF // 2, CQ)
-    kzp = _chan_vec(r16 + KZP_OFF // 2, CQ)
+def _scores_chunk(s, qz, q_rot, kcs, kzp, kw):
     qs = gl.convert_layout((q_rot * kcs[None, :]).to(gl.float16), _OPA, assert_trivial=True)
     qz = qz + gl.sum(q_rot * kzp[None, :], axis=1)
-    return mma_v2(qs, _k_operand(r32 + K_OFF // 4, CQ), s), qz
+    return mma_v2(qs, _k_operand(kw), s), qz
 
 
 @gluon.jit
-def _values_chunk(acc, alpha, pw, pz, va, vb, r16, VCS_OFF, CQ: gl.constexpr, VB: gl.constexpr):
+def _values_chunk(acc, alpha, pw, pz, va, vb, vcs, CQ: gl.constexpr, VB: gl.constexpr):
     o = mma_v2(pw, _v_operand(va, vb, CQ, VB), gl.full([16, 32], 0.0, gl.float32, _MMA))
-    vcs = _vchan_vec(r16 + VCS_OFF // 2, CQ)
     return acc * alpha[:, None] + vcs[None, :] * (o + pz[:, None])
+
+
+@gluon.jit
+def _stage_block(
+    sk,
+    sv,
+    skc,
+    skz,
+    skr,
+    svc,
+    svr,
+    svz,
+    r32,
+    r16,
+    ok,
+    K_OFF,
+    KCS_OFF,
+    V_OFF,
+    VCS_OFF,
+    VB: gl.constexpr,
+):
+    """Issue the cp.async copies of one record into a stage (nothing read when ``ok`` is
+    false): K words lane-major [chunk, i, lane], V words [i, h, lane], the K scale fields
+    (s_col, zero point, s_row: 320 fp16) and the V ones (s_col, s_row, zero point: 256)."""
+    HV: gl.constexpr = VB // 2
+    WV: gl.constexpr = 128 * VB // 32
+    # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w
+    r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CPK))
+    ln = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPK))
+    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * 8 + (ln[None, :] >> 2)
+    async_copy.async_copy_global_to_shared(sk, r32 + K_OFF // 4 + koff, mask=(koff >= 0) & ok)
+    # V: row i * HV + h, lane c + 4 g: token 16 c + i, word g * HV + h
+    CPV: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[16 * HV, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
+    )
+    vr = gl.arange(0, 16 * HV, layout=gl.SliceLayout(1, CPV))
+    vl = gl.arange(0, 32, layout=gl.SliceLayout(0, CPV))
+    tok = (vl[None, :] & 3) * 16 + vr[:, None] // HV
+    voff = tok * WV + (vl[None, :] >> 2) * HV + vr[:, None] % HV
+    async_copy.async_copy_global_to_shared(sv, r32 + V_OFF // 4 + voff, mask=(voff >= 0) & ok)
+    c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP32))
+    j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP32))
+    o32 = c32[:, None] * 32 + j32[None, :]
+    m32 = (o32 >= 0) & ok
+    async_copy.async_copy_global_to_shared(skc, r16 + KCS_OFF // 2 + o32, mask=m32)
+    async_copy.async_copy_global_to_shared(skz, r16 + KCS_OFF // 2 + 128 + o32, mask=m32)
+    c16 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP16))
+    j16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP16))
+    o16 = c16[:, None] * 16 + j16[None, :]
+    m16 = (o16 >= 0) & ok
+    async_copy.async_copy_global_to_shared(skr, r16 + KCS_OFF // 2 + 256 + o16, mask=m16)
+    async_copy.async_copy_global_to_shared(svr, r16 + VCS_OFF // 2 + 128 + o16, mask=m16)
+    async_copy.async_copy_global_to_shared(svz, r16 + VCS_OFF // 2 + 192 + o16, mask=m16)
+    cv = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CPV16)))
+    xv = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CPV16)))
+    jv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CPV16)))
+    ov = cv[:, None, None] * 32 + xv[None, :, None] * 16 + jv[None, None, :]
+    async_copy.async_copy_global_to_shared(svc, r16 + VCS_OFF // 2 + ov, mask=(ov >= 0) & ok)
+
+
+@gluon.jit
+def _staged_kw(sk, CQ: gl.constexpr):
+    return _kw_from_lanes(sk.slice(8 * CQ, 8).load(_RDK))
+
+
+@gluon.jit
+def _staged_chan(sc, CQ: gl.constexpr):
+    return _chan_from_run(sc.slice(8 * CQ, 8, dim=1).load(_RUN8))
+
+
+@gluon.jit
+def _staged_vchan(svc, CQ: gl.constexpr):
+    return _vchan_from_run(svc.slice(4 * CQ, 4, dim=2).load(_RUN4))
+
+
+@gluon.jit
+def _staged_tok(st):
+    return _tok_from_run(st.load(_RUN16))
 
 
 @gluon.jit
@@ -269,6 +404,23 @@ def _store_chunk(acc, inv_l, out_rows, row_ok, CQ: gl.constexpr):
     n = gl.arange(0, 32, layout=_COLS)  # 8 nt + 2 c + x -> channel 32 c + 16 x + 4 CQ + nt
     phys = (n & 7) * 16 + 4 * CQ + (n >> 3)
     gl.store(out_rows[:, None] + phys[None, :], acc * inv_l[:, None], mask=row_ok[:, None])
+
+
+@gluon.jit
+def _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T: gl.constexpr):
+    """Scores -> online softmax of one block: new (m, l), the rescale factor, the V zero-point
+    row sums and the value operand ``fp16(p * s_row_V)``."""
+    s = (s + qz[:, None]) * krs[None, :]
+    if T > 1:
+        key = u * 64 + tok_of_col
+        s = gl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, axis=1))
+    alpha = gl.exp2(m - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l = l * alpha + gl.sum(p, axis=1)
+    pz = gl.sum(p * vzp[None, :], axis=1)
+    pw = gl.convert_layout((p * vrs[None, :]).to(gl.float16), _OPA, assert_trivial=True)
+    return m_new, l, alpha, pz, pw
 
 
 @gluon.jit
@@ -298,6 +450,7 @@ def mma_decode_kernel(
     VZP_OFF: gl.constexpr,
     S: gl.constexpr,
     MIN_UNITS: gl.constexpr,
+    NBUF: gl.constexpr,
 ):
     """Grid ``(S, B * Hkv)``, one warp: split ``program_id(0)`` of request ``b``'s full blocks
     for KV head ``h``; writes the normalized partial rows and their base-2 log-sum-exp to the
@@ -343,50 +496,152 @@ def mma_decode_kernel(
     a2 = gl.full([16, 32], 0.0, gl.float32, _MMA)
     a3 = gl.full([16, 32], 0.0, gl.float32, _MMA)
 
-    WV: gl.constexpr = 128 * VB // 32  # int32 words per V token row
-    vt = gl.arange(0, 64, layout=gl.SliceLayout(1, _VW))
-    vg = gl.arange(0, 8, layout=gl.SliceLayout(0, _VW))
-    v_word = vt[:, None] * WV + vg[None, :] * (VB // 2)
     bt_row = bt_ptr + b.to(gl.int64) * bt_stride
-    for u in range(u0, u1):
-        blk = gl.load(bt_row + u).to(gl.int64)
-        rbase = blk * num_kv_heads + h
-        r32 = rec32_ptr + rbase * (REC // 4)
-        r16 = rec16_ptr + rbase * (REC // 2)
-        vw0 = gl.load(r32 + V_OFF // 4 + v_word)
-        if VB == 4:
-            vw1 = gl.load(r32 + V_OFF // 4 + v_word + 1)
-        else:
-            vw1 = vw0
-
-        s = gl.full([16, 64], 0.0, gl.float32, _MMA)
-        qz = gl.full([16], 0.0, gl.float32, _ROWS)
-        s, qz = _scores_chunk(s, qz, q0, r16, r32, KCS_OFF, KZP_OFF, K_OFF, 0)
-        s, qz = _scores_chunk(s, qz, q1, r16, r32, KCS_OFF, KZP_OFF, K_OFF, 1)
-        s, qz = _scores_chunk(s, qz, q2, r16, r32, KCS_OFF, KZP_OFF, K_OFF, 2)
-        s, qz = _scores_chunk(s, qz, q3, r16, r32, KCS_OFF, KZP_OFF, K_OFF, 3)
-        s = (s + qz[:, None]) * _tok_vec(r16 + KRS_OFF // 2)[None, :]
-        if T > 1:
-            key = u * 64 + tok_of_col
-            s = gl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, axis=1))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        m = m_new
-        l = l * alpha + gl.sum(p, axis=1)
-        pz = gl.sum(p * _tok_vec(r16 + VZP_OFF // 2)[None, :], axis=1)
-        pw = (p * _tok_vec(r16 + VRS_OFF // 2)[None, :]).to(gl.float16)
-        pw = gl.convert_layout(pw, _OPA, assert_trivial=True)
-        va0, vb0 = _v_pairs(vw0)
-        if VB == 4:
-            va1, vb1 = _v_pairs(vw1)
-        else:
-            va1 = va0
-            vb1 = vb0
-        a0 = _values_chunk(a0, alpha, pw, pz, va0, vb0, r16, VCS_OFF, 0, VB)
-        a1 = _values_chunk(a1, alpha, pw, pz, va0, vb0, r16, VCS_OFF, 1, VB)
-        a2 = _values_chunk(a2, alpha, pw, pz, va1, vb1, r16, VCS_OFF, 2, VB)
-        a3 = _values_chunk(a3, alpha, pw, pz, va1, vb1, r16, VCS_OFF, 3, VB)
+    if NBUF == 0:
+        # loads straight from global memory, each just before its use
+        WV: gl.constexpr = 128 * VB // 32  # int32 words per V token row
+        vt = gl.arange(0, 64, layout=gl.SliceLayout(1, _VW))
+        vg = gl.arange(0, 8, layout=gl.SliceLayout(0, _VW))
+        v_word = vt[:, None] * WV + vg[None, :] * (VB // 2)
+        for u in range(u0, u1):
+            blk = gl.load(bt_row + u).to(gl.int64)
+            rbase = blk * num_kv_heads + h
+            r32 = rec32_ptr + rbase * (REC // 4)
+            r16 = rec16_ptr + rbase * (REC // 2)
+            vw0 = gl.load(r32 + V_OFF // 4 + v_word)
+            if VB == 4:
+                vw1 = gl.load(r32 + V_OFF // 4 + v_word + 1)
+            else:
+                vw1 = vw0
+            s = gl.full([16, 64], 0.0, gl.float32, _MMA)
+            qz = gl.full([16], 0.0, gl.float32, _ROWS)
+            kp = r32 + K_OFF // 4
+            kc = r16 + KCS_OFF // 2
+            kz = r16 + KZP_OFF // 2
+            s, qz = _scores_chunk(s, qz, q0, _chan_vec(kc, 0), _chan_vec(kz, 0), _k_words(kp, 0))
+            s, qz = _scores_chunk(s, qz, q1, _chan_vec(kc, 1), _chan_vec(kz, 1), _k_words(kp, 1))
+            s, qz = _scores_chunk(s, qz, q2, _chan_vec(kc, 2), _chan_vec(kz, 2), _k_words(kp, 2))
+            s, qz = _scores_chunk(s, qz, q3, _chan_vec(kc, 3), _chan_vec(kz, 3), _k_words(kp, 3))
+            krs = _tok_vec(r16 + KRS_OFF // 2)
+            vzp = _tok_vec(r16 + VZP_OFF // 2)
+            vrs = _tok_vec(r16 + VRS_OFF // 2)
+            m, l, alpha, pz, pw = _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T)
+            va0, vb0 = _v_pairs(vw0)
+            if VB == 4:
+                va1, vb1 = _v_pairs(vw1)
+            else:
+                va1 = va0
+                vb1 = vb0
+            vc = r16 + VCS_OFF // 2
+            a0 = _values_chunk(a0, alpha, pw, pz, va0, vb0, _vchan_vec(vc, 0), 0, VB)
+            a1 = _values_chunk(a1, alpha, pw, pz, va0, vb0, _vchan_vec(vc, 1), 1, VB)
+            a2 = _values_chunk(a2, alpha, pw, pz, va1, vb1, _vchan_vec(vc, 2), 2, VB)
+            a3 = _values_chunk(a3, alpha, pw, pz, va1, vb1, _vchan_vec(vc, 3), 3, VB)
+    else:
+        # records staged in shared memory by cp.async, NBUF - 1 blocks ahead of their use
+        HV: gl.constexpr = VB // 2
+        sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
+        sv = gl.allocate_shared_memory(gl.int32, [NBUF, 16 * HV, 32], _SH2)
+        skc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
+        skz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
+        skr = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
+        svc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 2, 16], _SH3)
+        svr = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
+        svz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
+        for st in gl.static_range(NBUF - 1):
+            uu = u0 + st
+            blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
+            rbase = blk * num_kv_heads + h
+            _stage_block(
+                sk.index(st),
+                sv.index(st),
+                skc.index(st),
+                skz.index(st),
+                skr.index(st),
+                svc.index(st),
+                svr.index(st),
+                svz.index(st),
+                rec32_ptr + rbase * (REC // 4),
+                rec16_ptr + rbase * (REC // 2),
+                uu < u1,
+                K_OFF,
+                KCS_OFF,
+                V_OFF,
+                VCS_OFF,
+                VB,
+            )
+            async_copy.commit_group()
+        for u in range(u0, u1):
+            j = u - u0
+            uu = u + NBUF - 1
+            blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
+            rbase = blk * num_kv_heads + h
+            nst = (j + NBUF - 1) % NBUF
+            gl.thread_barrier()  # every lane is done with the stage about to be overwritten
+            _stage_block(
+                sk.index(nst),
+                sv.index(nst),
+                skc.index(nst),
+                skz.index(nst),
+                skr.index(nst),
+                svc.index(nst),
+                svr.index(nst),
+                svz.index(nst),
+                rec32_ptr + rbase * (REC // 4),
+                rec16_ptr + rbase * (REC // 2),
+                uu < u1,
+                K_OFF,
+                KCS_OFF,
+                V_OFF,
+                VCS_OFF,
+                VB,
+            )
+            async_copy.commit_group()
+            async_copy.wait_group(NBUF - 1)
+            gl.thread_barrier()
+            cst = j % NBUF
+            ck = sk.index(cst)
+            kc = skc.index(cst)
+            kz = skz.index(cst)
+            vc = svc.index(cst)
+            s = gl.full([16, 64], 0.0, gl.float32, _MMA)
+            qz = gl.full([16], 0.0, gl.float32, _ROWS)
+            s, qz = _scores_chunk(
+                s, qz, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0)
+            )
+            s, qz = _scores_chunk(
+                s, qz, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1)
+            )
+            s, qz = _scores_chunk(
+                s, qz, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2)
+            )
+            s, qz = _scores_chunk(
+                s, qz, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
+            )
+            krs = _staged_tok(skr.index(cst))
+            vrs = _staged_tok(svr.index(cst))
+            vzp = _staged_tok(svz.index(cst))
+            m, l, alpha, pz, pw = _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T)
+            RDV: gl.constexpr = gl.BlockedLayout(
+                size_per_thread=[16 * HV, 1],
+                threads_per_warp=[1, 32],
+                warps_per_cta=[1, 1],
+                order=[1, 0],
+            )
+            vt3 = gl.reshape(sv.index(cst).load(RDV), [16, HV, 32])  # [i, h, lane]
+            if VB == 4:
+                t0, t1 = gl.split(gl.permute(vt3, [0, 2, 1]))
+                va0, vb0 = _v_pairs(_vw_from_lanes(t0))
+                va1, vb1 = _v_pairs(_vw_from_lanes(t1))
+            else:
+                va0, vb0 = _v_pairs(_vw_from_lanes(gl.reshape(vt3, [16, 32])))
+                va1 = va0
+                vb1 = vb0
+            a0 = _values_chunk(a0, alpha, pw, pz, va0, vb0, _staged_vchan(vc, 0), 0, VB)
+            a1 = _values_chunk(a1, alpha, pw, pz, va0, vb0, _staged_vchan(vc, 1), 1, VB)
+            a2 = _values_chunk(a2, alpha, pw, pz, va1, vb1, _staged_vchan(vc, 2), 2, VB)
+            a3 = _values_chunk(a3, alpha, pw, pz, va1, vb1, _staged_vchan(vc, 3), 3, VB)
+        async_copy.wait_group(0)
 
     seen = l > 0.0
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l, 1.0), 0.0)
