@@ -268,9 +268,12 @@ def main() -> None:
                 )
                 vargs = args[:12] + (ws,)
 
-            kd._MMA_STAGES = 3
+            kd._MMA_STAGES, kd._MMA_MAXNREG = 2, None
             if v and v.startswith("mma_stages="):
                 kd._MMA_STAGES = int(v.split("=")[1])
+            if v and v.startswith("mma="):  # mma=STAGES:MAXNREG
+                st, mr = v.split("=")[1].split(":")
+                kd._MMA_STAGES, kd._MMA_MAXNREG = int(st), int(mr)
 
             def cfg(*xs, _v=v, **kw):
                 consts, opts = base_cfg(*xs, **kw)

@@ -1061,8 +1061,10 @@ def _check_decode_args(
     return min(splits, DECODE_MAX_SPLITS)
 
 
-_MMA_STAGES = 3
+_MMA_STAGES = 2
 """Records in flight per program of the MMA kernel (cp.async stages; 0: plain loads)."""
+_MMA_MAXNREG: int | None = None
+"""Register cap of the MMA kernel (None: the compiler's choice, 253 at k4v2)."""
 _TAIL_IN_COMBINE = False
 """Triton split kernel only: leave the exact tail to the combine kernel, as the MMA kernel
 always does (tests set it to check that combine path under the interpreter)."""
@@ -1146,6 +1148,7 @@ def _launch(
             MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
             NBUF=_MMA_STAGES,
             num_warps=1,
+            **({} if _MMA_MAXNREG is None else {"maxnreg": _MMA_MAXNREG}),
         )
         tail_in_combine = True
     else:

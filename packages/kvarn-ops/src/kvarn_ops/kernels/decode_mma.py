@@ -224,6 +224,45 @@ def _pair_f16(a, b, BYTE: gl.constexpr, MASK: gl.constexpr):
     )
 
 
+@gluon.constexpr_function
+def _last_dim_first(ll):
+    """The linear layout ``ll`` with the register basis of its last (size-2) dimension moved
+    to register bit 0: the same data in the same lanes, registers renamed."""
+    unit = [0] * (len(ll.shape) - 1) + [1]
+    regs = [list(b) for b in ll.reg_bases]
+    regs.remove(unit)
+    return gl.DistributedLinearLayout(
+        reg_bases=[unit] + regs,
+        lane_bases=ll.lane_bases,
+        warp_bases=ll.warp_bases,
+        block_bases=ll.block_bases,
+        shape=ll.shape,
+    )
+
+
+@gluon.jit
+def _pair_bits(a, b, BYTE: gl.constexpr, M2: gl.constexpr, OR2: gl.constexpr):
+    """``prmt`` + ``lop3``: byte ``BYTE`` of ``a`` (low half) and of ``b`` (high half), each
+    copied into both bytes of its half, masked with ``M2`` and or-ed with ``OR2``: two fp16
+    values that carry two codes, in two instructions, returned as ``[..., 2]``. The asm runs
+    with ``pack=2`` on ``join(a, b)`` laid out with the joined axis in register bit 0, so each
+    call gets ``a`` and ``b`` of one element and returns the pair in one 32-bit register (the
+    MMA operand register: no move, no repacking)."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    ab = gl.join(a, b)
+    ab = gl.convert_layout(
+        ab, _last_dim_first(gl.to_linear_layout(ab.type.layout, ab.shape)), assert_trivial=True
+    )
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t; prmt.b32 t, $1, $2, {SEL}; lop3.b32 $0, t, {M2}, {OR2}, 0xea; }}",
+        "=r,r,r",
+        [ab],
+        dtype=gl.float16,
+        is_pure=True,
+        pack=2,
+    )
+
+
 @gluon.jit
 def _stack8(c0, c1, c2, c3, c4, c5, c6, c7):
     """[..., 8] with ``c_j`` at index j of the new last axis (kept in registers)."""
@@ -241,11 +280,12 @@ def _stack4(c0, c1, c2, c3):
 
 @gluon.jit
 def _k_nib(ka, kb, ka4, kb4, J: gl.constexpr):
+    # fp16 1024 + code (0x6400 | code): the 1024 leaves with the zero-point term
     if J % 2 == 0:
-        lo, hi = _pair_f16(ka, kb, J // 2, 15)
+        r = _pair_bits(ka, kb, J // 2, 0x000F000F, 0x64006400)
     else:
-        lo, hi = _pair_f16(ka4, kb4, J // 2, 15)
-    return gl.join(lo, hi)
+        r = _pair_bits(ka4, kb4, J // 2, 0x000F000F, 0x64006400)
+    return r
 
 
 @gluon.jit
@@ -288,8 +328,13 @@ def _v_pairs(vw):
 
 @gluon.jit
 def _v_field(va, vb, SH: gl.constexpr, BYTE: gl.constexpr, VB: gl.constexpr):
-    lo, hi = _pair_f16(va >> SH, vb >> SH, BYTE, (1 << VB) - 1)
-    return gl.join(lo, hi)
+    if VB == 2:
+        # fp16 1 + code / 4 (0x3C00 | code << 8): the 1 leaves through a ones column
+        r = _pair_bits(va >> SH, vb >> SH, BYTE, 0x03000300, 0x3C003C00)
+    else:
+        lo, hi = _pair_f16(va >> SH, vb >> SH, BYTE, (1 << VB) - 1)
+        r = gl.join(lo, hi)
+    return r
 
 
 @gluon.jit
@@ -309,15 +354,23 @@ def _v_operand(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
 
 
 @gluon.jit
-def _scores_chunk(s, qz, q_rot, kcs, kzp, kw):
+def _scores_chunk(s, qz, corr, q_rot, kcs, kzp, kw):
+    """Scores of one 32-channel chunk on codes offset by 1024, and ``1024 * sum(qs)`` per row
+    (one extra n8 column of 1024s) to take the offset out exactly where it cancels least:
+    in the row's zero-point term."""
     qs = gl.convert_layout((q_rot * kcs[None, :]).to(gl.float16), _OPA, assert_trivial=True)
     qz = qz + gl.sum(q_rot * kzp[None, :], axis=1)
-    return mma_v2(qs, _k_operand(kw), s), qz
+    corr = mma_v2(qs, gl.full([32, 8], 1024.0, gl.float16, _OPB), corr)
+    return mma_v2(qs, _k_operand(kw), s), qz, corr
 
 
 @gluon.jit
 def _values_chunk(acc, alpha, pw, pz, va, vb, vcs, CQ: gl.constexpr, VB: gl.constexpr):
+    """``acc * alpha + s_col_V * (p @ cV + pz)``; for 2-bit V the dot ran on ``1 + c / 4``,
+    so ``p @ cV = 4 * dot - 4 * sum(pw)``, the second term already folded into ``pz``."""
     o = mma_v2(pw, _v_operand(va, vb, CQ, VB), gl.full([16, 32], 0.0, gl.float32, _MMA))
+    if VB == 2:
+        o = o * 4.0
     return acc * alpha[:, None] + vcs[None, :] * (o + pz[:, None])
 
 
@@ -407,7 +460,9 @@ def _store_chunk(acc, inv_l, out_rows, row_ok, CQ: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T: gl.constexpr):
+def _softmax_step(
+    s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T: gl.constexpr, VB: gl.constexpr
+):
     """Scores -> online softmax of one block: new (m, l), the rescale factor, the V zero-point
     row sums and the value operand ``fp16(p * s_row_V)``."""
     s = (s + qz[:, None]) * krs[None, :]
@@ -420,6 +475,11 @@ def _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T: gl.conste
     l = l * alpha + gl.sum(p, axis=1)
     pz = gl.sum(p * vzp[None, :], axis=1)
     pw = gl.convert_layout((p * vrs[None, :]).to(gl.float16), _OPA, assert_trivial=True)
+    if VB == 2:
+        spw = mma_v2(
+            pw, gl.full([64, 8], 1.0, gl.float16, _OPB), gl.full([16, 8], 0.0, gl.float32, _MMA)
+        )
+        pz = pz - 4.0 * gl.max(spw, axis=1)
     return m_new, l, alpha, pz, pw
 
 
@@ -515,17 +575,29 @@ def mma_decode_kernel(
                 vw1 = vw0
             s = gl.full([16, 64], 0.0, gl.float32, _MMA)
             qz = gl.full([16], 0.0, gl.float32, _ROWS)
+            corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
             kp = r32 + K_OFF // 4
             kc = r16 + KCS_OFF // 2
             kz = r16 + KZP_OFF // 2
-            s, qz = _scores_chunk(s, qz, q0, _chan_vec(kc, 0), _chan_vec(kz, 0), _k_words(kp, 0))
-            s, qz = _scores_chunk(s, qz, q1, _chan_vec(kc, 1), _chan_vec(kz, 1), _k_words(kp, 1))
-            s, qz = _scores_chunk(s, qz, q2, _chan_vec(kc, 2), _chan_vec(kz, 2), _k_words(kp, 2))
-            s, qz = _scores_chunk(s, qz, q3, _chan_vec(kc, 3), _chan_vec(kz, 3), _k_words(kp, 3))
+            s, qz, corr = _scores_chunk(
+                s, qz, corr, q0, _chan_vec(kc, 0), _chan_vec(kz, 0), _k_words(kp, 0)
+            )
+            s, qz, corr = _scores_chunk(
+                s, qz, corr, q1, _chan_vec(kc, 1), _chan_vec(kz, 1), _k_words(kp, 1)
+            )
+            s, qz, corr = _scores_chunk(
+                s, qz, corr, q2, _chan_vec(kc, 2), _chan_vec(kz, 2), _k_words(kp, 2)
+            )
+            s, qz, corr = _scores_chunk(
+                s, qz, corr, q3, _chan_vec(kc, 3), _chan_vec(kz, 3), _k_words(kp, 3)
+            )
+            qz = qz - gl.max(corr, axis=1)
             krs = _tok_vec(r16 + KRS_OFF // 2)
             vzp = _tok_vec(r16 + VZP_OFF // 2)
             vrs = _tok_vec(r16 + VRS_OFF // 2)
-            m, l, alpha, pz, pw = _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T)
+            m, l, alpha, pz, pw = _softmax_step(
+                s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB
+            )
             va0, vb0 = _v_pairs(vw0)
             if VB == 4:
                 va1, vb1 = _v_pairs(vw1)
@@ -606,22 +678,26 @@ def mma_decode_kernel(
             vc = svc.index(cst)
             s = gl.full([16, 64], 0.0, gl.float32, _MMA)
             qz = gl.full([16], 0.0, gl.float32, _ROWS)
-            s, qz = _scores_chunk(
-                s, qz, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0)
+            corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
+            s, qz, corr = _scores_chunk(
+                s, qz, corr, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0)
             )
-            s, qz = _scores_chunk(
-                s, qz, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1)
+            s, qz, corr = _scores_chunk(
+                s, qz, corr, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1)
             )
-            s, qz = _scores_chunk(
-                s, qz, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2)
+            s, qz, corr = _scores_chunk(
+                s, qz, corr, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2)
             )
-            s, qz = _scores_chunk(
-                s, qz, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
+            s, qz, corr = _scores_chunk(
+                s, qz, corr, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
             )
+            qz = qz - gl.max(corr, axis=1)
             krs = _staged_tok(skr.index(cst))
             vrs = _staged_tok(svr.index(cst))
             vzp = _staged_tok(svz.index(cst))
-            m, l, alpha, pz, pw = _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T)
+            m, l, alpha, pz, pw = _softmax_step(
+                s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB
+            )
             RDV: gl.constexpr = gl.BlockedLayout(
                 size_per_thread=[16 * HV, 1],
                 threads_per_warp=[1, 32],
