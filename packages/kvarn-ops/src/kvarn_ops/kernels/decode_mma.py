@@ -19,17 +19,35 @@ are permuted when it is built). The value dot uses the same token order, and ren
 channel ``n = 8 nt + g`` to physical channel ``16 g + nt``, so a thread's codes come from V word
 ``g`` of its 16 tokens. The output is written to the workspace in physical order.
 
+Unpacking: one ``prmt`` puts the byte holding a code of word ``a`` and the same byte of word
+``b`` into the two halves of a register, one ``lop3`` masks the codes into fp16 mantissas, and
+that register is the MMA operand (the asm runs with ``pack=2`` on the joined pair, see
+:func:`_pair_bits`): two instructions per two codes. K codes become ``1024 + c`` (code in the
+low mantissa bits); the ``1024 * sum(qs)`` this adds to every score comes from one more MMA
+column of 1024s and leaves with the row's zero-point term, where it cancels against values of
+the same size (the error it adds is far below that of the fp16 operands: scores mix signs).
+2-bit V codes become ``1 + c / 4`` (code in the top mantissa bits), so the weights' sum that
+this adds is as large as the result, not 1024 times it; a ones column gives it. 4-bit V keeps
+``1024 + c`` with an fp16 subtraction (``sub.f16x2``), because its weights are all positive and
+the 1024 offset would cancel badly.
+
+Memory: with ``NBUF > 0`` the next records are copied into shared memory by ``cp.async``
+while the current one is computed (``NBUF`` stages; 2 is the default: 14.6 KB per program at
+k4v2), words stored lane-major so that 32 lanes read 32 consecutive words. ``NBUF = 0`` loads
+straight from global memory before each use (no latency hiding; for comparison).
+
 Scope: 4-bit K, 2- or 4-bit V, 64-token blocks, head_dim 128, at most 16 query rows per KV head
 (T * GQA), one warp per program. It reads full blocks only; the exact tail is folded in by the
 combine kernel (``decode._decode_combine_kernel`` with ``TAIL=True``). Everything else uses the
 Triton split kernel. Gluon kernels do not run under the Triton interpreter: on the CPU the
-offline-compile tests build this kernel for sm_90a and sm_120a, and ``gpu/parity.py`` compares it
-with the reference on the GPU.
+offline-compile tests build this kernel for sm_90a and sm_120a (and check that it has no
+shared-memory stores, no layout shuffles and the expected MMA count), the interpreter tests
+check the combine's tail path through the Triton kernel, and ``gpu/parity.py`` compares the
+whole decode with the reference on the GPU.
 
-Numerics match the Triton fast path: q is scaled, rounded to fp16 and rotated with fp32
-accumulation; the score operand is ``fp16(q_rot * s_col_K)``, the value operand
-``fp16(p * s_row_V)``; codes are exact fp16 integers; zero-point terms, softmax and the running
-accumulators are fp32.
+Numerics: q is scaled, rounded to fp16 and rotated with fp32 accumulation (as in the Triton
+kernel); the score operand is ``fp16(q_rot * s_col_K)``, the value operand
+``fp16(p * s_row_V)``; zero-point terms, softmax and the running accumulators are fp32.
 """
 
 from __future__ import annotations
