@@ -268,7 +268,9 @@ def main() -> None:
                 )
                 vargs = args[:12] + (ws,)
 
-            kd._MMA_STAGES, kd._MMA_MAXNREG = 2, None
+            kd._MMA_STAGES, kd._MMA_MAXNREG, kd._MMA_TRANSPOSED = 2, None, True
+            if v == "mma_t=0":
+                kd._MMA_TRANSPOSED = False
             if v and v.startswith("mma_stages="):
                 kd._MMA_STAGES = int(v.split("=")[1])
             if v and v.startswith("mma="):  # mma=STAGES:MAXNREG

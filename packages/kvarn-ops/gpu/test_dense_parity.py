@@ -204,6 +204,9 @@ DECODE_CASES = [
     ("kvarn_k2v2_g128", 3, [130, 5000], 8, torch.bfloat16, torch.bfloat16),
     ("kvarn_k5v3_g64", 4, [65, 640, 3333], 2, torch.bfloat16, torch.float16),
     ("kvarn_k8v8_g32", 0, [31, 32, 999], 1, torch.float16, torch.bfloat16),
+    # the MMA kernels' causal masks: 8 rows (query rows in the MMA's N dimension), 16 rows
+    ("kvarn_k4v2_g64", 0, [2, 65, 130, 3000], 2, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v4_g64", 0, [4, 66, 1000], 4, torch.float16, torch.float8_e4m3fn),
 ]
 
 

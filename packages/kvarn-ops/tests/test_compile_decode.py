@@ -179,10 +179,12 @@ MMA_CASES = [
 MMA_SPILL = {MMA_CASES[0]: 64, MMA_CASES[1]: 64, MMA_CASES[2]: 192}
 
 
-def _mma_source(fmt, gqa, t, qdt, nbuf=3):
+def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kvarn_ops.kernels import decode_mma as KM
+    from kvarn_ops.kernels import decode_mma, decode_mma_t
+
+    kern = decode_mma_t.mma_decode_t_kernel if transposed else decode_mma.mma_decode_kernel
 
     c = KD._layout_consts(fmt, 128)
     consts = dict(T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2, NBUF=nbuf)
@@ -202,10 +204,10 @@ def _mma_source(fmt, gqa, t, qdt, nbuf=3):
         "num_q_heads": "i32",
         "lse_numel": "i32",
     }
-    names = KM.mma_decode_kernel.arg_names
+    names = kern.arg_names
     sig = {n: "constexpr" if n in consts else ptrs[n] for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"}
-    return GluonASTSource(fn=KM.mma_decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
 
 
 @pytest.mark.parametrize("nbuf", [0, 2], ids=["loads", "cp_async2"])
@@ -234,3 +236,27 @@ def test_mma_decode_compiles_without_operand_trips(target, case, nbuf):
     assert ptx.count("mma.sync.aligned.m16n8k16") == 256 + 8 + (4 if vb == 2 else 0)
     # codes unpacked two per prmt (K: 32 x 8 per chunk and lane / 2; V: the same)
     assert ptx.count("prmt.b32") >= 256
+
+
+T_CASES = [MMA_CASES[0], MMA_CASES[1], ("kvarn_k4v2_g64", 4, 2, "*bf16")]
+#: the transposed kernel: no spill frame on sm_90a; sm_120a measured offline, rounded up
+T_SPILL = {}
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("case", T_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
+def test_mma_decode_transposed_compiles(target, case):
+    """The kernel with the query rows in the MMA's N dimension (<= 8 rows): no shared-memory
+    store besides the per-block transpose of the softmax weights and the once-per-program
+    move of q, half the per-block MMAs of the 16-row kernel."""
+    src = _mma_source(*case, nbuf=2, transposed=True)
+    k = triton.compile(src, target=target, options=dict(num_warps=1))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    vb = KD._layout_consts(case[0], 128)["VB"]
+    assert frame <= T_SPILL.get((case, target.arch), 0), f"{frame} B of spill frame"
+    assert regs <= 255
+    assert ptx.count("cp.async") >= 48
+    # rotation 4 x 16; per block: scores 4 x (8 + 2 x 2 zero-point + 2 offset), values
+    # 4 x 8 (+ 4 for the ones column of 2-bit V)
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 64 + 56 + 32 + (4 if vb == 2 else 0)

@@ -950,16 +950,17 @@ def decode_num_splits(
     device: torch.device | str | None = None,
 ) -> int:
     """Split count a workspace is sized for: enough (request, KV head, split) programs to
-    fill the GPU with about two waves of the MMA kernel's one-warp programs, no more than the
+    fill the GPU with about one wave of the MMA kernel's one-warp programs, no more than the
     longest context can use."""
     sms = 132
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
     units = -(-max(1, max_seq_len) // block_size)
-    # one-warp MMA programs, ~8 resident per SM: about two equal waves (H200, k4v2 d128: at
-    # B=32 16K, 8 splits 31.4% of copy bandwidth, 9 splits 26.3% (a third, partial wave))
-    want = max(1, 16 * sms // max(1, batch * num_kv_heads))
+    # one wave of the MMA kernel's one-warp programs (~8 resident per SM at ~255 registers):
+    # H200, k4v2 d128, split counts swept: B=32 16K 4 splits 44.2% of copy bandwidth (8: 42.3%,
+    # 16: 40.1%), B=8 32K 16 splits 43.3% (33: 38.6%), B=64 32K 2 splits 53.8% (4: 53.2%)
+    want = max(1, 8 * sms // max(1, batch * num_kv_heads))
     by_ctx = -(-units // DECODE_MIN_UNITS_PER_SPLIT)
     return max(1, min(DECODE_MAX_SPLITS, want, by_ctx))
 
@@ -1063,6 +1064,9 @@ def _check_decode_args(
 
 _MMA_STAGES = 2
 """Records in flight per program of the MMA kernel (cp.async stages; 0: plain loads)."""
+_MMA_TRANSPOSED = True
+"""Up to 8 query rows per KV head: the kernel with the rows in the MMA's N dimension
+(``decode_mma_t.py``)."""
 _MMA_MAXNREG: int | None = None
 """Register cap of the MMA kernel (None: the compiler's choice, 253 at k4v2)."""
 _TAIL_IN_COMBINE = False
@@ -1078,17 +1082,19 @@ def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
     rows = q.shape[1] * (q.shape[2] // hkv)
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return False
-    mma = _mma_module()
-    return mma is not None and mma.mma_decode_supported(c["KB"], c["VB"], c["G"], q.shape[3], rows)
+    mods = _mma_module()
+    return mods is not None and mods[0].mma_decode_supported(
+        c["KB"], c["VB"], c["G"], q.shape[3], rows
+    )
 
 
 @functools.cache
 def _mma_module():
     try:
-        from kvarn_ops.kernels import decode_mma
+        from kvarn_ops.kernels import decode_mma, decode_mma_t
     except ImportError:  # a Triton without Gluon: the Triton split kernel serves every format
         return None
-    return decode_mma
+    return decode_mma, decode_mma_t
 
 
 def _launch(
@@ -1120,7 +1126,11 @@ def _launch(
     mma = _use_mma_kernel(format_name, q, hkv)
     if mma:
         c = _layout_consts(format_name, d)
-        _mma_module().mma_decode_kernel[(num_splits, b * hkv)](
+        mod, mod_t = _mma_module()
+        kern = mod.mma_decode_kernel
+        if _MMA_TRANSPOSED and t * (hq // hkv) <= 8 and _MMA_STAGES >= 2:
+            kern = mod_t.mma_decode_t_kernel
+        kern[(num_splits, b * hkv)](
             q,
             packed.view(torch.float16),
             packed.view(torch.int32),

@@ -115,6 +115,12 @@ _RDK: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[8, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
 )
 _SH3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+_CP88: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
+)
+_CP816: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
+)
 # scale-vector copies: 16-byte runs, [4, 32] / [4, 16] / [4, 2, 16] fp16 (lanes beyond a
 # vector's 8-element runs repeat a copy of the same bytes)
 _CP32: gl.constexpr = gl.BlockedLayout(
@@ -393,6 +399,27 @@ def _values_chunk(acc, alpha, pw, pz, va, vb, vcs, CQ: gl.constexpr, VB: gl.cons
 
 
 @gluon.jit
+def _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB: gl.constexpr):
+    """cp.async of a record's K words [8 * chunk + i, lane] and V words [i * HV + h, lane]."""
+    HV: gl.constexpr = VB // 2
+    WV: gl.constexpr = 128 * VB // 32
+    # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w
+    r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CPK))
+    ln = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPK))
+    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * 8 + (ln[None, :] >> 2)
+    async_copy.async_copy_global_to_shared(sk, r32 + K_OFF // 4 + koff, mask=(koff >= 0) & ok)
+    # V: row i * HV + h, lane c + 4 g: token 16 c + i, word g * HV + h
+    CPV: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[16 * HV, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
+    )
+    vr = gl.arange(0, 16 * HV, layout=gl.SliceLayout(1, CPV))
+    vl = gl.arange(0, 32, layout=gl.SliceLayout(0, CPV))
+    tok = (vl[None, :] & 3) * 16 + vr[:, None] // HV
+    voff = tok * WV + (vl[None, :] >> 2) * HV + vr[:, None] % HV
+    async_copy.async_copy_global_to_shared(sv, r32 + V_OFF // 4 + voff, mask=(voff >= 0) & ok)
+
+
+@gluon.jit
 def _stage_block(
     sk,
     sv,
@@ -414,22 +441,7 @@ def _stage_block(
     """Issue the cp.async copies of one record into a stage (nothing read when ``ok`` is
     false): K words lane-major [chunk, i, lane], V words [i, h, lane], the K scale fields
     (s_col, zero point, s_row: 320 fp16) and the V ones (s_col, s_row, zero point: 256)."""
-    HV: gl.constexpr = VB // 2
-    WV: gl.constexpr = 128 * VB // 32
-    # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w
-    r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CPK))
-    ln = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPK))
-    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * 8 + (ln[None, :] >> 2)
-    async_copy.async_copy_global_to_shared(sk, r32 + K_OFF // 4 + koff, mask=(koff >= 0) & ok)
-    # V: row i * HV + h, lane c + 4 g: token 16 c + i, word g * HV + h
-    CPV: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[16 * HV, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
-    )
-    vr = gl.arange(0, 16 * HV, layout=gl.SliceLayout(1, CPV))
-    vl = gl.arange(0, 32, layout=gl.SliceLayout(0, CPV))
-    tok = (vl[None, :] & 3) * 16 + vr[:, None] // HV
-    voff = tok * WV + (vl[None, :] >> 2) * HV + vr[:, None] % HV
-    async_copy.async_copy_global_to_shared(sv, r32 + V_OFF // 4 + voff, mask=(voff >= 0) & ok)
+    _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB)
     c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP32))
     j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP32))
     o32 = c32[:, None] * 32 + j32[None, :]
@@ -453,6 +465,12 @@ def _stage_block(
 @gluon.jit
 def _staged_kw(sk, CQ: gl.constexpr):
     return _kw_from_lanes(sk.slice(8 * CQ, 8).load(_RDK))
+
+
+@gluon.jit
+def _run8(sc, CQ: gl.constexpr):
+    """The [4 c, 8 i] run (channel 32 c + 8 CQ + i) of a staged [4, 32] channel vector."""
+    return sc.slice(8 * CQ, 8, dim=1).load(_RUN8)
 
 
 @gluon.jit

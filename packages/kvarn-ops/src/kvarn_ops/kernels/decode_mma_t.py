@@ -1,0 +1,430 @@
+"""The MMA decode kernel with the query rows in the MMA's N dimension (at most 8 rows).
+
+``decode_mma.py`` puts a KV head's query rows (T * GQA) in the M dimension of
+``mma.sync.m16n8k16``, which is 16: with GQA 4 and T 1, 12 of the 16 rows are padding, and every
+fp32 operation on scores, softmax weights and output accumulators is done for all 16. Here the
+dots are transposed, ``S^T = K^T q^T`` and ``O^T = V^T P^T``: codes are the A operand (tokens or
+channels in M), the query rows are the N dimension (8), so a lane holds half as many fp32 values
+and the block needs half the MMAs. The code words, their lane assignment and the two-codes-per-
+``prmt`` unpack are those of ``decode_mma.py`` (the A operand pairs the same k indices as the B
+operand did); what changes is the renaming of tokens (``M`` index ``16 mt + 8 y + g`` of the
+scores is token ``8 g + 2 mt + y``), the scale vectors' lane runs, and one shared-memory
+transpose per block of the softmax weights (C layout of ``S^T`` to B operand of ``O^T``).
+
+The q side: ``q_rot^T`` is computed once per program as an MMA output and moved to the B
+operand layout; the zero-point term ``sum_d q_rot[d] zp_K[d]`` runs on the tensor cores (a row
+of ``zp_K`` times ``q_rot`` split into fp16 high and low parts), as does the ``1024 * sum(qs)``
+that the offset K codes add, so the only per-channel fp32 work left per block is
+``q_rot * s_col_K``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from kvarn_ops.kernels import decode_mma as M
+
+__all__ = ["mma_decode_t_kernel"]
+
+_MMA = M._MMA
+_OPA = M._OPA
+_OPB = M._OPB
+_TOK: gl.constexpr = gl.SliceLayout(1, _MMA)  # rows of S^T (tokens) / O^T (channels)
+_QR: gl.constexpr = gl.SliceLayout(0, _MMA)  # columns: the query rows
+# lane g (lane // 4) holds a run: 8 tokens 8 g + i, or 4 channels 16 g + 4 CQ + i
+_RUNG8: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4]],
+    lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[8, 8],
+)
+_RUNG4: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2]],
+    lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[8, 4],
+)
+_SH2: gl.constexpr = M._SH2
+
+
+@gluon.constexpr_function
+def _as_linear(layout_ll):
+    return gl.DistributedLinearLayout(
+        reg_bases=layout_ll.reg_bases,
+        lane_bases=layout_ll.lane_bases,
+        warp_bases=layout_ll.warp_bases,
+        block_bases=layout_ll.block_bases,
+        shape=layout_ll.shape,
+    )
+
+
+@gluon.jit
+def _tok_rows(v):
+    """[8 g, 8 i] run (token 8 g + i, i = 2 mt + y) -> S^T row order m = 16 mt + 8 y + g."""
+    v = gl.permute(gl.reshape(v.to(gl.float32), [8, 4, 2]), [1, 2, 0])
+    return gl.convert_layout(gl.reshape(v, [64]), _TOK, assert_trivial=True)
+
+
+@gluon.jit
+def _chan_rows(v):
+    """[8 g, 4 i] run (channel 16 g + 4 CQ + i, i = 2 mt + y) -> O^T chunk row order."""
+    v = gl.permute(gl.reshape(v.to(gl.float32), [8, 2, 2]), [1, 2, 0])
+    return gl.convert_layout(gl.reshape(v, [32]), _TOK, assert_trivial=True)
+
+
+@gluon.jit
+def _kchan(v, LAYOUT: gl.constexpr):
+    """[4 c, 8 i] run (channel 32 c + 8 CQ + i) -> logical chunk order [32] in ``LAYOUT``."""
+    v = gl.permute(gl.reshape(v, [2, 2, 2, 2, 2]), [2, 3, 0, 1, 4])
+    return gl.convert_layout(gl.reshape(v, [32]), LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _k_operand_a(kw):
+    """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 4-bit K codes."""
+    ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
+    ka4 = ka >> 4
+    kb4 = kb >> 4
+    c = M._stack8(
+        M._k_nib(ka, kb, ka4, kb4, 0),
+        M._k_nib(ka, kb, ka4, kb4, 1),
+        M._k_nib(ka, kb, ka4, kb4, 2),
+        M._k_nib(ka, kb, ka4, kb4, 3),
+        M._k_nib(ka, kb, ka4, kb4, 4),
+        M._k_nib(ka, kb, ka4, kb4, 5),
+        M._k_nib(ka, kb, ka4, kb4, 6),
+        M._k_nib(ka, kb, ka4, kb4, 7),
+    )  # [(8 c + i) // 2, w, x, j]; token 8 w + j, j = 2 mt + y
+    # rows m = 16 mt + 8 y + w; channel 16 kt0 + 8 z + 2 c + x (i = 4 kt0 + 2 z + x)
+    c = gl.reshape(c, [2, 2, 2, 2, 8, 2, 2, 2, 2])  # c1 c0 kt0 z w x j2 j1 j0
+    c = gl.permute(c, [6, 7, 8, 4, 2, 3, 0, 1, 5])
+    return gl.convert_layout(gl.reshape(c, [64, 32]), _OPA, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand_a(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
+    """A operand [32 channels (logical chunk CQ), 64 tokens] of V codes."""
+    BIT0: gl.constexpr = (4 * CQ * VB) % 32
+    c = M._stack4(
+        M._v_field(va, vb, (BIT0 + 0 * VB) % 8, (BIT0 + 0 * VB) // 8, VB),
+        M._v_field(va, vb, (BIT0 + 1 * VB) % 8, (BIT0 + 1 * VB) // 8, VB),
+        M._v_field(va, vb, (BIT0 + 2 * VB) % 8, (BIT0 + 2 * VB) // 8, VB),
+        M._v_field(va, vb, (BIT0 + 3 * VB) % 8, (BIT0 + 3 * VB) // 8, VB),
+    )  # [c, i', g, x, f]: token 16 c + 8 x + i' (i' = 2 kt + z), channel 16 g + 4 CQ + f
+    # rows 8 f + g (f = 2 mt + y); tokens k = 16 kt + 8 z + 2 c + x
+    c = gl.reshape(c, [2, 2, 2, 2, 2, 8, 2, 4])  # c1 c0 kt1 kt0 z g x f
+    c = gl.permute(c, [7, 5, 2, 3, 4, 0, 1, 6])
+    return gl.convert_layout(gl.reshape(c, [32, 64]), _OPA, assert_trivial=True)
+
+
+@gluon.jit
+def _rotation_t(q16b, QB: gl.constexpr, CQ: gl.constexpr):
+    """``q_rot^T`` rows ``32 CQ ..`` (logical channels) x 8 query rows, fp32, in ``QB`` (the
+    B-operand layout of a [32, 8] tile)."""
+    mm = gl.arange(0, 32, layout=gl.SliceLayout(1, _OPA))
+    kk = gl.arange(0, 128, layout=gl.SliceLayout(0, _OPA))
+    # logical channel 32 CQ + 16 kt0 + 8 z + 2 c + x -> physical 32 c + 8 CQ + 4 kt0 + 2 z + x
+    phys = ((mm >> 1) & 3) * 32 + 8 * CQ + (mm >> 4) * 4 + ((mm >> 3) & 1) * 2 + (mm & 1)
+    hs = (1 - 2 * (M._popc(phys[:, None] & kk[None, :]) & 1)).to(gl.float16)
+    acc = mma_v2(hs, q16b, gl.full([32, 8], 0.0, gl.float32, _MMA)) * 0.08838834764831845
+    return gl.convert_layout(acc, QB)
+
+
+@gluon.jit
+def _q_parts(qr, QB: gl.constexpr):
+    hi = qr.to(gl.float16)
+    lo = (qr - hi.to(gl.float32)).to(gl.float16)
+    return (
+        gl.convert_layout(hi, _OPB, assert_trivial=True),
+        gl.convert_layout(lo, _OPB, assert_trivial=True),
+    )
+
+
+@gluon.jit
+def _stage_block_t(
+    sk,
+    sv,
+    skc,
+    skz,
+    skr,
+    svc,
+    svr,
+    svz,
+    r32,
+    r16,
+    ok,
+    K_OFF,
+    KCS_OFF,
+    V_OFF,
+    VCS_OFF,
+    VB: gl.constexpr,
+):
+    """cp.async copies of one record: the K and V words as in ``decode_mma``, the K channel
+    vectors as [4, 32], the token vectors as [8, 8] and the V column scales as [8, 16]."""
+    M._stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB)
+    c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, M._CP32))
+    j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, M._CP32))
+    o32 = c32[:, None] * 32 + j32[None, :]
+    m32 = (o32 >= 0) & ok
+    async_copy.async_copy_global_to_shared(skc, r16 + KCS_OFF // 2 + o32, mask=m32)
+    async_copy.async_copy_global_to_shared(skz, r16 + KCS_OFF // 2 + 128 + o32, mask=m32)
+    g8 = gl.arange(0, 8, layout=gl.SliceLayout(1, M._CP88))
+    i8 = gl.arange(0, 8, layout=gl.SliceLayout(0, M._CP88))
+    o8 = g8[:, None] * 8 + i8[None, :]
+    m8 = (o8 >= 0) & ok
+    async_copy.async_copy_global_to_shared(skr, r16 + KCS_OFF // 2 + 256 + o8, mask=m8)
+    async_copy.async_copy_global_to_shared(svr, r16 + VCS_OFF // 2 + 128 + o8, mask=m8)
+    async_copy.async_copy_global_to_shared(svz, r16 + VCS_OFF // 2 + 192 + o8, mask=m8)
+    g16 = gl.arange(0, 8, layout=gl.SliceLayout(1, M._CP816))
+    i16 = gl.arange(0, 16, layout=gl.SliceLayout(0, M._CP816))
+    o16 = g16[:, None] * 16 + i16[None, :]
+    async_copy.async_copy_global_to_shared(svc, r16 + VCS_OFF // 2 + o16, mask=(o16 >= 0) & ok)
+
+
+@gluon.jit
+def _scores_t(s, qz, corr, qr, qh, ql, kcs_run, kzp_run, kw, QB: gl.constexpr):
+    """One 32-channel chunk: ``S^T += K^T qs``, ``qz += zp_K q_rot`` (hi + lo), ``corr +=
+    1024 * sum(qs)`` (rows of the last two: all equal)."""
+    kcs = _kchan(kcs_run.to(gl.float32), gl.SliceLayout(1, QB))
+    qs = gl.convert_layout((qr * kcs[:, None]).to(gl.float16), _OPB, assert_trivial=True)
+    zrow = _kchan(kzp_run, gl.SliceLayout(0, _OPA))
+    za = gl.full([16, 32], 0.0, gl.float16, _OPA) + zrow[None, :]
+    qz = mma_v2(za, qh, qz)
+    qz = mma_v2(za, ql, qz)
+    corr = mma_v2(gl.full([16, 32], 1024.0, gl.float16, _OPA), qs, corr)
+    return mma_v2(_k_operand_a(kw), qs, s), qz, corr
+
+
+@gluon.jit
+def _values_t(acc, alpha, pwb, pz, va, vb, vcs_run, CQ: gl.constexpr, VB: gl.constexpr):
+    o = mma_v2(_v_operand_a(va, vb, CQ, VB), pwb, gl.full([32, 8], 0.0, gl.float32, _MMA))
+    if VB == 2:
+        o = o * 4.0
+    vcs = _chan_rows(vcs_run)
+    return acc * alpha[None, :] + vcs[:, None] * (o + pz[None, :])
+
+
+@gluon.jit
+def _store_t(acc, inv_l, ws_rows, row_ok, CQ: gl.constexpr):
+    mrow = gl.arange(0, 32, layout=_TOK)  # 16 mt + 8 y + g -> channel 16 g + 4 CQ + 2 mt + y
+    phys = (mrow & 7) * 16 + 4 * CQ + (mrow >> 4) * 2 + ((mrow >> 3) & 1)
+    gl.store(ws_rows[None, :] + phys[:, None], acc * inv_l[None, :], mask=row_ok[None, :])
+
+
+@gluon.jit
+def mma_decode_t_kernel(
+    q_ptr,
+    rec16_ptr,
+    rec32_ptr,
+    bt_ptr,
+    seq_ptr,
+    ws_ptr,
+    qk_scale,
+    bt_stride,
+    num_kv_heads,
+    num_q_heads,
+    lse_numel,
+    T: gl.constexpr,
+    GQA: gl.constexpr,
+    VB: gl.constexpr,
+    REC: gl.constexpr,
+    K_OFF: gl.constexpr,
+    KCS_OFF: gl.constexpr,
+    KZP_OFF: gl.constexpr,
+    KRS_OFF: gl.constexpr,
+    V_OFF: gl.constexpr,
+    VCS_OFF: gl.constexpr,
+    VRS_OFF: gl.constexpr,
+    VZP_OFF: gl.constexpr,
+    S: gl.constexpr,
+    MIN_UNITS: gl.constexpr,
+    NBUF: gl.constexpr,
+):
+    """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2)."""
+    gl.static_assert(T * GQA <= 8)
+    gl.static_assert(NBUF >= 2)
+    QB: gl.constexpr = _as_linear(gl.to_linear_layout(_OPB, [32, 8]))
+    split = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    seq_len = gl.load(seq_ptr + b)
+    n_full = seq_len // 64
+    if n_full == 0:
+        return
+    n_splits = gl.maximum(gl.minimum(S, (n_full + MIN_UNITS - 1) // MIN_UNITS), 1)
+    per = (n_full + n_splits - 1) // n_splits
+    n_live = (n_full + per - 1) // per
+    if split >= n_live:
+        return
+    u0 = split * per
+    u1 = gl.minimum(u0 + per, n_full)
+
+    # q^T as the B operand of the rotation: [128 input channels, 8 query rows]
+    kb = gl.arange(0, 128, layout=gl.SliceLayout(1, _OPB))
+    rb = gl.arange(0, 8, layout=gl.SliceLayout(0, _OPB))
+    ok_b = rb < T * GQA
+    qrow_b = ((b * T + rb // GQA) * num_q_heads + h * GQA + rb % GQA).to(gl.int64)
+    q = gl.load(q_ptr + qrow_b[None, :] * 128 + kb[:, None], mask=ok_b[None, :], other=0.0)
+    q16b = (q.to(gl.float32) * qk_scale).to(gl.float16)
+    qr0 = _rotation_t(q16b, QB, 0)
+    qr1 = _rotation_t(q16b, QB, 1)
+    qr2 = _rotation_t(q16b, QB, 2)
+    qr3 = _rotation_t(q16b, QB, 3)
+    qh0, ql0 = _q_parts(qr0, QB)
+    qh1, ql1 = _q_parts(qr1, QB)
+    qh2, ql2 = _q_parts(qr2, QB)
+    qh3, ql3 = _q_parts(qr3, QB)
+
+    r = gl.arange(0, 8, layout=_QR)
+    row_ok = r < T * GQA
+    q_pos = seq_len - T + r // GQA
+    mt = gl.arange(0, 64, layout=_TOK)
+    tok_of_row = (mt & 7) * 8 + (mt >> 4) * 2 + ((mt >> 3) & 1)
+
+    m = gl.full([8], -1.0e30, gl.float32, _QR)
+    l = gl.full([8], 0.0, gl.float32, _QR)
+    a0 = gl.full([32, 8], 0.0, gl.float32, _MMA)
+    a1 = gl.full([32, 8], 0.0, gl.float32, _MMA)
+    a2 = gl.full([32, 8], 0.0, gl.float32, _MMA)
+    a3 = gl.full([32, 8], 0.0, gl.float32, _MMA)
+
+    HV: gl.constexpr = VB // 2
+    sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
+    sv = gl.allocate_shared_memory(gl.int32, [NBUF, 16 * HV, 32], _SH2)
+    skc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
+    skz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
+    skr = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 8], _SH2)
+    svc = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 16], _SH2)
+    svr = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 8], _SH2)
+    svz = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 8], _SH2)
+    bt_row = bt_ptr + b.to(gl.int64) * bt_stride
+    for st in gl.static_range(NBUF - 1):
+        uu = u0 + st
+        blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
+        rbase = blk * num_kv_heads + h
+        _stage_block_t(
+            sk.index(st),
+            sv.index(st),
+            skc.index(st),
+            skz.index(st),
+            skr.index(st),
+            svc.index(st),
+            svr.index(st),
+            svz.index(st),
+            rec32_ptr + rbase * (REC // 4),
+            rec16_ptr + rbase * (REC // 2),
+            uu < u1,
+            K_OFF,
+            KCS_OFF,
+            V_OFF,
+            VCS_OFF,
+            VB,
+        )
+        async_copy.commit_group()
+    for u in range(u0, u1):
+        j = u - u0
+        uu = u + NBUF - 1
+        blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
+        rbase = blk * num_kv_heads + h
+        nst = (j + NBUF - 1) % NBUF
+        gl.thread_barrier()  # every lane is done with the stage about to be overwritten
+        _stage_block_t(
+            sk.index(nst),
+            sv.index(nst),
+            skc.index(nst),
+            skz.index(nst),
+            skr.index(nst),
+            svc.index(nst),
+            svr.index(nst),
+            svz.index(nst),
+            rec32_ptr + rbase * (REC // 4),
+            rec16_ptr + rbase * (REC // 2),
+            uu < u1,
+            K_OFF,
+            KCS_OFF,
+            V_OFF,
+            VCS_OFF,
+            VB,
+        )
+        async_copy.commit_group()
+        async_copy.wait_group(NBUF - 1)
+        gl.thread_barrier()
+        cst = j % NBUF
+        ck = sk.index(cst)
+        kc = skc.index(cst)
+        kz = skz.index(cst)
+        s = gl.full([64, 8], 0.0, gl.float32, _MMA)
+        qz = gl.full([16, 8], 0.0, gl.float32, _MMA)
+        corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
+        s, qz, corr = _scores_t(
+            s, qz, corr, qr0, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), M._staged_kw(ck, 0), QB
+        )
+        s, qz, corr = _scores_t(
+            s, qz, corr, qr1, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), M._staged_kw(ck, 1), QB
+        )
+        s, qz, corr = _scores_t(
+            s, qz, corr, qr2, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), M._staged_kw(ck, 2), QB
+        )
+        s, qz, corr = _scores_t(
+            s, qz, corr, qr3, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), M._staged_kw(ck, 3), QB
+        )
+        zq = gl.max(qz, axis=0) - gl.max(corr, axis=0)
+        krs = _tok_rows(skr.index(cst).load(_RUNG8))
+        s = (s + zq[None, :]) * krs[:, None]
+        if T > 1:
+            key = u * 64 + tok_of_row
+            s = gl.where(key[:, None] <= q_pos[None, :], s, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        m = m_new
+        l = l * alpha + gl.sum(p, axis=0)
+        vzp = _tok_rows(svz.index(cst).load(_RUNG8))
+        vrs = _tok_rows(svr.index(cst).load(_RUNG8))
+        pz = gl.sum(p * vzp[:, None], axis=0)
+        pwb = gl.convert_layout((p * vrs[:, None]).to(gl.float16), _OPB)  # the transpose
+        if VB == 2:
+            spw = mma_v2(
+                gl.full([16, 64], 1.0, gl.float16, _OPA),
+                pwb,
+                gl.full([16, 8], 0.0, gl.float32, _MMA),
+            )
+            pz = pz - 4.0 * gl.max(spw, axis=0)
+        RDV: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[16 * HV, 1],
+            threads_per_warp=[1, 32],
+            warps_per_cta=[1, 1],
+            order=[1, 0],
+        )
+        vt3 = gl.reshape(sv.index(cst).load(RDV), [16, HV, 32])  # [i, h, lane]
+        if VB == 4:
+            t0, t1 = gl.split(gl.permute(vt3, [0, 2, 1]))
+            va0, vb0 = M._v_pairs(M._vw_from_lanes(t0))
+            va1, vb1 = M._v_pairs(M._vw_from_lanes(t1))
+        else:
+            va0, vb0 = M._v_pairs(M._vw_from_lanes(gl.reshape(vt3, [16, 32])))
+            va1 = va0
+            vb1 = vb0
+        vc = svc.index(cst)
+        a0 = _values_t(a0, alpha, pwb, pz, va0, vb0, vc.slice(0, 4, dim=1).load(_RUNG4), 0, VB)
+        a1 = _values_t(a1, alpha, pwb, pz, va0, vb0, vc.slice(4, 4, dim=1).load(_RUNG4), 1, VB)
+        a2 = _values_t(a2, alpha, pwb, pz, va1, vb1, vc.slice(8, 4, dim=1).load(_RUNG4), 2, VB)
+        a3 = _values_t(a3, alpha, pwb, pz, va1, vb1, vc.slice(12, 4, dim=1).load(_RUNG4), 3, VB)
+    async_copy.wait_group(0)
+
+    seen = l > 0.0
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l, 1.0), 0.0)
+    lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
+    q_row = ((b * T + r // GQA) * num_q_heads + h * GQA + r % GQA).to(gl.int64)
+    ws_row = q_row * S + split
+    gl.store(ws_ptr + ws_row, lse, mask=row_ok)
+    ws_rows = ws_ptr + lse_numel + ws_row * 128
+    _store_t(a0, inv_l, ws_rows, row_ok, 0)
+    _store_t(a1, inv_l, ws_rows, row_ok, 1)
+    _store_t(a2, inv_l, ws_rows, row_ok, 2)
+    _store_t(a3, inv_l, ws_rows, row_ok, 3)
