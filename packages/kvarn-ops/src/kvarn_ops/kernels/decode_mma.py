@@ -37,13 +37,14 @@ k4v2), words stored lane-major so that 32 lanes read 32 consecutive words. ``NBU
 straight from global memory before each use (no latency hiding; for comparison).
 
 Scope: 4-bit K, 2- or 4-bit V, 64-token blocks, head_dim 128, at most 16 query rows per KV head
-(T * GQA), one warp per program. It reads full blocks only; the exact tail is folded in by the
-combine kernel (``decode._decode_combine_kernel`` with ``TAIL=True``). Everything else uses the
-Triton split kernel. Gluon kernels do not run under the Triton interpreter: on the CPU the
-offline-compile tests build this kernel for sm_90a and sm_120a (and check that it has no
-shared-memory stores, no layout shuffles and the expected MMA count), the interpreter tests
-check the combine's tail path through the Triton kernel, and ``gpu/parity.py`` compares the
-whole decode with the reference on the GPU.
+(T * GQA), one warp per program; up to 8 rows take ``decode_mma_t.py`` (rows in the MMA's N
+dimension), which reuses this file's loads and unpack. Both read full blocks only; the exact
+tail is folded in by the combine kernel (``decode._decode_combine_kernel`` with
+``TAIL=True``). Everything else uses the Triton split kernel. Gluon kernels do not run under
+the Triton interpreter: on the CPU the offline-compile tests build these kernels for sm_90a
+and sm_120a (and check that they have no shared-memory stores of codes, no layout shuffles and
+the expected MMA count), the interpreter tests check the combine's tail path through the Triton
+kernel, and ``gpu/parity.py`` compares the whole decode with the reference on the GPU.
 
 Numerics: q is scaled, rounded to fp16 and rotated with fp32 accumulation (as in the Triton
 kernel); the score operand is ``fp16(q_rot * s_col_K)``, the value operand
@@ -463,6 +464,91 @@ def _stage_block(
 
 
 @gluon.jit
+def _stage_block_t(
+    sk,
+    sv,
+    skc,
+    skz,
+    skr,
+    svc,
+    svr,
+    svz,
+    r32,
+    r16,
+    ok,
+    K_OFF,
+    KCS_OFF,
+    V_OFF,
+    VCS_OFF,
+    VB: gl.constexpr,
+):
+    """cp.async copies of one record: the K and V words as in ``decode_mma``, the K channel
+    vectors as [4, 32], the token vectors as [8, 8] and the V column scales as [8, 16]."""
+    _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB)
+    c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP32))
+    j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP32))
+    o32 = c32[:, None] * 32 + j32[None, :]
+    m32 = (o32 >= 0) & ok
+    async_copy.async_copy_global_to_shared(skc, r16 + KCS_OFF // 2 + o32, mask=m32)
+    async_copy.async_copy_global_to_shared(skz, r16 + KCS_OFF // 2 + 128 + o32, mask=m32)
+    g8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP88))
+    i8 = gl.arange(0, 8, layout=gl.SliceLayout(0, _CP88))
+    o8 = g8[:, None] * 8 + i8[None, :]
+    m8 = (o8 >= 0) & ok
+    async_copy.async_copy_global_to_shared(skr, r16 + KCS_OFF // 2 + 256 + o8, mask=m8)
+    async_copy.async_copy_global_to_shared(svr, r16 + VCS_OFF // 2 + 128 + o8, mask=m8)
+    async_copy.async_copy_global_to_shared(svz, r16 + VCS_OFF // 2 + 192 + o8, mask=m8)
+    g16 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP816))
+    i16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP816))
+    o16 = g16[:, None] * 16 + i16[None, :]
+    async_copy.async_copy_global_to_shared(svc, r16 + VCS_OFF // 2 + o16, mask=(o16 >= 0) & ok)
+
+
+@gluon.jit
+def _issue_stage(
+    sk,
+    sv,
+    skc,
+    skz,
+    skr,
+    svc,
+    svr,
+    svz,
+    uu,
+    u1,
+    bt_row,
+    num_kv_heads,
+    h,
+    rec32_ptr,
+    rec16_ptr,
+    REC: gl.constexpr,
+    K_OFF: gl.constexpr,
+    KCS_OFF: gl.constexpr,
+    V_OFF: gl.constexpr,
+    VCS_OFF: gl.constexpr,
+    VB: gl.constexpr,
+    T_LAYOUT: gl.constexpr,
+):
+    """Stage block ``uu`` of the request (nothing is read past ``u1``) into the given stage
+    buffers and commit the copy group: the 16-row layout of the scale vectors, or with
+    ``T_LAYOUT`` the one of ``decode_mma_t``."""
+    blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
+    rbase = blk * num_kv_heads + h
+    r32 = rec32_ptr + rbase * (REC // 4)
+    r16 = rec16_ptr + rbase * (REC // 2)
+    ok = uu < u1
+    if T_LAYOUT:
+        _stage_block_t(
+            sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, K_OFF, KCS_OFF, V_OFF, VCS_OFF, VB
+        )
+    else:
+        _stage_block(
+            sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, K_OFF, KCS_OFF, V_OFF, VCS_OFF, VB
+        )
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _staged_kw(sk, CQ: gl.constexpr):
     return _kw_from_lanes(sk.slice(8 * CQ, 8).load(_RDK))
 
@@ -657,10 +743,7 @@ def mma_decode_kernel(
         svr = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
         svz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
         for st in gl.static_range(NBUF - 1):
-            uu = u0 + st
-            blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
-            rbase = blk * num_kv_heads + h
-            _stage_block(
+            _issue_stage(
                 sk.index(st),
                 sv.index(st),
                 skc.index(st),
@@ -669,24 +752,26 @@ def mma_decode_kernel(
                 svc.index(st),
                 svr.index(st),
                 svz.index(st),
-                rec32_ptr + rbase * (REC // 4),
-                rec16_ptr + rbase * (REC // 2),
-                uu < u1,
+                u0 + st,
+                u1,
+                bt_row,
+                num_kv_heads,
+                h,
+                rec32_ptr,
+                rec16_ptr,
+                REC,
                 K_OFF,
                 KCS_OFF,
                 V_OFF,
                 VCS_OFF,
                 VB,
+                False,
             )
-            async_copy.commit_group()
         for u in range(u0, u1):
             j = u - u0
-            uu = u + NBUF - 1
-            blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
-            rbase = blk * num_kv_heads + h
             nst = (j + NBUF - 1) % NBUF
             gl.thread_barrier()  # every lane is done with the stage about to be overwritten
-            _stage_block(
+            _issue_stage(
                 sk.index(nst),
                 sv.index(nst),
                 skc.index(nst),
@@ -695,16 +780,21 @@ def mma_decode_kernel(
                 svc.index(nst),
                 svr.index(nst),
                 svz.index(nst),
-                rec32_ptr + rbase * (REC // 4),
-                rec16_ptr + rbase * (REC // 2),
-                uu < u1,
+                u + NBUF - 1,
+                u1,
+                bt_row,
+                num_kv_heads,
+                h,
+                rec32_ptr,
+                rec16_ptr,
+                REC,
                 K_OFF,
                 KCS_OFF,
                 V_OFF,
                 VCS_OFF,
                 VB,
+                False,
             )
-            async_copy.commit_group()
             async_copy.wait_group(NBUF - 1)
             gl.thread_barrier()
             cst = j % NBUF

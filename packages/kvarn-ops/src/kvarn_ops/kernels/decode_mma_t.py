@@ -145,47 +145,6 @@ def _q_parts(qr, QB: gl.constexpr):
 
 
 @gluon.jit
-def _stage_block_t(
-    sk,
-    sv,
-    skc,
-    skz,
-    skr,
-    svc,
-    svr,
-    svz,
-    r32,
-    r16,
-    ok,
-    K_OFF,
-    KCS_OFF,
-    V_OFF,
-    VCS_OFF,
-    VB: gl.constexpr,
-):
-    """cp.async copies of one record: the K and V words as in ``decode_mma``, the K channel
-    vectors as [4, 32], the token vectors as [8, 8] and the V column scales as [8, 16]."""
-    M._stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB)
-    c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, M._CP32))
-    j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, M._CP32))
-    o32 = c32[:, None] * 32 + j32[None, :]
-    m32 = (o32 >= 0) & ok
-    async_copy.async_copy_global_to_shared(skc, r16 + KCS_OFF // 2 + o32, mask=m32)
-    async_copy.async_copy_global_to_shared(skz, r16 + KCS_OFF // 2 + 128 + o32, mask=m32)
-    g8 = gl.arange(0, 8, layout=gl.SliceLayout(1, M._CP88))
-    i8 = gl.arange(0, 8, layout=gl.SliceLayout(0, M._CP88))
-    o8 = g8[:, None] * 8 + i8[None, :]
-    m8 = (o8 >= 0) & ok
-    async_copy.async_copy_global_to_shared(skr, r16 + KCS_OFF // 2 + 256 + o8, mask=m8)
-    async_copy.async_copy_global_to_shared(svr, r16 + VCS_OFF // 2 + 128 + o8, mask=m8)
-    async_copy.async_copy_global_to_shared(svz, r16 + VCS_OFF // 2 + 192 + o8, mask=m8)
-    g16 = gl.arange(0, 8, layout=gl.SliceLayout(1, M._CP816))
-    i16 = gl.arange(0, 16, layout=gl.SliceLayout(0, M._CP816))
-    o16 = g16[:, None] * 16 + i16[None, :]
-    async_copy.async_copy_global_to_shared(svc, r16 + VCS_OFF // 2 + o16, mask=(o16 >= 0) & ok)
-
-
-@gluon.jit
 def _scores_t(s, qz, corr, qr, qh, ql, kcs_run, kzp_run, kw, QB: gl.constexpr):
     """One 32-channel chunk: ``S^T += K^T qs``, ``qz += zp_K q_rot`` (hi + lo), ``corr +=
     1024 * sum(qs)`` (rows of the last two: all equal)."""
@@ -304,10 +263,7 @@ def mma_decode_t_kernel(
     svz = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 8], _SH2)
     bt_row = bt_ptr + b.to(gl.int64) * bt_stride
     for st in gl.static_range(NBUF - 1):
-        uu = u0 + st
-        blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
-        rbase = blk * num_kv_heads + h
-        _stage_block_t(
+        M._issue_stage(
             sk.index(st),
             sv.index(st),
             skc.index(st),
@@ -316,24 +272,26 @@ def mma_decode_t_kernel(
             svc.index(st),
             svr.index(st),
             svz.index(st),
-            rec32_ptr + rbase * (REC // 4),
-            rec16_ptr + rbase * (REC // 2),
-            uu < u1,
+            u0 + st,
+            u1,
+            bt_row,
+            num_kv_heads,
+            h,
+            rec32_ptr,
+            rec16_ptr,
+            REC,
             K_OFF,
             KCS_OFF,
             V_OFF,
             VCS_OFF,
             VB,
+            True,
         )
-        async_copy.commit_group()
     for u in range(u0, u1):
         j = u - u0
-        uu = u + NBUF - 1
-        blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
-        rbase = blk * num_kv_heads + h
         nst = (j + NBUF - 1) % NBUF
         gl.thread_barrier()  # every lane is done with the stage about to be overwritten
-        _stage_block_t(
+        M._issue_stage(
             sk.index(nst),
             sv.index(nst),
             skc.index(nst),
@@ -342,16 +300,21 @@ def mma_decode_t_kernel(
             svc.index(nst),
             svr.index(nst),
             svz.index(nst),
-            rec32_ptr + rbase * (REC // 4),
-            rec16_ptr + rbase * (REC // 2),
-            uu < u1,
+            u + NBUF - 1,
+            u1,
+            bt_row,
+            num_kv_heads,
+            h,
+            rec32_ptr,
+            rec16_ptr,
+            REC,
             K_OFF,
             KCS_OFF,
             V_OFF,
             VCS_OFF,
             VB,
+            True,
         )
-        async_copy.commit_group()
         async_copy.wait_group(NBUF - 1)
         gl.thread_barrier()
         cst = j % NBUF
