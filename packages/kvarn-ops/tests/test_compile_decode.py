@@ -139,26 +139,50 @@ def test_split_kernel_compiles_register_capped(target):
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
 @pytest.mark.parametrize(
-    "d,out",
-    [(64, "bfloat16"), (128, "bfloat16"), (128, "float32"), (256, "float16"), (512, "bfloat16")],
+    "d,out,tail,pool",
+    [
+        (64, "bfloat16", False, "bfloat16"),
+        (128, "bfloat16", False, "bfloat16"),
+        (128, "float32", False, "bfloat16"),
+        (256, "float16", False, "float16"),
+        (512, "bfloat16", False, "bfloat16"),
+        # the exact tail folded in (the MMA kernels' calls), 16-bit and fp8 pools
+        (128, "bfloat16", True, "bfloat16"),
+        (128, "float16", True, "float8_e4m3fn"),
+        (64, "float32", True, "float16"),
+    ],
 )
-def test_combine_kernel_compiles(d, out, target):
+def test_combine_kernel_compiles(d, out, tail, pool, target):
     consts = dict(
         D=d,
         G=64,
         S=16,
         S_P2=16,
         MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT,
+        TAIL=tail,
+        T=2,
+        GQA=4,
+        POOL_FP8=pool == "float8_e4m3fn",
         **KD.combine_consts(d, 16),
     )
-    sig = {
+    types = {
         "ws_ptr": "*fp32",
         "seq_ptr": "*i32",
         "out_ptr": Q[out],
         "lse_numel": "i32",
         "rows_per_request": "i32",
-        **dict.fromkeys(consts, "constexpr"),
+        "q_ptr": Q[out],
+        "ek_ptr": POOL[pool],
+        "ev_ptr": POOL[pool],
+        "ks_ptr": "*fp32" if pool == "float8_e4m3fn" else POOL[pool],
+        "vs_ptr": "*fp32" if pool == "float8_e4m3fn" else POOL[pool],
+        "tail_ptr": "*i32",
+        "qk_scale": "fp32",
+        "num_kv_heads": "i32",
+        "num_q_heads": "i32",
     }
+    names = KD._decode_combine_kernel.arg_names
+    sig = {n: "constexpr" if n in consts else types[n] for n in names}
     src = triton.compiler.ASTSource(fn=KD._decode_combine_kernel, signature=sig, constexprs=consts)
     k = triton.compile(src, target=target, options=dict(num_warps=4))
     assert "ptx" in k.asm

@@ -785,13 +785,13 @@ def _decode_combine_kernel(
         hq = row % num_q_heads
         h = hq // GQA
         q_pos = seq_len - T + (row % rows_per_request) // num_q_heads
-        qv = tl.load(q_ptr + row * D + d).to(tl.float32) * qk_scale
+        # q_rot[j] = sum_i q[i] H[i, j], by chunks of JC input channels i
         q_rot = tl.zeros([D], dtype=tl.float32)
-        for j0 in range(0, D, JC):
-            j = j0 + tl.arange(0, JC)
-            hs = _hadamard_signs(d[:, None], j[None, :]).to(tl.float32)
-            part = tl.sum(qv[:, None] * hs, axis=0)
-            q_rot += tl.sum(tl.where(d[:, None] == j[None, :], part[None, :], 0.0), axis=1)
+        for i0 in range(0, D, JC):
+            i = i0 + tl.arange(0, JC)
+            qv = tl.load(q_ptr + row * D + i).to(tl.float32) * qk_scale
+            hs = _hadamard_signs(i[:, None], d[None, :]).to(tl.float32)
+            q_rot += tl.sum(qv[:, None] * hs, axis=0)
         q_rot = q_rot * (1.0 / tl.sqrt(D * 1.0))
         tok = tl.arange(0, G)
         t_ok = (tok < tail) & (n_full * G + tok <= q_pos)

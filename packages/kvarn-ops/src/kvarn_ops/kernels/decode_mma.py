@@ -31,10 +31,11 @@ this adds is as large as the result, not 1024 times it; a ones column gives it. 
 ``1024 + c`` with an fp16 subtraction (``sub.f16x2``), because its weights are all positive and
 the 1024 offset would cancel badly.
 
-Memory: with ``NBUF > 0`` the next records are copied into shared memory by ``cp.async``
-while the current one is computed (``NBUF`` stages; 2 is the default: 14.6 KB per program at
-k4v2), words stored lane-major so that 32 lanes read 32 consecutive words. ``NBUF = 0`` loads
-straight from global memory before each use (no latency hiding; for comparison).
+Memory: the next records are copied into shared memory by ``cp.async`` while the current one
+is computed (``NBUF >= 2`` stages; 2 is the default: 14.6 KB per program at k4v2), words stored
+lane-major so that 32 lanes read 32 consecutive words. (Loading straight from global memory
+before each use, with no latency hiding, measured 38.7% of copy bandwidth against 46.3% with the
+staging, B=64 32K on the H200; that path is gone.)
 
 Scope: 4-bit K, 2- or 4-bit V, 64-token blocks, head_dim 128, at most 16 query rows per KV head
 (T * GQA), one warp per program; up to 8 rows take ``decode_mma_t.py`` (rows in the MMA's N
@@ -106,7 +107,7 @@ _RUN4: gl.constexpr = gl.DistributedLinearLayout(
 )
 
 
-# shared-memory staging of a block (cp.async, NBUF > 0): words stored lane-major, so that the
+# shared-memory staging of a block (cp.async): words stored lane-major, so that the
 # read of one register's word by the 32 lanes touches 32 consecutive words (no bank conflict)
 _SH2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 _CPK: gl.constexpr = gl.BlockedLayout(
@@ -204,32 +205,6 @@ def _vw_from_lanes(t):
 
 
 @gluon.jit
-def _chan_vec(base, CQ: gl.constexpr):
-    """K channel vector (s_col or zero point) of chunk CQ from global memory, logical order."""
-    c = gl.arange(0, 4, layout=gl.SliceLayout(1, _RUN8))
-    i = gl.arange(0, 8, layout=gl.SliceLayout(0, _RUN8))
-    return _chan_from_run(gl.load(base + c[:, None] * 32 + 8 * CQ + i[None, :]))
-
-
-@gluon.jit
-def _vchan_vec(base, CQ: gl.constexpr):
-    """V column scales of output chunk CQ from global memory, logical order."""
-    c = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _RUN4)))
-    x = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _RUN4)))
-    nt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _RUN4)))
-    off = c[:, None, None] * 32 + x[None, :, None] * 16 + 4 * CQ + nt[None, None, :]
-    return _vchan_from_run(gl.load(base + off))
-
-
-@gluon.jit
-def _tok_vec(base):
-    """Per-token vector of a block (64 fp16) from global memory, logical token order."""
-    c = gl.arange(0, 4, layout=gl.SliceLayout(1, _RUN16))
-    i = gl.arange(0, 16, layout=gl.SliceLayout(0, _RUN16))
-    return _tok_from_run(gl.load(base + c[:, None] * 16 + i[None, :]))
-
-
-@gluon.jit
 def _pair_f16(a, b, BYTE: gl.constexpr, MASK: gl.constexpr):
     """Two codes as exact fp16 values in one 32-bit register: the field at the bottom of byte
     ``BYTE`` of word ``a`` (low half) and of word ``b`` (high half). One ``prmt`` brings both
@@ -311,15 +286,6 @@ def _k_nib(ka, kb, ka4, kb4, J: gl.constexpr):
     else:
         r = _pair_bits(ka4, kb4, J // 2, 0x000F000F, 0x64006400)
     return r
-
-
-@gluon.jit
-def _k_words(kw_ptr, CQ: gl.constexpr):
-    """K words of chunk CQ from global memory: [8 c + i, w], channel 32 c + 8 CQ + i."""
-    i = gl.arange(0, 32, layout=gl.SliceLayout(1, _KW))
-    w = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
-    rows = (i >> 3) * 32 + 8 * CQ + (i & 7)
-    return gl.load(kw_ptr + rows[:, None] * 8 + w[None, :])
 
 
 @gluon.jit
@@ -421,6 +387,18 @@ def _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB: gl.constexpr):
 
 
 @gluon.jit
+def _stage_kchan(skc, skz, r16, ok, KCS_OFF):
+    """cp.async of the K column scales and zero points as [4, 32] (both kernels read them in
+    runs of 8 channels per lane)."""
+    c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP32))
+    j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP32))
+    o32 = c32[:, None] * 32 + j32[None, :]
+    m32 = (o32 >= 0) & ok
+    async_copy.async_copy_global_to_shared(skc, r16 + KCS_OFF // 2 + o32, mask=m32)
+    async_copy.async_copy_global_to_shared(skz, r16 + KCS_OFF // 2 + 128 + o32, mask=m32)
+
+
+@gluon.jit
 def _stage_block(
     sk,
     sv,
@@ -443,12 +421,7 @@ def _stage_block(
     false): K words lane-major [chunk, i, lane], V words [i, h, lane], the K scale fields
     (s_col, zero point, s_row: 320 fp16) and the V ones (s_col, s_row, zero point: 256)."""
     _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB)
-    c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP32))
-    j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP32))
-    o32 = c32[:, None] * 32 + j32[None, :]
-    m32 = (o32 >= 0) & ok
-    async_copy.async_copy_global_to_shared(skc, r16 + KCS_OFF // 2 + o32, mask=m32)
-    async_copy.async_copy_global_to_shared(skz, r16 + KCS_OFF // 2 + 128 + o32, mask=m32)
+    _stage_kchan(skc, skz, r16, ok, KCS_OFF)
     c16 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP16))
     j16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP16))
     o16 = c16[:, None] * 16 + j16[None, :]
@@ -485,12 +458,7 @@ def _stage_block_t(
     """cp.async copies of one record: the K and V words as in ``decode_mma``, the K channel
     vectors as [4, 32], the token vectors as [8, 8] and the V column scales as [8, 16]."""
     _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB)
-    c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP32))
-    j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP32))
-    o32 = c32[:, None] * 32 + j32[None, :]
-    m32 = (o32 >= 0) & ok
-    async_copy.async_copy_global_to_shared(skc, r16 + KCS_OFF // 2 + o32, mask=m32)
-    async_copy.async_copy_global_to_shared(skz, r16 + KCS_OFF // 2 + 128 + o32, mask=m32)
+    _stage_kchan(skc, skz, r16, ok, KCS_OFF)
     g8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP88))
     i8 = gl.arange(0, 8, layout=gl.SliceLayout(0, _CP88))
     o8 = g8[:, None] * 8 + i8[None, :]
@@ -561,7 +529,7 @@ def _run8(sc, CQ: gl.constexpr):
 
 @gluon.jit
 def _staged_chan(sc, CQ: gl.constexpr):
-    return _chan_from_run(sc.slice(8 * CQ, 8, dim=1).load(_RUN8))
+    return _chan_from_run(_run8(sc, CQ))
 
 
 @gluon.jit
@@ -679,171 +647,117 @@ def mma_decode_kernel(
     a3 = gl.full([16, 32], 0.0, gl.float32, _MMA)
 
     bt_row = bt_ptr + b.to(gl.int64) * bt_stride
-    if NBUF == 0:
-        # loads straight from global memory, each just before its use
-        WV: gl.constexpr = 128 * VB // 32  # int32 words per V token row
-        vt = gl.arange(0, 64, layout=gl.SliceLayout(1, _VW))
-        vg = gl.arange(0, 8, layout=gl.SliceLayout(0, _VW))
-        v_word = vt[:, None] * WV + vg[None, :] * (VB // 2)
-        for u in range(u0, u1):
-            blk = gl.load(bt_row + u).to(gl.int64)
-            rbase = blk * num_kv_heads + h
-            r32 = rec32_ptr + rbase * (REC // 4)
-            r16 = rec16_ptr + rbase * (REC // 2)
-            vw0 = gl.load(r32 + V_OFF // 4 + v_word)
-            if VB == 4:
-                vw1 = gl.load(r32 + V_OFF // 4 + v_word + 1)
-            else:
-                vw1 = vw0
-            s = gl.full([16, 64], 0.0, gl.float32, _MMA)
-            qz = gl.full([16], 0.0, gl.float32, _ROWS)
-            corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
-            kp = r32 + K_OFF // 4
-            kc = r16 + KCS_OFF // 2
-            kz = r16 + KZP_OFF // 2
-            s, qz, corr = _scores_chunk(
-                s, qz, corr, q0, _chan_vec(kc, 0), _chan_vec(kz, 0), _k_words(kp, 0)
-            )
-            s, qz, corr = _scores_chunk(
-                s, qz, corr, q1, _chan_vec(kc, 1), _chan_vec(kz, 1), _k_words(kp, 1)
-            )
-            s, qz, corr = _scores_chunk(
-                s, qz, corr, q2, _chan_vec(kc, 2), _chan_vec(kz, 2), _k_words(kp, 2)
-            )
-            s, qz, corr = _scores_chunk(
-                s, qz, corr, q3, _chan_vec(kc, 3), _chan_vec(kz, 3), _k_words(kp, 3)
-            )
-            qz = qz - gl.max(corr, axis=1)
-            krs = _tok_vec(r16 + KRS_OFF // 2)
-            vzp = _tok_vec(r16 + VZP_OFF // 2)
-            vrs = _tok_vec(r16 + VRS_OFF // 2)
-            m, l, alpha, pz, pw = _softmax_step(
-                s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB
-            )
-            va0, vb0 = _v_pairs(vw0)
-            if VB == 4:
-                va1, vb1 = _v_pairs(vw1)
-            else:
-                va1 = va0
-                vb1 = vb0
-            vc = r16 + VCS_OFF // 2
-            a0 = _values_chunk(a0, alpha, pw, pz, va0, vb0, _vchan_vec(vc, 0), 0, VB)
-            a1 = _values_chunk(a1, alpha, pw, pz, va0, vb0, _vchan_vec(vc, 1), 1, VB)
-            a2 = _values_chunk(a2, alpha, pw, pz, va1, vb1, _vchan_vec(vc, 2), 2, VB)
-            a3 = _values_chunk(a3, alpha, pw, pz, va1, vb1, _vchan_vec(vc, 3), 3, VB)
-    else:
-        # records staged in shared memory by cp.async, NBUF - 1 blocks ahead of their use
-        HV: gl.constexpr = VB // 2
-        sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
-        sv = gl.allocate_shared_memory(gl.int32, [NBUF, 16 * HV, 32], _SH2)
-        skc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
-        skz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
-        skr = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
-        svc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 2, 16], _SH3)
-        svr = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
-        svz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
-        for st in gl.static_range(NBUF - 1):
-            _issue_stage(
-                sk.index(st),
-                sv.index(st),
-                skc.index(st),
-                skz.index(st),
-                skr.index(st),
-                svc.index(st),
-                svr.index(st),
-                svz.index(st),
-                u0 + st,
-                u1,
-                bt_row,
-                num_kv_heads,
-                h,
-                rec32_ptr,
-                rec16_ptr,
-                REC,
-                K_OFF,
-                KCS_OFF,
-                V_OFF,
-                VCS_OFF,
-                VB,
-                False,
-            )
-        for u in range(u0, u1):
-            j = u - u0
-            nst = (j + NBUF - 1) % NBUF
-            gl.thread_barrier()  # every lane is done with the stage about to be overwritten
-            _issue_stage(
-                sk.index(nst),
-                sv.index(nst),
-                skc.index(nst),
-                skz.index(nst),
-                skr.index(nst),
-                svc.index(nst),
-                svr.index(nst),
-                svz.index(nst),
-                u + NBUF - 1,
-                u1,
-                bt_row,
-                num_kv_heads,
-                h,
-                rec32_ptr,
-                rec16_ptr,
-                REC,
-                K_OFF,
-                KCS_OFF,
-                V_OFF,
-                VCS_OFF,
-                VB,
-                False,
-            )
-            async_copy.wait_group(NBUF - 1)
-            gl.thread_barrier()
-            cst = j % NBUF
-            ck = sk.index(cst)
-            kc = skc.index(cst)
-            kz = skz.index(cst)
-            vc = svc.index(cst)
-            s = gl.full([16, 64], 0.0, gl.float32, _MMA)
-            qz = gl.full([16], 0.0, gl.float32, _ROWS)
-            corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
-            s, qz, corr = _scores_chunk(
-                s, qz, corr, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0)
-            )
-            s, qz, corr = _scores_chunk(
-                s, qz, corr, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1)
-            )
-            s, qz, corr = _scores_chunk(
-                s, qz, corr, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2)
-            )
-            s, qz, corr = _scores_chunk(
-                s, qz, corr, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
-            )
-            qz = qz - gl.max(corr, axis=1)
-            krs = _staged_tok(skr.index(cst))
-            vrs = _staged_tok(svr.index(cst))
-            vzp = _staged_tok(svz.index(cst))
-            m, l, alpha, pz, pw = _softmax_step(
-                s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB
-            )
-            RDV: gl.constexpr = gl.BlockedLayout(
-                size_per_thread=[16 * HV, 1],
-                threads_per_warp=[1, 32],
-                warps_per_cta=[1, 1],
-                order=[1, 0],
-            )
-            vt3 = gl.reshape(sv.index(cst).load(RDV), [16, HV, 32])  # [i, h, lane]
-            if VB == 4:
-                t0, t1 = gl.split(gl.permute(vt3, [0, 2, 1]))
-                va0, vb0 = _v_pairs(_vw_from_lanes(t0))
-                va1, vb1 = _v_pairs(_vw_from_lanes(t1))
-            else:
-                va0, vb0 = _v_pairs(_vw_from_lanes(gl.reshape(vt3, [16, 32])))
-                va1 = va0
-                vb1 = vb0
-            a0 = _values_chunk(a0, alpha, pw, pz, va0, vb0, _staged_vchan(vc, 0), 0, VB)
-            a1 = _values_chunk(a1, alpha, pw, pz, va0, vb0, _staged_vchan(vc, 1), 1, VB)
-            a2 = _values_chunk(a2, alpha, pw, pz, va1, vb1, _staged_vchan(vc, 2), 2, VB)
-            a3 = _values_chunk(a3, alpha, pw, pz, va1, vb1, _staged_vchan(vc, 3), 3, VB)
-        async_copy.wait_group(0)
+    gl.static_assert(NBUF >= 2)
+    # records staged in shared memory by cp.async, NBUF - 1 blocks ahead of their use
+    HV: gl.constexpr = VB // 2
+    sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
+    sv = gl.allocate_shared_memory(gl.int32, [NBUF, 16 * HV, 32], _SH2)
+    skc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
+    skz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
+    skr = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
+    svc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 2, 16], _SH3)
+    svr = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
+    svz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 16], _SH2)
+    for st in gl.static_range(NBUF - 1):
+        _issue_stage(
+            sk.index(st),
+            sv.index(st),
+            skc.index(st),
+            skz.index(st),
+            skr.index(st),
+            svc.index(st),
+            svr.index(st),
+            svz.index(st),
+            u0 + st,
+            u1,
+            bt_row,
+            num_kv_heads,
+            h,
+            rec32_ptr,
+            rec16_ptr,
+            REC,
+            K_OFF,
+            KCS_OFF,
+            V_OFF,
+            VCS_OFF,
+            VB,
+            False,
+        )
+    for u in range(u0, u1):
+        j = u - u0
+        nst = (j + NBUF - 1) % NBUF
+        gl.thread_barrier()  # every lane is done with the stage about to be overwritten
+        _issue_stage(
+            sk.index(nst),
+            sv.index(nst),
+            skc.index(nst),
+            skz.index(nst),
+            skr.index(nst),
+            svc.index(nst),
+            svr.index(nst),
+            svz.index(nst),
+            u + NBUF - 1,
+            u1,
+            bt_row,
+            num_kv_heads,
+            h,
+            rec32_ptr,
+            rec16_ptr,
+            REC,
+            K_OFF,
+            KCS_OFF,
+            V_OFF,
+            VCS_OFF,
+            VB,
+            False,
+        )
+        async_copy.wait_group(NBUF - 1)
+        gl.thread_barrier()
+        cst = j % NBUF
+        ck = sk.index(cst)
+        kc = skc.index(cst)
+        kz = skz.index(cst)
+        vc = svc.index(cst)
+        s = gl.full([16, 64], 0.0, gl.float32, _MMA)
+        qz = gl.full([16], 0.0, gl.float32, _ROWS)
+        corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
+        s, qz, corr = _scores_chunk(
+            s, qz, corr, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0)
+        )
+        s, qz, corr = _scores_chunk(
+            s, qz, corr, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1)
+        )
+        s, qz, corr = _scores_chunk(
+            s, qz, corr, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2)
+        )
+        s, qz, corr = _scores_chunk(
+            s, qz, corr, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
+        )
+        qz = qz - gl.max(corr, axis=1)
+        krs = _staged_tok(skr.index(cst))
+        vrs = _staged_tok(svr.index(cst))
+        vzp = _staged_tok(svz.index(cst))
+        m, l, alpha, pz, pw = _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB)
+        RDV: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[16 * HV, 1],
+            threads_per_warp=[1, 32],
+            warps_per_cta=[1, 1],
+            order=[1, 0],
+        )
+        vt3 = gl.reshape(sv.index(cst).load(RDV), [16, HV, 32])  # [i, h, lane]
+        if VB == 4:
+            t0, t1 = gl.split(gl.permute(vt3, [0, 2, 1]))
+            va0, vb0 = _v_pairs(_vw_from_lanes(t0))
+            va1, vb1 = _v_pairs(_vw_from_lanes(t1))
+        else:
+            va0, vb0 = _v_pairs(_vw_from_lanes(gl.reshape(vt3, [16, 32])))
+            va1 = va0
+            vb1 = vb0
+        a0 = _values_chunk(a0, alpha, pw, pz, va0, vb0, _staged_vchan(vc, 0), 0, VB)
+        a1 = _values_chunk(a1, alpha, pw, pz, va0, vb0, _staged_vchan(vc, 1), 1, VB)
+        a2 = _values_chunk(a2, alpha, pw, pz, va1, vb1, _staged_vchan(vc, 2), 2, VB)
+        a3 = _values_chunk(a3, alpha, pw, pz, va1, vb1, _staged_vchan(vc, 3), 3, VB)
+    async_copy.wait_group(0)
 
     seen = l > 0.0
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l, 1.0), 0.0)
