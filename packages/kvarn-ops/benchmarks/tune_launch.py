@@ -8,8 +8,8 @@ configuration per op is printed last; change the module's function to it by hand
 
     python benchmarks/tune_launch.py --out results/tune.json [--ops store,materialize]
 
-Ops: store, store_fp8, materialize (dense), mla_stage_random, mla_stage_sorted (the staging
-rows also give ``sector_fraction_of_copy``, see ``bench_kernels.bench_mla_gather``),
+Ops: store, store_fp8, materialize (dense), flush (dense), mla_stage_random, mla_stage_sorted
+(the staging rows also give ``sector_fraction_of_copy``, see ``bench_kernels.bench_mla_gather``),
 mla_materialize, mla_decode_b8, mla_decode_b64, mla_decode_h128.
 """
 
@@ -59,7 +59,13 @@ SWEEPS = {
     ),
     "materialize": (
         lambda: bench_kernels.bench_materialize("kvarn_k4v2_g64", 128, 8, 16, 8192, torch.bfloat16),
-        {"materialize.MATERIALIZE_WARPS": [None, 8], "materialize.CHUNK_VALUES": [None, 4096]},
+        {
+            "materialize.materialize_maxnreg": [None, 0],
+        },
+    ),
+    "flush": (
+        lambda: bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 4096, torch.bfloat16),
+        {"flush.warps_for": [None, 8, 16]},
     ),
     # MLA staging and materialize for random slots and for the same slots sorted by block.
     **{

@@ -83,10 +83,17 @@ SPILL_ALLOWANCE = {
     ("rotate", 512, "float32"): 192,
     ("store", 512, "bfloat16"): 384,
     ("store", 64, "float32"): 704,
+    # materialize: G 128 loops over two chunks (sm_120: 168 before the 16-bit tail product);
+    # D 256 and 512 dequantize in fp32 and rotate with the 3-pass product.
+    ("materialize", 128, "float8_e4m3fn", 120): 96,
+    ("materialize", 256, "bfloat16", 90): 168,
+    ("materialize", 256, "bfloat16", 120): 96,
+    ("materialize", 512, "float16", 90): 344,
+    ("materialize", 512, "float16", 120): 56,
 }
 
 
-def _compile(fn, types_by_name: dict, consts: dict, target, num_warps: int):
+def _compile(fn, types_by_name: dict, consts: dict, target, num_warps: int, maxnreg=None):
     sig = {}
     for name in fn.arg_names:
         sig[name] = "constexpr" if name in consts else types_by_name[name]
@@ -98,7 +105,10 @@ def _compile(fn, types_by_name: dict, consts: dict, target, num_warps: int):
         if sig[name].startswith("*")
     }
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=target, options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    k = triton.compile(src, target=target, options=options)
     assert "ptx" in k.asm
     # The stack frame read from the cubin: offline, ``k.n_spills`` does not exist (it is set
     # when a kernel is loaded on a GPU), so it would always read 0.
@@ -246,14 +256,8 @@ def test_materialize_compiles(case, target):
     lay = kf.dense_layout(fmt, d)
     fp8 = pool == "float8_e4m3fn"
     scale = "*fp32" if fp8 else POOL[pool]
-    consts = dict(
-        G=lay.block_size,
-        H=8,
-        D=d,
-        BT=mod.tokens_per_chunk(d, lay.block_size),
-        FP8=fp8,
-        **mod.record_offsets(lay),
-    )
+    consts, opts = mod.launch_config(lay, getattr(torch, pool), target.arch)
+    consts["H"] = 8
     types_ = {
         "packed_ptr": "*u8",
         "block_table_ptr": "*i32",
@@ -271,5 +275,22 @@ def test_materialize_compiles(case, target):
         "total_rows": "i32",
         "max_blocks": "i32",
         "cols": "i32",
+        "signs_ptr": "*i16",
     }
-    _compile(mod._materialize_kernel, types_, consts, target, 4)
+    k, frame = _compile(
+        mod._materialize_kernel, types_, consts, target, opts["num_warps"], opts.get("maxnreg")
+    )
+    regs = cubin_resources(k.asm["cubin"])[0]
+    if opts.get("maxnreg"):
+        # The shipped register cap (4 programs per SM at D 128): at most 16 bytes of spill
+        # frame (8 measured for k4v2 g64 D 128 bf16 on sm_90a).
+        assert regs <= opts["maxnreg"] and frame <= 16, (regs, frame)
+    else:
+        assert frame <= SPILL_ALLOWANCE.get(("materialize", d, pool, target.arch), 0), frame
+    if d == 128:
+        # The signed [D, D] operands of K and V are built 8 contiguous values per thread and
+        # stored 16 bytes at a time: the only 16-bit shared stores left are the exact tail's
+        # constant sign tile, one per element (D * D / threads). Built per element, as
+        # before, the K and V operands added 2 * 128 of them (388 in all at k4v2).
+        n16 = k.asm["ptx"].count("st.shared.b16")
+        assert n16 <= d * d // (32 * opts["num_warps"]) + 8, n16

@@ -11,16 +11,18 @@ A full block is read from its record, the partial newest block from the exact po
 The inverse rotation is folded into the dequantization (D <= 128): with ``S = diag(s_col)`` and
 ``P`` the +-1 Sylvester signs, ``K[t, :] H = s_row[t] * (code[:, t]^T (S P) + zp^T P) / sqrt(D)``
 and ``V[t, :] H = (s_row[t] * code[t, :] (S P) + zp[t] * s_col^T P) / sqrt(D)``. Codes (< 256) and
-``S P`` (fp16 values times +-1) are exact in fp16, so one fp16 tensor-core product with fp32
-accumulation is exact up to the accumulation order. ``S P`` is built per tile from the Kronecker
-factors ``P_D = P_{D/16} (x) P_16`` by flipping fp16 sign bits (XORs per entry), and the
-vectors ``zp^T P``, ``s_col^T P`` by two small products over those factors; no ``[D, D]`` sign
-matrix is evaluated bit by bit. D = 256, 512 dequantize in fp32 first and rotate with the 3-pass
-product.
+``S P`` (fp16 values times +-1) are exact in fp16 (codes as ``(0x6400 | c) - 1024``), so one
+fp16 tensor-core product with fp32 accumulation is exact up to the accumulation order. ``S P``
+is built per tile from the Kronecker factors ``P_D = P_{D/16} (x) P_16`` by flipping fp16 sign
+bits (``P_16``'s from a 512-byte table, so the tile is built and stored to shared memory 8
+values at a time), and the vectors ``zp^T P``, ``s_col^T P`` by two small products over those
+factors. The exact tail rotates fp16/bf16 (and fp8 as fp16) rows with a 16-bit product.
+D = 256, 512 dequantize in fp32 first and rotate with the 3-pass product.
 
 Launch knobs (read at every call, so a sweep can change them between calls):
-``MATERIALIZE_WARPS`` (num_warps) and ``CHUNK_VALUES`` (values of a tile dequantized at once,
-which sets the tokens per chunk, see :func:`tokens_per_chunk`).
+``MATERIALIZE_WARPS`` (num_warps), ``CHUNK_VALUES`` (values of a tile dequantized at once,
+which sets the tokens per chunk, see :func:`tokens_per_chunk`) and
+:func:`materialize_maxnreg` (the register cap).
 """
 
 from __future__ import annotations
@@ -49,6 +51,51 @@ MATERIALIZE_WARPS = 4
 """num_warps of the materialize kernel (4: one warpgroup, the 64-row fp16 wgmma tile)."""
 CHUNK_VALUES = 8192
 """Values of a tile dequantized at once (tokens per chunk times D, at least 16 tokens)."""
+
+
+def materialize_maxnreg(head_dim: int, group: int, arch: int) -> int | None:
+    """Register cap per thread on sm_90 (``arch`` = major * 10 + minor): 128 where a tile is
+    one chunk and D <= 128 (4 programs per SM instead of 3 at the compiler's 138 registers:
+    0.500 -> 0.456 ms on an H200 for k4v2 g64, B=16 ~8K; 8 bytes of spill frame offline).
+    Elsewhere the compiler's choice: G 128 at D 128 takes 240 registers (328 bytes of spill
+    frame under the cap), and sm_120's mma.sync layouts spill 720 bytes under it."""
+    if arch // 10 == 9 and head_dim <= 128 and tokens_per_chunk(head_dim, group) == group:
+        return 128
+    return None
+
+
+_TABLES: dict = {}
+
+
+def native_tail(dtype: torch.dtype, head_dim: int, interpret: bool = INTERPRET) -> bool:
+    """Whether the exact tail rotates with a 16-bit tensor-core product (D <= 128; not for bf16
+    under the interpreter, whose bf16 ``tl.dot`` takes the tf32 path: the same exact products,
+    but the GPU parity tests are what cover bf16)."""
+    return head_dim <= 128 and not (interpret and dtype == torch.bfloat16)
+
+
+def _arch(device) -> int:
+    """major * 10 + minor of a CUDA device; 0 elsewhere (the interpreter)."""
+    if device.type != "cuda" or INTERPRET:
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def _sign_table(device) -> torch.Tensor:
+    """int16 ``[16, 16]``: 0x8000 where the Sylvester sign of ``P_16`` is -1 (cached per
+    device)."""
+    key = str(device)
+    if key not in _TABLES:
+        i = torch.arange(16)
+        v = i[:, None] & i[None, :]
+        parity = torch.zeros_like(v)
+        while bool(v.any()):
+            parity ^= v & 1
+            v = v >> 1
+        _TABLES[key] = (parity << 15).to(torch.int16).to(device)
+    return _TABLES[key]
+
 
 _EMULATE_RNE = tl.constexpr(INTERPRET)
 """The interpreter's bf16 cast truncates: emulate round-to-nearest-even there only (compiled
@@ -88,26 +135,6 @@ def _load_fp16(ptr, offs):
 
 
 @triton.jit
-def _sign_bits(N: tl.constexpr):
-    """``[N, N]`` int16: 0x8000 (the fp16 sign bit) where the Sylvester sign
-    ``(-1)**popcount(i & j)`` is -1, else 0."""
-    return (hadamard_signs(N) < 0.0).to(tl.int16) << 15
-
-
-@triton.jit
-def _signed_rows(s_col_bits, D: tl.constexpr):
-    """``S P`` as fp16 ``[D, D]`` (row ``i`` of the signs times ``s_col[i]``), exact: the fp16
-    sign bit of ``s_col[i]`` XOR the sign of ``P_D[i, j] = P_O[i // 16, j // 16] *
-    P_16[i % 16, j % 16]`` (``O = D / 16``). ``s_col_bits``: int16 bits of s_col, ``[D]``."""
-    O: tl.constexpr = D // 16
-    so = _sign_bits(O)
-    s16 = _sign_bits(16)
-    sb = tl.reshape(s_col_bits, [O, 16])
-    m = sb[:, :, None, None] ^ so[:, None, :, None] ^ s16[None, :, None, :]
-    return tl.reshape(m, [D, D]).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _signed_sum(v, D: tl.constexpr):
     """``v^T P_D`` for fp32 ``v [D]`` (D = 16 * O) as two small products over the Kronecker
     factors: ``t[a, jb] = sum_b v[a, b] P_16[b, jb]``, then ``sum_a P_O[a, ja] t[a, jb]``."""
@@ -116,6 +143,59 @@ def _signed_sum(v, D: tl.constexpr):
     t = tl.sum(v2[:, :, None] * hadamard_signs(16)[None, :, :], axis=1)
     u = tl.sum(hadamard_signs(O)[:, :, None] * t[:, None, :], axis=0)
     return tl.reshape(u, [D])
+
+
+@triton.jit
+def _tail_rows(
+    pool_ptr,
+    scale_ptr,
+    src,
+    ok,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    FP8: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """Exact-pool rows ``src`` rotated back to the model frame, fp32 ``[BT, D]``. ``NATIVE``
+    (D <= 128): a 16-bit tensor-core product with the +-1 signs (fp16/bf16 pools in their own
+    type, fp8 values in fp16, both exact), whose products are exact and summed in fp32 like
+    the single-pass tf32 product of ``rotate_rows``, with half its operand bytes."""
+    dim = tl.arange(0, D)
+    x = tl.load(pool_ptr + src[:, None] * D + dim[None, :], mask=ok[:, None], other=0.0)
+    if NATIVE:
+        if FP8:
+            x = x.to(tl.float16)
+        y = _inv_sqrt(tl.dot(x, hadamard_signs(D).to(x.dtype), out_dtype=tl.float32), D)
+    else:
+        y = rotate_rows(x.to(tl.float32), BT, D, True)
+    if FP8:
+        y = y * tl.load(scale_ptr + src, mask=ok, other=1.0)[:, None]
+    return y
+
+
+@triton.jit
+def _codes_f16(codes):
+    """int32 codes (< 1024) as exact fp16: ``0x6400 | c`` is the fp16 number 1024 + c, and the
+    subtraction is exact (pairs of codes take one packed fp16 add, not an int-to-float
+    conversion each)."""
+    return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _signed_operand(t16_ptr, s_col_bits, D: tl.constexpr):
+    """``S P`` as fp16 ``[D, D]`` (row ``i`` of the Sylvester signs times ``s_col[i]``),
+    exact: the fp16 sign bit of ``s_col[i]`` XOR the sign of ``P_D[i, j] = P_O[i // 16, j // 16]
+    * P_16[i % 16, j % 16]`` (``O = D / 16``). The ``P_16`` sign bits come from a 512-byte
+    int16 table (``t16_ptr``, cache resident): loaded, the tile gets 8 contiguous values per
+    thread, so it is stored to shared memory 16 bytes at a time (built from indices, it was
+    one 16-bit store per value). ``s_col_bits``: int16 bits of s_col, ``[D]``."""
+    i = tl.arange(0, D)
+    t16 = tl.load(t16_ptr + (i[:, None] % 16) * 16 + (i[None, :] % 16))
+    v = (i[:, None] // 16) & (i[None, :] // 16)  # P_O's parity, O <= 8: three bits
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    outer = ((v & 1) << 15).to(tl.int16)
+    return (t16 ^ outer ^ s_col_bits[:, None]).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -134,6 +214,7 @@ def _packed_chunk(
     COL_OFF: tl.constexpr,
     ZP_OFF: tl.constexpr,
     ROW_OFF: tl.constexpr,
+    signs_ptr,
 ):
     """Tokens ``t0 .. t0 + BT`` of one record, dequantized and rotated back: fp32 [BT, D].
 
@@ -146,6 +227,8 @@ def _packed_chunk(
         zp = _load_fp16(rec_ptr + ZP_OFF, dim)
         # K codes [D, G] (index d*G + t): window of BT tokens of every channel row.
         codes = unpack_codes_load(rec_ptr + CODES_OFF + t0 * BITS // 8, D, BT, G, BITS, L, NB, NBP)
+        if D <= 128:
+            codes = _codes_f16(codes)  # transposed as fp16: half the bytes of int32
         codes = tl.trans(codes)  # [BT, D]
     else:
         zp = _load_fp16(rec_ptr + ZP_OFF, t)
@@ -153,10 +236,12 @@ def _packed_chunk(
         codes = unpack_codes_load(
             rec_ptr + CODES_OFF + t0 * D * BITS // 8, BT, D, D, BITS, L, NB, NBP
         )
+        if D <= 128:
+            codes = _codes_f16(codes)
     if D <= 128:
         col_bits = tl.load((rec_ptr + COL_OFF).to(tl.pointer_type(tl.int16)) + dim)
-        m = _signed_rows(col_bits, D)
-        acc = tl.dot(codes.to(tl.float16), m, out_dtype=tl.float32)
+        m = _signed_operand(signs_ptr, col_bits, D)
+        acc = tl.dot(codes, m, out_dtype=tl.float32)
         if IS_K:
             zp_h = _signed_sum(zp, D)
             y = s_row[:, None] * (acc + zp_h[None, :])
@@ -194,6 +279,7 @@ def _materialize_kernel(
     total_rows,
     max_blocks,
     cols,
+    signs_ptr,
     G: tl.constexpr,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -216,6 +302,7 @@ def _materialize_kernel(
     VS_OFF: tl.constexpr,
     VR_OFF: tl.constexpr,
     VZ_OFF: tl.constexpr,
+    NATIVE_TAIL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -253,6 +340,7 @@ def _materialize_kernel(
                         KS_OFF,
                         KZ_OFF,
                         KR_OFF,
+                        signs_ptr,
                     )
                     tl.store(
                         k_out_ptr + offs, _to_out(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
@@ -273,6 +361,7 @@ def _materialize_kernel(
                         VS_OFF,
                         VZ_OFF,
                         VR_OFF,
+                        signs_ptr,
                     )
                     tl.store(
                         v_out_ptr + offs, _to_out(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
@@ -288,22 +377,12 @@ def _materialize_kernel(
                 src = (pool_blk * G + t) * H + head
                 offs = (row[:, None] * H + head) * D + dim[None, :]
                 if is_k:
-                    x = tl.load(
-                        exact_k_ptr + src[:, None] * D + dim[None, :], mask=ok[:, None], other=0.0
-                    ).to(tl.float32)
-                    y = rotate_rows(x, BT, D, True)
-                    if FP8:
-                        y = y * tl.load(k_scale_ptr + src, mask=ok, other=1.0)[:, None]
+                    y = _tail_rows(exact_k_ptr, k_scale_ptr, src, ok, D, BT, FP8, NATIVE_TAIL)
                     tl.store(
                         k_out_ptr + offs, _to_out(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
                 else:
-                    x = tl.load(
-                        exact_v_ptr + src[:, None] * D + dim[None, :], mask=ok[:, None], other=0.0
-                    ).to(tl.float32)
-                    y = rotate_rows(x, BT, D, True)
-                    if FP8:
-                        y = y * tl.load(v_scale_ptr + src, mask=ok, other=1.0)[:, None]
+                    y = _tail_rows(exact_v_ptr, v_scale_ptr, src, ok, D, BT, FP8, NATIVE_TAIL)
                     tl.store(
                         v_out_ptr + offs, _to_out(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
@@ -319,6 +398,26 @@ _FIELD_KEYS = {
     "v_row_scale": "VR",
     "v_zero_point": "VZ",
 }
+
+
+def launch_config(layout, pool_dtype: torch.dtype, arch: int = 0) -> tuple[dict, dict]:
+    """Constexpr arguments of ``_materialize_kernel`` (all but ``H``) and launch options for a
+    dense layout, pool dtype and GPU architecture (major * 10 + minor; 0: none), from the
+    module's knobs."""
+    d = layout.head_dim
+    consts = dict(
+        G=layout.block_size,
+        D=d,
+        BT=tokens_per_chunk(d, layout.block_size),
+        FP8=pool_dtype == torch.float8_e4m3fn,
+        NATIVE_TAIL=native_tail(pool_dtype, d),
+        **record_offsets(layout),
+    )
+    opts = {"num_warps": MATERIALIZE_WARPS}
+    maxnreg = materialize_maxnreg(d, layout.block_size, arch)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return consts, opts
 
 
 def record_offsets(layout) -> dict:
@@ -359,7 +458,8 @@ def _launch(
     fp8 = exact_k.dtype == torch.float8_e4m3fn
     ks = k_scale if fp8 else exact_k
     vs = v_scale if fp8 else exact_v
-    bt = tokens_per_chunk(d, g)
+    consts, opts = launch_config(layout, exact_k.dtype, _arch(packed.device))
+    table = _sign_table(packed.device)
     _materialize_kernel[(b * cols, hkv, 2)](
         packed,
         block_table,
@@ -377,13 +477,10 @@ def _launch(
         k_out.shape[0],
         max_blocks,
         cols,
-        G=g,
+        table,
         H=hkv,
-        D=d,
-        BT=bt,
-        FP8=fp8,
-        num_warps=MATERIALIZE_WARPS,
-        **record_offsets(layout),
+        **consts,
+        **opts,
     )
 
 
