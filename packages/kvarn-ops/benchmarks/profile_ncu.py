@@ -34,6 +34,11 @@ sys.path.insert(0, str(HERE))
 OPS = {
     "decode_b32": ("_decode_split_kernel", "k4v2 g64, B=32, 16K, 32/8/128"),
     "decode_b1": ("_decode_split_kernel", "k4v2 g64, B=1, 32K, 32/8/128"),
+    # The MMA decode kernel (up to 8 query rows per KV head) and its combine, GQA 4.
+    "mma_t_b1": ("mma_decode_t_kernel", "k4v2 g64, B=1, 32K, 32/8/128"),
+    "combine_b1": ("_decode_combine_kernel", "k4v2 g64, B=1, 32K, 32/8/128"),
+    "mma_t_b64": ("mma_decode_t_kernel", "k4v2 g64, B=64, 32K, 32/8/128"),
+    "combine_b64": ("_decode_combine_kernel", "k4v2 g64, B=64, 32K, 32/8/128"),
     "store": ("_store_kernel", "T=32768, Hkv 8, D 128, bf16 pool"),
     "materialize": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128"),
     "flush": ("_flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool"),
@@ -96,8 +101,10 @@ def run(op: str) -> None:
     import bench_mla
 
     bench_kernels.do_bench = _fake_do_bench
-    if op.startswith("decode_"):
-        b, ctx = (32, 16384) if op == "decode_b32" else (1, 32768)
+    if op.startswith(("decode_", "mma_t_", "combine_")):
+        b, ctx = {"b32": (32, 16384), "b1": (1, 32768), "b64": (64, 32768)}[op.rsplit("_", 1)[1]]
+        if op.startswith("decode_"):  # the Triton split kernel
+            bench_decode.kd._use_mma_kernel = lambda *a, **k: False
         args, _ = bench_decode.make_inputs(b, ctx, 32, 8, 128, "kvarn_k4v2_g64")
         _fake_do_bench(lambda: bench_decode.kd.decode(*args))
     elif op == "store":

@@ -621,34 +621,10 @@ def mma_decode_kernel(
     u0 = split * per
     u1 = gl.minimum(u0 + per, n_full)
 
-    # query rows r = t * GQA + g (token t at position seq_len - T + t, head h * GQA + g)
-    ra = gl.arange(0, 16, layout=gl.SliceLayout(1, _OPA))
-    ka = gl.arange(0, 128, layout=gl.SliceLayout(0, _OPA))
-    ok_a = ra < T * GQA
-    qrow_a = ((b * T + ra // GQA) * num_q_heads + h * GQA + ra % GQA).to(gl.int64)
-    q = gl.load(q_ptr + qrow_a[:, None] * 128 + ka[None, :], mask=ok_a[:, None], other=0.0)
-    q16 = (q.to(gl.float32) * qk_scale).to(gl.float16)
-    q0 = _rotation_chunk(q16, 0)
-    q1 = _rotation_chunk(q16, 1)
-    q2 = _rotation_chunk(q16, 2)
-    q3 = _rotation_chunk(q16, 3)
-
-    r = gl.arange(0, 16, layout=_ROWS)
-    row_ok = r < T * GQA
-    q_pos = seq_len - T + r // GQA
-    lt = gl.arange(0, 64, layout=_COLS)
-    tok_of_col = (lt & 7) * 8 + (lt >> 3)  # logical column -> token of the block
-
-    m = gl.full([16], -1.0e30, gl.float32, _ROWS)
-    l = gl.full([16], 0.0, gl.float32, _ROWS)
-    a0 = gl.full([16, 32], 0.0, gl.float32, _MMA)
-    a1 = gl.full([16, 32], 0.0, gl.float32, _MMA)
-    a2 = gl.full([16, 32], 0.0, gl.float32, _MMA)
-    a3 = gl.full([16, 32], 0.0, gl.float32, _MMA)
-
     bt_row = bt_ptr + b.to(gl.int64) * bt_stride
     gl.static_assert(NBUF >= 2)
-    # records staged in shared memory by cp.async, NBUF - 1 blocks ahead of their use
+    # records staged in shared memory by cp.async, NBUF - 1 blocks ahead of their use; the
+    # first copies are issued before q is loaded and rotated, which hides their latency
     HV: gl.constexpr = VB // 2
     sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
     sv = gl.allocate_shared_memory(gl.int32, [NBUF, 16 * HV, 32], _SH2)
@@ -683,6 +659,31 @@ def mma_decode_kernel(
             VB,
             False,
         )
+
+    # query rows r = t * GQA + g (token t at position seq_len - T + t, head h * GQA + g)
+    ra = gl.arange(0, 16, layout=gl.SliceLayout(1, _OPA))
+    ka = gl.arange(0, 128, layout=gl.SliceLayout(0, _OPA))
+    ok_a = ra < T * GQA
+    qrow_a = ((b * T + ra // GQA) * num_q_heads + h * GQA + ra % GQA).to(gl.int64)
+    q = gl.load(q_ptr + qrow_a[:, None] * 128 + ka[None, :], mask=ok_a[:, None], other=0.0)
+    q16 = (q.to(gl.float32) * qk_scale).to(gl.float16)
+    q0 = _rotation_chunk(q16, 0)
+    q1 = _rotation_chunk(q16, 1)
+    q2 = _rotation_chunk(q16, 2)
+    q3 = _rotation_chunk(q16, 3)
+
+    r = gl.arange(0, 16, layout=_ROWS)
+    row_ok = r < T * GQA
+    q_pos = seq_len - T + r // GQA
+    lt = gl.arange(0, 64, layout=_COLS)
+    tok_of_col = (lt & 7) * 8 + (lt >> 3)  # logical column -> token of the block
+
+    m = gl.full([16], -1.0e30, gl.float32, _ROWS)
+    l = gl.full([16], 0.0, gl.float32, _ROWS)
+    a0 = gl.full([16, 32], 0.0, gl.float32, _MMA)
+    a1 = gl.full([16, 32], 0.0, gl.float32, _MMA)
+    a2 = gl.full([16, 32], 0.0, gl.float32, _MMA)
+    a3 = gl.full([16, 32], 0.0, gl.float32, _MMA)
     for u in range(u0, u1):
         j = u - u0
         nst = (j + NBUF - 1) % NBUF

@@ -223,35 +223,8 @@ def mma_decode_t_kernel(
     u0 = split * per
     u1 = gl.minimum(u0 + per, n_full)
 
-    # q^T as the B operand of the rotation: [128 input channels, 8 query rows]
-    kb = gl.arange(0, 128, layout=gl.SliceLayout(1, _OPB))
-    rb = gl.arange(0, 8, layout=gl.SliceLayout(0, _OPB))
-    ok_b = rb < T * GQA
-    qrow_b = ((b * T + rb // GQA) * num_q_heads + h * GQA + rb % GQA).to(gl.int64)
-    q = gl.load(q_ptr + qrow_b[None, :] * 128 + kb[:, None], mask=ok_b[None, :], other=0.0)
-    q16b = (q.to(gl.float32) * qk_scale).to(gl.float16)
-    qr0 = _rotation_t(q16b, QB, 0)
-    qr1 = _rotation_t(q16b, QB, 1)
-    qr2 = _rotation_t(q16b, QB, 2)
-    qr3 = _rotation_t(q16b, QB, 3)
-    qh0, ql0 = _q_parts(qr0, QB)
-    qh1, ql1 = _q_parts(qr1, QB)
-    qh2, ql2 = _q_parts(qr2, QB)
-    qh3, ql3 = _q_parts(qr3, QB)
-
-    r = gl.arange(0, 8, layout=_QR)
-    row_ok = r < T * GQA
-    q_pos = seq_len - T + r // GQA
-    mt = gl.arange(0, 64, layout=_TOK)
-    tok_of_row = (mt & 7) * 8 + (mt >> 4) * 2 + ((mt >> 3) & 1)
-
-    m = gl.full([8], -1.0e30, gl.float32, _QR)
-    l = gl.full([8], 0.0, gl.float32, _QR)
-    a0 = gl.full([32, 8], 0.0, gl.float32, _MMA)
-    a1 = gl.full([32, 8], 0.0, gl.float32, _MMA)
-    a2 = gl.full([32, 8], 0.0, gl.float32, _MMA)
-    a3 = gl.full([32, 8], 0.0, gl.float32, _MMA)
-
+    # records staged by cp.async NBUF - 1 blocks ahead; the first copies are issued before q
+    # is loaded and rotated, which hides their latency
     HV: gl.constexpr = VB // 2
     sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
     sv = gl.allocate_shared_memory(gl.int32, [NBUF, 16 * HV, 32], _SH2)
@@ -287,6 +260,35 @@ def mma_decode_t_kernel(
             VB,
             True,
         )
+
+    # q^T as the B operand of the rotation: [128 input channels, 8 query rows]
+    kb = gl.arange(0, 128, layout=gl.SliceLayout(1, _OPB))
+    rb = gl.arange(0, 8, layout=gl.SliceLayout(0, _OPB))
+    ok_b = rb < T * GQA
+    qrow_b = ((b * T + rb // GQA) * num_q_heads + h * GQA + rb % GQA).to(gl.int64)
+    q = gl.load(q_ptr + qrow_b[None, :] * 128 + kb[:, None], mask=ok_b[None, :], other=0.0)
+    q16b = (q.to(gl.float32) * qk_scale).to(gl.float16)
+    qr0 = _rotation_t(q16b, QB, 0)
+    qr1 = _rotation_t(q16b, QB, 1)
+    qr2 = _rotation_t(q16b, QB, 2)
+    qr3 = _rotation_t(q16b, QB, 3)
+    qh0, ql0 = _q_parts(qr0, QB)
+    qh1, ql1 = _q_parts(qr1, QB)
+    qh2, ql2 = _q_parts(qr2, QB)
+    qh3, ql3 = _q_parts(qr3, QB)
+
+    r = gl.arange(0, 8, layout=_QR)
+    row_ok = r < T * GQA
+    q_pos = seq_len - T + r // GQA
+    mt = gl.arange(0, 64, layout=_TOK)
+    tok_of_row = (mt & 7) * 8 + (mt >> 4) * 2 + ((mt >> 3) & 1)
+
+    m = gl.full([8], -1.0e30, gl.float32, _QR)
+    l = gl.full([8], 0.0, gl.float32, _QR)
+    a0 = gl.full([32, 8], 0.0, gl.float32, _MMA)
+    a1 = gl.full([32, 8], 0.0, gl.float32, _MMA)
+    a2 = gl.full([32, 8], 0.0, gl.float32, _MMA)
+    a3 = gl.full([32, 8], 0.0, gl.float32, _MMA)
     for u in range(u0, u1):
         j = u - u0
         nst = (j + NBUF - 1) % NBUF
