@@ -257,6 +257,9 @@ def test_mma_decode_compiles_without_operand_trips(target, case, nbuf):
     assert ptx.count("mma.sync.aligned.m16n8k16") == 256 + 8 + (4 if vb == 2 else 0)
     # codes unpacked two per prmt (K: 32 x 8 per chunk and lane / 2; V: the same)
     assert ptx.count("prmt.b32") >= 256
+    # the q rotation's +-1 signs are built as fp16 bits: no int-to-fp16 conversion (there
+    # were 394, one per sign, before)
+    assert "cvt.rn.f16.s32" not in ptx
 
 
 T_CASES = [MMA_CASES[0], MMA_CASES[1], ("kvarn_k4v2_g64", 4, 2, "*bf16")]
@@ -281,3 +284,4 @@ def test_mma_decode_transposed_compiles(target, case):
     # rotation 4 x 16; per block: scores 4 x (8 + 2 x 2 zero-point + 2 offset), values
     # 4 x 8 (+ 4 for the ones column of 2-bit V)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 64 + 56 + 32 + (4 if vb == 2 else 0)
+    assert "cvt.rn.f16.s32" not in ptx  # the rotation's signs as fp16 bits (418 before)

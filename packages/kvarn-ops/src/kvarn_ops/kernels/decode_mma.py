@@ -155,14 +155,20 @@ def _popc(x):
 
 
 @gluon.jit
+def _sign_f16(popcount):
+    """fp16 +1.0 / -1.0 for an even / odd ``popcount``, built as bits (the parity moved to the
+    sign bit of 0x3C00): no integer-to-float conversion per element."""
+    return (((popcount << 15) & 0x8000) | 0x3C00).to(gl.int16).to(gl.float16, bitcast=True)
+
+
+@gluon.jit
 def _rotation_chunk(q16, CQ: gl.constexpr):
     """Columns ``32 CQ .. 32 CQ + 31`` (logical channel order) of ``q16 @ H_128``, fp32."""
     kk = gl.arange(0, 128, layout=gl.SliceLayout(1, _OPB))
     nl = gl.arange(0, 32, layout=gl.SliceLayout(0, _OPB))
     # logical channel 32 CQ + 16 kt0 + 8 z + 2 c + x  ->  physical 32 c + 8 CQ + 4 kt0 + 2 z + x
     phys = ((nl >> 1) & 3) * 32 + 8 * CQ + (nl >> 4) * 4 + ((nl >> 3) & 1) * 2 + (nl & 1)
-    par = _popc(kk[:, None] & phys[None, :]) & 1
-    hs = (1 - 2 * par).to(gl.float16)
+    hs = _sign_f16(_popc(kk[:, None] & phys[None, :]))
     acc = gl.full([16, 32], 0.0, gl.float32, _MMA)
     return mma_v2(q16, hs, acc) * 0.08838834764831845  # 1 / sqrt(128)
 

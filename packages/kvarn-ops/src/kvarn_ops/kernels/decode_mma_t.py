@@ -129,7 +129,7 @@ def _rotation_t(q16b, QB: gl.constexpr, CQ: gl.constexpr):
     kk = gl.arange(0, 128, layout=gl.SliceLayout(0, _OPA))
     # logical channel 32 CQ + 16 kt0 + 8 z + 2 c + x -> physical 32 c + 8 CQ + 4 kt0 + 2 z + x
     phys = ((mm >> 1) & 3) * 32 + 8 * CQ + (mm >> 4) * 4 + ((mm >> 3) & 1) * 2 + (mm & 1)
-    hs = (1 - 2 * (M._popc(phys[:, None] & kk[None, :]) & 1)).to(gl.float16)
+    hs = M._sign_f16(M._popc(phys[:, None] & kk[None, :]))
     acc = mma_v2(hs, q16b, gl.full([32, 8], 0.0, gl.float32, _MMA)) * 0.08838834764831845
     return gl.convert_layout(acc, QB)
 
