@@ -52,9 +52,9 @@ SWEEPS = {
     "store_fp8": (
         lambda: bench_kernels.bench_store(128, 8, 32768, 64, torch.float8_e4m3fn),
         {
-            "store.tokens_per_program": [None, 32, 128],
-            "store.tiles_per_program": [None, 1, 2, 8],
-            "store.warps_per_program": [None, 8],
+            "store.FAST_FP8_DIVISION": [None, False],
+            "store.tiles_per_program": [None, 2, 8],
+            "store.tokens_per_program": [None, 32],
         },
     ),
     "materialize": (

@@ -169,6 +169,7 @@ def test_store_compiles(d, src, pool, target):
         FP8=fp8,
         NATIVE_K=mod.native_dot(getattr(torch, src), d, interpret=False),
         NATIVE_V=mod.native_dot(getattr(torch, src), d, interpret=False),
+        FAST_DIV=mod.FAST_FP8_DIVISION,
     )
     types_ = {
         "k_ptr": FLOAT[src],
@@ -182,8 +183,14 @@ def test_store_compiles(d, src, pool, target):
         "num_slots": "i64",
         "TILES": "i32",
     }
-    _, spills = _compile(mod._store_kernel, types_, consts, target, mod.warps_per_program(d))
+    k, spills = _compile(mod._store_kernel, types_, consts, target, mod.warps_per_program(d))
     assert spills <= SPILL_ALLOWANCE.get(("store", d, src), 0), spills
+    if fp8:
+        # divisions per row only (amax / 448 and the reciprocal of the scale, K and V, for
+        # each row a thread holds), none per element: fewer than one tile's values per thread
+        # (a division per element gave 132 at D 128 on sm_90a, 64 values per thread)
+        per_thread = consts["BLOCK_T"] * d // (32 * mod.warps_per_program(d))
+        assert k.asm["ptx"].count("div.rn.f32") < per_thread, k.asm["ptx"].count("div.rn.f32")
 
 
 FLUSH_CASES = [

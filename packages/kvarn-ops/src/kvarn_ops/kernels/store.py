@@ -8,6 +8,13 @@ One program per (``TILES * BLOCK_T`` tokens, KV head) does K then V of each of i
 token tiles; the Hadamard signs are built (and staged as a tensor-core operand) once per program,
 not once per tile. Slot -1 skips a token; a slot outside the pool is also skipped in the kernel
 (on the CPU the launcher rejects it first), so no input writes outside the pool.
+
+fp8 pools: per token, ``scale = amax / 448`` (IEEE division, as the reference) and codes
+``e4m3(y / scale)``, the quotient taken as ``q0 = y * r`` plus one fma residual step
+``q0 + (y - q0 * scale) * r`` with the row's ``r = 1 / scale`` (``FAST_FP8_DIVISION``): the
+correctly rounded quotient but for rare cases, and a code can differ from the reference's only
+where the quotient sits at an e4m3 rounding boundary (tests: at most one e4m3 step, on at most
+2% of the values).
 """
 
 from __future__ import annotations
@@ -48,14 +55,21 @@ def tokens_per_program(head_dim: int, fp8: bool = False) -> int:
 def tiles_per_program(head_dim: int, fp8: bool = False) -> int:
     """Token tiles of ``tokens_per_program`` tokens one program stores in turn: the signs
     operand is built once per program. Same sweep: bf16 pool 8 tiles 0.086 ms (1: 0.104, 2:
-    0.097, 16: 0.086); the fp8 pool's per-token scale path is fastest with one (0.139 ms; 2:
-    0.207, 8: 0.194)."""
-    return 1 if fp8 else 8
+    0.097, 16: 0.086). The fp8 pool was fastest with one while it divided every element
+    (0.139 ms; 2: 0.207, 8: 0.194); with ``FAST_FP8_DIVISION`` 8 tiles are (2026-12-01,
+    ``results/tune_h200_2026-12-01_store_fp8.json``: 1 tile 0.098 ms, 2 0.102, 8 0.091)."""
+    return 8
 
 
 def warps_per_program(head_dim: int) -> int:
     """Warps per program (8 was no faster at any tile size of the sweep above)."""
     return 4
+
+
+FAST_FP8_DIVISION = True
+"""fp8 pools: divide a row by its scale through the row's reciprocal and one fma residual step
+(correctly rounded but for rare cases; codes within the tests' one-step tolerance) instead of
+one IEEE division per element."""
 
 
 def native_dot(dtype: torch.dtype, head_dim: int, interpret: bool = INTERPRET) -> bool:
@@ -95,6 +109,7 @@ def _store_one(
     EXACT_TF32: tl.constexpr,
     FP8: tl.constexpr,
     NATIVE: tl.constexpr,
+    FAST_DIV: tl.constexpr,
 ):
     d = tl.arange(0, D)
     src = (tok[:, None] * H + head) * D + d[None, :]
@@ -115,7 +130,14 @@ def _store_one(
         amax = tl.max(tl.abs(y), axis=1)
         # amax / 448 (FP8_MAX, the largest e4m3 value), IEEE-rounded like torch.
         scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-        q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
+        if FAST_DIV:
+            # y / scale correctly rounded in all but rare cases, from the row's reciprocal and
+            # one fma residual step (no per-element division): q0 = y r, q = q0 + (y - q0 s) r
+            r = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+            q0 = y * r
+            q = tl.fma(tl.fma(-q0, scale[:, None], y), r, q0)
+        else:
+            q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         if _EMULATE_E4M3:
             q = round_to_e4m3(q)
@@ -146,6 +168,7 @@ def _store_kernel(
     FP8: tl.constexpr,
     NATIVE_K: tl.constexpr,
     NATIVE_V: tl.constexpr,
+    FAST_DIV: tl.constexpr,
 ):
     head = tl.program_id(1)
     signs_k = _signs_operand(k_ptr, D, NATIVE_K)
@@ -173,6 +196,7 @@ def _store_kernel(
             EXACT_K,
             FP8,
             NATIVE_K,
+            FAST_DIV,
         )
         _store_one(
             v_ptr,
@@ -189,6 +213,7 @@ def _store_kernel(
             EXACT_V,
             FP8,
             NATIVE_V,
+            FAST_DIV,
         )
 
 
@@ -223,6 +248,7 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
         FP8=fp8,
         NATIVE_K=native_dot(k.dtype, d),
         NATIVE_V=native_dot(v.dtype, d),
+        FAST_DIV=FAST_FP8_DIVISION,
         num_warps=warps_per_program(d),
     )
 
