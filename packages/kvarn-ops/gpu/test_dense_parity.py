@@ -331,3 +331,47 @@ def test_materialize(gen, fmt, geo, lens, out_dtype, pool_dtype):
         # Both dequantize the same record in fp32 and round once; reduction order inside the
         # inverse rotation may move a value by one ulp.
         _assert_within_ulp(got[:n].float(), want[:n].float(), out_dtype, "materialize")
+
+
+def test_materialize_cuda_graph_replay(gen, monkeypatch):
+    """After a first eager call on the device (which uploads the sign table), materialize is
+    captured once and replayed with longer contexts: equal to eager calls. A first call inside
+    a capture raises instead of capturing the upload."""
+    import importlib
+
+    mat = importlib.import_module("kvarn_ops.kernels.materialize")
+    fmt, (_, hkv, d) = "kvarn_k4v2_g64", DECODE_GEOMETRIES[0]
+    lens = [700, 130, 4000]
+    cache = build_cache(gen, fmt, d, hkv, [n + 200 for n in lens])
+    cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    total = sum(lens) + 3 * 200
+    cu = torch.tensor([0, 900, 1230, total], dtype=torch.int32, device=DEVICE)
+    k_out = torch.empty(total, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+    v_out = torch.empty_like(k_out)
+
+    monkeypatch.setattr(mat, "_TABLES", {})
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="sign table"), torch.cuda.graph(graph):
+        kernels.materialize(*cache.args(), k_out, v_out, cu)
+    torch.cuda.synchronize()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.materialize(*cache.args(), k_out, v_out, cu)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.materialize(*cache.args(), k_out, v_out, cu)
+    for step in range(1, 3):
+        cache.seq_lens.add_(step * 37)
+        poison_(k_out)
+        poison_(v_out)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_k, want_v = poison_(torch.empty_like(k_out)), poison_(torch.empty_like(v_out))
+        kernels.materialize(*cache.args(), want_k, want_v, cu)
+        assert torch.equal(k_out.view(torch.uint8), want_k.view(torch.uint8)), step
+        assert torch.equal(v_out.view(torch.uint8), want_v.view(torch.uint8)), step
+        n = int(cache.seq_lens[0])
+        assert not bool(k_out[:n].isnan().any()), "a context row was not written"

@@ -84,9 +84,15 @@ def _arch(device) -> int:
 
 def _sign_table(device) -> torch.Tensor:
     """int16 ``[16, 16]``: 0x8000 where the Sylvester sign of ``P_16`` is -1 (cached per
-    device)."""
+    device; uploaded by the first call on a device, which must not be inside a CUDA-graph
+    capture)."""
     key = str(device)
     if key not in _TABLES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "materialize: the first call on a device uploads a 512-byte sign table and "
+                "cannot be captured in a CUDA graph; call materialize once before capturing"
+            )
         i = torch.arange(16)
         v = i[:, None] & i[None, :]
         parity = torch.zeros_like(v)
@@ -568,6 +574,9 @@ def materialize(
         Naming the bad argument. Index ranges (block table, tail blocks, output rows) are
         checked for CPU tensors; on a GPU an out-of-range entry makes its program write
         nothing.
+    RuntimeError
+        If the first call on a CUDA device is made inside a CUDA-graph capture (it uploads a
+        512-byte sign table; later calls can be captured).
     """
     b, g, hkv, d = check_context_args(
         packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, layout
