@@ -43,6 +43,7 @@ from kvarn_ops.kernels._common import (
     unpack_codes_load,
 )
 from kvarn_ops.reference.cache import check_context_args
+from kvarn_ops.reference.hadamard import hadamard_matrix
 
 __all__ = ["materialize"]
 
@@ -93,13 +94,8 @@ def _sign_table(device) -> torch.Tensor:
                 "materialize: the first call on a device uploads a 512-byte sign table and "
                 "cannot be captured in a CUDA graph; call materialize once before capturing"
             )
-        i = torch.arange(16)
-        v = i[:, None] & i[None, :]
-        parity = torch.zeros_like(v)
-        while bool(v.any()):
-            parity ^= v & 1
-            v = v >> 1
-        _TABLES[key] = (parity << 15).to(torch.int16).to(device)
+        negative = hadamard_matrix(16) < 0  # the reference's Sylvester matrix, on the CPU
+        _TABLES[key] = (negative.to(torch.int16) << 15).to(device)
     return _TABLES[key]
 
 
