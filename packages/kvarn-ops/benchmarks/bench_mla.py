@@ -107,6 +107,11 @@ def main() -> None:
     ap.add_argument("--out", default="bench_mla.json")
     ap.add_argument("--ops", default="pack,stage,decode,sparse", help="comma list")
     ap.add_argument("--bits", default="4,5", help="code widths, comma list")
+    ap.add_argument(
+        "--kernels",
+        default="default",
+        help="decode kernels, comma list: default (the Gluon kernel where it applies), triton",
+    )
     args = ap.parse_args()
     ops = set(args.ops.split(","))
     bw = copy_bandwidth()
@@ -131,12 +136,16 @@ def main() -> None:
         if "stage" in ops:
             record("stage", f"k{bits} 65536 tokens", *bench_stage(bits, 65536, 8192))
         full = ((1, 16, 32768), (8, 16, 32768), (32, 128, 8192), (64, 16, 16384))
-        for batch, heads, ctx in full if "decode" in ops else ():
-            record(
-                "decode",
-                f"k{bits} B={batch} H={heads} L={ctx}",
-                *bench_decode(bits, batch, heads, ctx, 32),
-            )
+        for kern in args.kernels.split(",") if "decode" in ops else ():
+            mla_decode.MMA_KERNEL = kern == "default"
+            tag = "" if kern == "default" else f" [{kern}]"
+            for batch, heads, ctx in full:
+                record(
+                    "decode",
+                    f"k{bits} B={batch} H={heads} L={ctx}{tag}",
+                    *bench_decode(bits, batch, heads, ctx, 32),
+                )
+        mla_decode.MMA_KERNEL = True
         for batch, heads in ((8, 16), (64, 16), (32, 128)) if "sparse" in ops else ():
             record(
                 "sparse",

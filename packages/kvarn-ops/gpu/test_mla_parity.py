@@ -190,18 +190,32 @@ def test_stage_fp8_and_materialize(gen, bits, dtype):
     assert ((a - b).abs() <= ulp * 1.0001 + atol).all()
 
 
-@pytest.mark.parametrize(
-    ("bits", "dtype", "lens", "heads", "sparse"),
-    [
-        (5, BF16, [8192 + 17] * 16, 16, False),
-        (4, FP8, [65536 + 3], 128, False),
-        (2, BF16, [1, 64, 65, 3000], 16, False),
-        (5, BF16, [20000, 9000], 64, True),
-        (4, FP8, [32768 + 5] * 4, 128, True),
-        (3, BF16, [2100, 4097, 64], 16, True),
-    ],
-)
-def test_decode(gen, bits, dtype, lens, heads, sparse):
+DECODE_CASES = [
+    (5, BF16, [8192 + 17] * 16, 16, False),
+    (4, FP8, [65536 + 3], 128, False),
+    (2, BF16, [1, 64, 65, 3000], 16, False),
+    (5, BF16, [20000, 9000], 64, True),
+    (4, FP8, [32768 + 5] * 4, 128, True),
+    (3, BF16, [2100, 4097, 64], 16, True),
+    # the Gluon kernel's cases (4-bit, full context): short and exact-multiple requests,
+    # a partial head group, and both pools
+    (4, BF16, [1, 64, 65, 3000, 4096], 16, False),
+    (4, FP8, [20000, 777], 20, False),
+    (4, BF16, [8192 + 17] * 16, 16, False),
+]
+#: 4-bit full-context cases run through both kernels: the Gluon one (default, checked to be
+#: the one chosen) and the Triton one
+DECODE_PARAMS = [(*c, "default") for c in DECODE_CASES] + [
+    (*c, "triton") for c in DECODE_CASES if c[0] == 4 and not c[4]
+]
+
+
+@pytest.mark.parametrize(("bits", "dtype", "lens", "heads", "sparse", "kernel"), DECODE_PARAMS)
+def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
+    """Every case against the fp64 oracle; 4-bit full-context cases through the Gluon kernel
+    (checked to be the one chosen) and, as ``triton``, through the Triton kernel too."""
+    if kernel == "triton":
+        monkeypatch.setattr(kdec, "MMA_KERNEL", False)
     nblk = sum(-(-n // G) for n in lens) + 2
     layout, pool, packed = _packed_cache(gen, bits, dtype, num_blocks=nblk, pool_blocks=32)
     b = len(lens)
@@ -213,10 +227,13 @@ def test_decode(gen, bits, dtype, lens, heads, sparse):
         k = -(-n // G)
         table[r, :k] = perm[used : used + k]
         used += k
-    # The last block of each request is live in the exact pool.
+    # The last block of each request is live in the exact pool, and so is the first block of
+    # every other request that has three or more (a rehydrated block between packed ones).
     block_pool_map = torch.full((nblk,), -1, dtype=torch.int32, device=DEVICE)
     for r, n in enumerate(lens):
-        block_pool_map[table[r, -(-n // G) - 1]] = r
+        block_pool_map[table[r, -(-n // G) - 1]] = r % 16
+        if r % 2 == 1 and n > 2 * G:
+            block_pool_map[table[r, 0]] = 16 + r % 16
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(b, heads, 576, generator=gen, device=DEVICE).to(BF16)
     indices = None
@@ -235,6 +252,8 @@ def test_decode(gen, bits, dtype, lens, heads, sparse):
         if hasattr(kdec, "mla_decode_workspace")
         else ref.mla_decode_workspace(b, heads, device=DEVICE)
     )
+    mma = kdec._use_mma_kernel(bits, q, sparse)
+    assert mma == (kernel == "default" and bits == 4 and not sparse)
     kdec.mla_decode(q, *args, out, ws, indices)
     oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
     ref.mla_decode(q, *args, oracle, None, indices)

@@ -285,3 +285,73 @@ def test_mma_decode_transposed_compiles(target, case):
     # 4 x 8 (+ 4 for the ones column of 2-bit V)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 64 + 56 + 32 + (4 if vb == 2 else 0)
     assert "cvt.rn.f16.s32" not in ptx  # the rotation's signs as fp16 bits (418 before)
+
+
+# --------------------------------------------------------------------------------------------
+# the Gluon MLA decode kernel (mla_decode_mma.py): both pools, both targets
+# --------------------------------------------------------------------------------------------
+#: spill frame allowed (bytes; measured offline, rounded up to 64 B), by (arch, pool)
+MLA_MMA_SPILL = {(90, "bf16"): 320, (90, "fp8"): 320, (120, "bf16"): 384, (120, "fp8"): 320}
+
+
+def _mla_mma_source(pool: str, nbuf: int):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    import kvarn_formats as kf
+    from kvarn_ops.kernels import mla_decode_mma
+    from kvarn_ops.kernels.mla_common import field_offsets
+
+    kern = mla_decode_mma.mla_mma_kernel
+    offs = field_offsets(kf.mla_layout("kvarn_mla_k4_g64"))
+    offs.pop("BITS")
+    consts = dict(offs, FP8=pool == "fp8", MIN_BLOCKS=2, NBUF=nbuf)
+    types = {
+        "q_ptr": "*bf16",
+        "qrot_ptr": "*fp32",
+        "rec16_ptr": "*fp16",
+        "rec32_ptr": "*i32",
+        "recbf_ptr": "*bf16",
+        "map_ptr": "*i32",
+        "pool_ptr": "*fp8e4nv" if pool == "fp8" else "*bf16",
+        "pscale_ptr": "*fp32",
+        "prope_ptr": "*bf16",
+        "bt_ptr": "*i32",
+        "seq_ptr": "*i32",
+        "po_ptr": "*fp32",
+        "plse_ptr": "*fp32",
+        "H": "i32",
+        "S": "i32",
+        "bt_stride": "i32",
+        "max_blocks": "i32",
+        "qk_scale": "fp32",
+    }
+    names = kern.arg_names
+    sig = {n: "constexpr" if n in consts else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"}
+    return GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+def test_mla_mma_decode_compiles(target, pool):
+    """The MLA kernel's codes go from the cp.async stage into MMA operand registers (every
+    conversion a register renaming, ``assert_trivial``); the only shared-memory stores are the
+    warps' partial scores (``gl.sum`` over the warp axis), not code tiles."""
+    from kvarn_ops.kernels import mla_decode
+
+    nbuf = mla_decode.MMA_NBUF
+    k = triton.compile(_mla_mma_source(pool, nbuf), target=target, options=dict(num_warps=4))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    assert regs <= 255
+    assert frame <= MLA_MMA_SPILL[(target.arch, pool)], f"{frame} B of spill frame"
+    # per stage: code words 16 KB + channel scales and zero points 2 KB; the score reduction
+    # 16 KB; within sm_120's 99 KB
+    assert k.metadata.shared == nbuf * (16384 + 2048) + 16384
+    # per packed block and warp: 4 x (16 score + 2 offset) + 2 x 8 RoPE + 4 x 16 value MMAs;
+    # per pool block 4 x 16 score + 4 x 16 value MMAs
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 152 + 128
+    # codes unpacked two per prmt: 32 words x 8 codes per lane, twice (scores, values)
+    assert ptx.count("prmt.b32") >= 256
+    assert ptx.count("st.shared") <= 64
+    assert ptx.count("cp.async") >= 3

@@ -63,6 +63,7 @@ once and the ``B*H*512*4`` rotated query.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -111,6 +112,12 @@ scores over the chunks, pass 2 unpacks each chunk's codes again for the value do
 sm_90a, k4: 128 -> 68 KB shared memory, 40 B stack; 256 -> 100 KB, 224 B; 512 -> 164 KB,
 480 B."""
 _DEFAULT_SMS = 132
+MMA_KERNEL = True
+"""Full-context decode of 4-bit codes on sm_80+ runs the Gluon kernel of
+``mla_decode_mma.py`` (False, or ``KVARN_MLA_MMA=0`` in the environment: this file's Triton
+kernel for every case)."""
+MMA_NBUF = 2
+"""cp.async stages of the Gluon kernel (blocks in flight per program, plus the current one)."""
 
 
 @triton.jit
@@ -745,6 +752,27 @@ def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, BH, S, NS, BLOCK_H: tl.conste
 
 
 @functools.cache
+def _mma_module():
+    try:
+        from kvarn_ops.kernels import mla_decode_mma
+    except (ImportError, AttributeError, TypeError):
+        # a Triton without Gluon (or another Gluon API than Triton 3.6's): the Triton kernel
+        return None
+    return mla_decode_mma
+
+
+def _use_mma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
+    if not MMA_KERNEL or sparse or INTERPRET or q.device.type != "cuda":
+        return False
+    if os.environ.get("KVARN_MLA_MMA") == "0":
+        return False
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return False
+    mod = _mma_module()
+    return mod is not None and mod.mla_mma_supported(bits)
+
+
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _DEFAULT_SMS
@@ -791,38 +819,66 @@ def _decode_op(
     sparse = indices is not None
     idx = indices if sparse else seq_lens
     ns = live_splits(bsz, heads, s, q.device)
-    _mla_decode_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
-        q,
-        ws_q_rot,
-        packed,
-        packed.view(torch.int16),
-        packed.view(torch.int32),
-        block_pool_map,
-        pl,
-        ps,
-        pr,
-        block_table,
-        seq_lens,
-        idx,
-        ws_part_out,
-        ws_part_lse,
-        heads,
-        s,
-        block_table.stride(0),
-        indices.shape[1] if indices is not None else 0,
-        block_table.shape[1],
-        softmax_scale,
-        SPARSE=sparse,
-        BLOCK_H=BLOCK_H,
-        BLOCK_N=BLOCK_N,
-        MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
-        FP8=fp8,
-        ASM=not INTERPRET,
-        NC=512 // CHUNK,
-        num_warps=NUM_WARPS,
-        maxnreg=MAXNREG,
-        **offs,
-    )
+    if _use_mma_kernel(offs["BITS"], q, sparse):
+        mma_offs = {k: v for k, v in offs.items() if k != "BITS"}
+        _mma_module().mla_mma_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
+            q,
+            ws_q_rot,
+            packed.view(torch.float16),
+            packed.view(torch.int32),
+            packed.view(torch.bfloat16),
+            block_pool_map,
+            pl,
+            ps,
+            pool_rope,
+            block_table,
+            seq_lens,
+            ws_part_out,
+            ws_part_lse,
+            heads,
+            s,
+            block_table.stride(0),
+            block_table.shape[1],
+            softmax_scale * 1.4426950408889634,
+            FP8=fp8,
+            MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
+            NBUF=MMA_NBUF,
+            num_warps=4,
+            **mma_offs,
+        )
+    else:
+        _mla_decode_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
+            q,
+            ws_q_rot,
+            packed,
+            packed.view(torch.int16),
+            packed.view(torch.int32),
+            block_pool_map,
+            pl,
+            ps,
+            pr,
+            block_table,
+            seq_lens,
+            idx,
+            ws_part_out,
+            ws_part_lse,
+            heads,
+            s,
+            block_table.stride(0),
+            indices.shape[1] if indices is not None else 0,
+            block_table.shape[1],
+            softmax_scale,
+            SPARSE=sparse,
+            BLOCK_H=BLOCK_H,
+            BLOCK_N=BLOCK_N,
+            MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
+            FP8=fp8,
+            ASM=not INTERPRET,
+            NC=512 // CHUNK,
+            num_warps=NUM_WARPS,
+            maxnreg=MAXNREG,
+            **offs,
+        )
     _mla_combine_kernel[(triton.cdiv(bh, BLOCK_H),)](
         ws_part_out, ws_part_lse, out, bh, s, ns, BLOCK_H=BLOCK_H, num_warps=4
     )
