@@ -76,7 +76,7 @@ def bench_stage(bits, tokens, num_blocks):
     return ms, nbytes
 
 
-def bench_decode(bits, batch, heads, context, splits, topk=None):
+def bench_decode(bits, batch, heads, context, splits, topk=None, graph=False):
     """Full-context decode, or with ``topk`` the sparse path over ``topk`` random distinct
     positions per request (DeepSeek-V3.2's DSA selects 2048)."""
     blocks_per = -(-context // 64)
@@ -92,11 +92,22 @@ def bench_decode(bits, batch, heads, context, splits, topk=None):
         idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).to(
             torch.int32
         )
-    ms = triton.testing.do_bench(
-        lambda: mla_decode.mla_decode(
+
+    def step():
+        mla_decode.mla_decode(
             q, packed, bt, seq, bmap, pl, ps, pr, layout, 0.07, out, ws, indices=idx
         )
-    )
+
+    if graph:
+        # GPU time without the host's launch cost: the step captured once, replays timed
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        ms = triton.testing.do_bench(g.replay)
+    else:
+        ms = triton.testing.do_bench(step)
     tokens = context if topk is None else topk
     nbytes = batch * tokens * layout.record_bytes // 64 + batch * heads * (576 + 512) * 2
     return ms, nbytes
@@ -107,6 +118,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_mla.json")
     ap.add_argument("--ops", default="pack,stage,decode,sparse", help="comma list")
     ap.add_argument("--bits", default="4,5", help="code widths, comma list")
+    ap.add_argument("--graph", action="store_true", help="time decode steps as CUDA-graph replays")
     ap.add_argument(
         "--kernels",
         default="default",
@@ -135,15 +147,23 @@ def main() -> None:
             record("pack", f"k{bits} N=2048 pool={str(dt)[6:]}", *bench_pack(bits, 2048, dt))
         if "stage" in ops:
             record("stage", f"k{bits} 65536 tokens", *bench_stage(bits, 65536, 8192))
-        full = ((1, 16, 32768), (8, 16, 32768), (32, 128, 8192), (64, 16, 16384))
+        # (batch, heads, context, workspace splits): batch 1 also with 128 splits, which the
+        # Gluon kernel (2 programs per SM) needs to fill the GPU
+        full = (
+            (1, 16, 32768, 32),
+            (1, 16, 32768, 128),
+            (8, 16, 32768, 32),
+            (32, 128, 8192, 32),
+            (64, 16, 16384, 32),
+        )
         for kern in args.kernels.split(",") if "decode" in ops else ():
             mla_decode.MMA_KERNEL = kern == "default"
-            tag = "" if kern == "default" else f" [{kern}]"
-            for batch, heads, ctx in full:
+            tag = ("" if kern == "default" else f" [{kern}]") + (" graph" if args.graph else "")
+            for batch, heads, ctx, splits in full:
                 record(
                     "decode",
-                    f"k{bits} B={batch} H={heads} L={ctx}{tag}",
-                    *bench_decode(bits, batch, heads, ctx, 32),
+                    f"k{bits} B={batch} H={heads} L={ctx} S={splits}{tag}",
+                    *bench_decode(bits, batch, heads, ctx, splits, graph=args.graph),
                 )
         mla_decode.MMA_KERNEL = True
         for batch, heads in ((8, 16), (64, 16), (32, 128)) if "sparse" in ops else ():

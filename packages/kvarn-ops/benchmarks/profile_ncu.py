@@ -43,6 +43,9 @@ OPS = {
     "materialize": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128"),
     "flush": ("_flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool"),
     "mla_decode_b64": ("_mla_decode_kernel", "k4, B=64, 16 heads, 16K"),
+    # the Gluon MLA decode kernel (mla_decode_mma.py)
+    "mla_mma_b64": ("mla_mma_kernel", "k4, B=64, 16 heads, 16K, 128 splits"),
+    "mla_mma_b1": ("mla_mma_kernel", "k4, B=1, 16 heads, 32K, 128 splits"),
     "mla_stage": ("_mla_gather_kernel", "k4, 65,536 random tokens"),
 }
 
@@ -114,7 +117,12 @@ def run(op: str) -> None:
     elif op == "flush":
         bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 512, torch.bfloat16)
     elif op == "mla_decode_b64":
+        bench_mla.mla_decode.MMA_KERNEL = False  # the Triton kernel
         bench_mla.bench_decode(4, 64, 16, 16384, 128)
+    elif op == "mla_mma_b64":
+        bench_mla.bench_decode(4, 64, 16, 16384, 128)
+    elif op == "mla_mma_b1":
+        bench_mla.bench_decode(4, 1, 16, 32768, 128)
     elif op == "mla_stage":
         bench_kernels.bench_mla_gather(4, 65536, 8192, True, "random")
     else:

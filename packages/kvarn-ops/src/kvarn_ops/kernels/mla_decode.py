@@ -117,7 +117,10 @@ MMA_KERNEL = True
 ``mla_decode_mma.py`` (False, or ``KVARN_MLA_MMA=0`` in the environment: this file's Triton
 kernel for every case)."""
 MMA_NBUF = 2
-"""cp.async stages of the Gluon kernel (blocks in flight per program, plus the current one)."""
+"""cp.async stages of the Gluon kernel (the current block and the next; 3 measured the same on
+the H200)."""
+MMA_MAXNREG: int | None = None
+"""Register cap of the Gluon kernel (None: the compiler's choice, 255)."""
 
 
 @triton.jit
@@ -779,6 +782,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def combine_rows(rows: int, device) -> int:
+    """Rows merged per program of the combine kernel: 16, or fewer (a power of two, down to 1)
+    when 16 would leave SMs idle. One program reads every live split of its rows in turn, so
+    at batch 1 with 128 splits one 16-row program took 43 us on the H200."""
+    per = rows // _sm_count(torch.device(device))
+    r = 1
+    while r * 2 <= min(per, BLOCK_H):
+        r *= 2
+    return r
+
+
 def live_splits(batch: int, heads: int, num_splits: int, device) -> int:
     """Splits launched per (request, head group): at most the workspace's ``num_splits``,
     and no more than fill the SMs ``CTAS_PER_SM`` programs deep (host arithmetic only)."""
@@ -845,6 +859,7 @@ def _decode_op(
             NBUF=MMA_NBUF,
             num_warps=4,
             **mma_offs,
+            **({} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}),
         )
     else:
         _mla_decode_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
@@ -879,8 +894,9 @@ def _decode_op(
             maxnreg=MAXNREG,
             **offs,
         )
-    _mla_combine_kernel[(triton.cdiv(bh, BLOCK_H),)](
-        ws_part_out, ws_part_lse, out, bh, s, ns, BLOCK_H=BLOCK_H, num_warps=4
+    rows = combine_rows(bh, q.device)
+    _mla_combine_kernel[(triton.cdiv(bh, rows),)](
+        ws_part_out, ws_part_lse, out, bh, s, ns, BLOCK_H=rows, num_warps=4
     )
 
 

@@ -74,6 +74,10 @@ _C2: gl.constexpr = gl.SliceLayout(0, _S2)  # [N]
 # flips on odd rows) so the value read, whose lanes span two rows, is conflict free too.
 _SHK: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=2, order=[2, 1, 0])
 _SHV: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+_VEC: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0]
+)
+_SH2D: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 _CPK3: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 32, 1], threads_per_warp=[1, 1, 32], warps_per_cta=[4, 1, 1],
     order=[2, 1, 0],
@@ -118,6 +122,24 @@ _VRUN: gl.constexpr = gl.DistributedLinearLayout(
     warp_bases=[[1, 0, 0], [2, 0, 0]],
     block_bases=[],
     shape=[4, 4, 8],
+)
+
+
+# RoPE rows staged per warp as [W, 64 n, 16 k] (logical token n, dim 16 W + k; 16-byte copies
+# along k); row scales as [8 a, 8 b] (token 8 a + b), read into the score columns' lanes
+_CPR: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 1, 8], threads_per_warp=[1, 16, 2], warps_per_cta=[4, 1, 1],
+    order=[2, 1, 0],
+)  # fmt: skip
+_CPS: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 4], order=[1, 0]
+)
+_RS8: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [0, 1], [0, 2], [0, 4]],
+    lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[[0, 0], [0, 0]],
+    block_bases=[],
+    shape=[8, 8],
 )
 
 
@@ -240,9 +262,11 @@ def _tok(n):
 
 
 @gluon.jit
-def _issue_stage(sk, scs, szp, uu, hi, bt_row, rec32_ptr, rec16_ptr, REC: gl.constexpr,
-                 CS_OFF: gl.constexpr, ZP_OFF: gl.constexpr):  # fmt: skip
-    """cp.async of block ``uu``'s code words and channel vectors (nothing read past ``hi``)."""
+def _issue_stage(sk, scs, szp, srs, srope, uu, hi, bt_row, rec32_ptr, rec16_ptr, recbf_ptr,
+                 REC: gl.constexpr, CS_OFF: gl.constexpr, ZP_OFF: gl.constexpr,
+                 RS_OFF: gl.constexpr, ROPE_OFF: gl.constexpr):  # fmt: skip
+    """cp.async of block ``uu``'s code words, channel vectors, row scales and RoPE rows
+    (nothing read past ``hi``)."""
     blk = gl.load(bt_row + gl.minimum(uu, hi - 1)).to(gl.int64)
     ok = uu < hi
     r32 = rec32_ptr + blk * (REC // 4)
@@ -260,31 +284,43 @@ def _issue_stage(sk, scs, szp, uu, hi, bt_row, rec32_ptr, rec16_ptr, REC: gl.con
     cm = (coff >= 0) & ok
     async_copy.async_copy_global_to_shared(scs, r16 + CS_OFF // 2 + coff, mask=cm)
     async_copy.async_copy_global_to_shared(szp, r16 + ZP_OFF // 2 + coff, mask=cm)
+    sa = gl.arange(0, 8, layout=gl.SliceLayout(1, _CPS))
+    sb = gl.arange(0, 8, layout=gl.SliceLayout(0, _CPS))
+    soff = sa[:, None] * 8 + sb[None, :]
+    async_copy.async_copy_global_to_shared(srs, r16 + RS_OFF // 2 + soff, mask=(soff >= 0) & ok)
+    rw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CPR)))
+    rn = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CPR)))
+    rk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CPR)))
+    roff = _tok(rn)[None, :, None] * 64 + rw[:, None, None] * 16 + rk[None, None, :]
+    rbf = recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2
+    async_copy.async_copy_global_to_shared(srope, rbf + roff, mask=(roff >= 0) & ok)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _load_q(qrot_ptr, qrow, hok, CQ: gl.constexpr):
-    """Rotated-query chunk [W, 16, 32] fp32 in the score chunk's logical channel order."""
+def _load_q(qrot_ptr, qrow, hok, qk_scale, CQ: gl.constexpr):
+    """Rotated-query chunk [W, 16, 32] fp32 in the score chunk's logical channel order, times
+    the softmax scale (base 2)."""
     w = gl.arange(0, 4, layout=gl.SliceLayout(1, _COLS3))
     n = gl.arange(0, 32, layout=gl.SliceLayout(0, _COLS3))
     ch = w[:, None] * 128 + _score_chan(n, CQ)[None, :]  # [W, 32]
-    return gl.load(
+    q = gl.load(
         qrot_ptr + qrow[None, :, None] * 512 + ch[:, None, :], mask=hok[None, :, None], other=0.0
     )
+    return q * qk_scale
 
 
 @gluon.jit
-def _q_rope(q_ptr, b, h0, H):
-    """The query's RoPE dims ``16 w .. 16 w + 15`` of each warp as two bf16 A operands
-    [W, 16, 16] (``hi + lo`` equals the fp32 value to 16 bits)."""
+def _q_rope(q_ptr, b, h0, H, qk_scale):
+    """The query's RoPE dims ``16 w .. 16 w + 15`` of each warp, times the softmax scale, as
+    two bf16 A operands [W, 16, 16] (``hi + lo`` equals the fp32 value to 16 bits)."""
     w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A3)))
     hh = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _A3)))
     k = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A3)))
     h = h0 + hh
     row = (b * H + h).to(gl.int64)
     ptr = q_ptr + row[None, :, None] * 576 + 512 + w[:, None, None] * 16 + k[None, None, :]
-    x = gl.load(ptr, mask=(h < H)[None, :, None], other=0.0).to(gl.float32)
+    x = gl.load(ptr, mask=(h < H)[None, :, None], other=0.0).to(gl.float32) * qk_scale
     hi = x.to(gl.bfloat16)
     lo = (x - hi.to(gl.float32)).to(gl.bfloat16)
     return hi, lo
@@ -303,6 +339,13 @@ def _rope_operand(rope_ptr, row0, valid):
 
 
 @gluon.jit
+def _staged_rs(srs):
+    """Row scales of the staged block in score-column order, fp32 [64] (``_C2``)."""
+    v = gl.permute(srs.load(_RS8).to(gl.float32), [1, 0])
+    return gl.convert_layout(gl.reshape(v, [64]), _C2, assert_trivial=True)
+
+
+@gluon.jit
 def _row_vec(x):
     """[16] (softmax row vector) -> [1, 16, 1] for the warps' [W, 16, N] tiles."""
     return gl.expand_dims(gl.expand_dims(x, 1), 0)
@@ -315,32 +358,38 @@ def _warp_vec(x):
 
 
 @gluon.jit
+def _chan_absmax(scs, CQ: gl.constexpr):
+    return gl.max(gl.abs(_chan_from_run(scs.slice(8 * CQ, 8, dim=2).load(_RUN8))), axis=1)
+
+
+@gluon.jit
 def _packed_scores(sk, scs, szp, q0, q1, q2, q3, rs):
     """Partial scores [W, 16, 64] of the warps' channels of a packed block (row scales
-    applied)."""
-    kc0 = _chan_from_run(scs.slice(0, 8, dim=2).load(_RUN8))
-    kc1 = _chan_from_run(scs.slice(8, 8, dim=2).load(_RUN8))
-    kc2 = _chan_from_run(scs.slice(16, 8, dim=2).load(_RUN8))
-    kc3 = _chan_from_run(scs.slice(24, 8, dim=2).load(_RUN8))
+    applied). The channel scales are read twice (the largest, then per chunk), which keeps
+    four chunks' scale vectors out of the registers."""
     cmax = gl.maximum(
-        gl.maximum(gl.max(gl.abs(kc0), axis=1), gl.max(gl.abs(kc1), axis=1)),
-        gl.maximum(gl.max(gl.abs(kc2), axis=1), gl.max(gl.abs(kc3), axis=1)),
+        gl.maximum(_chan_absmax(scs, 0), _chan_absmax(scs, 1)),
+        gl.maximum(_chan_absmax(scs, 2), _chan_absmax(scs, 3)),
     )
     cmax = gl.where(cmax > 0.0, cmax, 1.0)
     inv = gl.expand_dims(1.0 / cmax, 1)  # [W, 1]
     s = gl.full([4, 16, 64], 0.0, gl.float32, _M3)
     corr = gl.full([4, 16, 8], 0.0, gl.float32, _M3)
     qz = gl.full([4, 16], 0.0, gl.float32, _ROWS3)
-    s, qz, corr = _scores_chunk(s, qz, corr, q0, kc0 * inv, scs, szp, sk, 0)
-    s, qz, corr = _scores_chunk(s, qz, corr, q1, kc1 * inv, scs, szp, sk, 1)
-    s, qz, corr = _scores_chunk(s, qz, corr, q2, kc2 * inv, scs, szp, sk, 2)
-    s, qz, corr = _scores_chunk(s, qz, corr, q3, kc3 * inv, scs, szp, sk, 3)
-    lat = _warp_vec(cmax) * (s - gl.expand_dims(gl.max(corr, axis=2), 2))
-    return (lat + gl.expand_dims(qz, 2)) * gl.expand_dims(gl.expand_dims(rs, 0), 0)
+    s, qz, corr = _scores_chunk(s, qz, corr, q0, inv, scs, szp, sk, 0)
+    s, qz, corr = _scores_chunk(s, qz, corr, q1, inv, scs, szp, sk, 1)
+    s, qz, corr = _scores_chunk(s, qz, corr, q2, inv, scs, szp, sk, 2)
+    s, qz, corr = _scores_chunk(s, qz, corr, q3, inv, scs, szp, sk, 3)
+    # (cmax * (s - corr) + qz) * rs, as s * (cmax * rs) + (qz - cmax * corr) * rs
+    cm3 = _warp_vec(cmax)
+    rs3 = gl.expand_dims(gl.expand_dims(rs, 0), 0)
+    base = gl.expand_dims(qz, 2) - cm3 * gl.expand_dims(gl.max(corr, axis=2), 2)
+    return s * (cm3 * rs3) + base * rs3
 
 
 @gluon.jit
-def _scores_chunk(s, qz, corr, q, kcs, scs, szp, sk, CQ: gl.constexpr):
+def _scores_chunk(s, qz, corr, q, inv, scs, szp, sk, CQ: gl.constexpr):
+    kcs = _chan_from_run(scs.slice(8 * CQ, 8, dim=2).load(_RUN8)) * inv
     kzp = _chan_from_run(szp.slice(8 * CQ, 8, dim=2).load(_RUN8))
     qs = gl.convert_layout((q * gl.expand_dims(kcs, 1)).to(gl.float16), _A3, assert_trivial=True)
     qz = qz + gl.sum(q * gl.expand_dims(kzp, 1), axis=2)
@@ -361,15 +410,15 @@ def _values_chunk(acc, alpha3, pw, pz3, wscale, sk, scs, szp, CQ: gl.constexpr):
     o = mma_v2(pw, _v_operand(vt), gl.full([4, 16, 32], 0.0, gl.float32, _M3))
     vcs = gl.expand_dims(_vchan_from_run(scs.slice(8 * CQ, 8, dim=2).load(_VRUN)), 1)
     vzp = gl.expand_dims(_vchan_from_run(szp.slice(8 * CQ, 8, dim=2).load(_VRUN)), 1)
-    return acc * alpha3 + wscale * (vcs * o + vzp * pz3)
+    return (acc * alpha3 + pz3 * (wscale * vzp)) + o * (wscale * vcs)
 
 
 @gluon.jit
 def _pool_lat(pool_ptr, row0, valid, ch, tok):
     """fp16 pool latents at channels ``ch`` and tokens ``tok`` (broadcastable index tensors of
     a B operand; tokens past ``valid`` read as 0)."""
-    ptr = pool_ptr + (row0 + tok).to(gl.int64) * 512 + ch
-    return gl.load(ptr, mask=tok < valid, other=0.0).to(gl.float16)
+    base = pool_ptr + row0 * 512  # int32 offsets below: one block is 32 K elements
+    return gl.load(base + (tok * 512 + ch), mask=tok < valid, other=0.0).to(gl.float16)
 
 
 @gluon.jit
@@ -403,6 +452,31 @@ def _pool_values(acc, alpha3, pw, wscale, pool_ptr, row0, valid, CQ: gl.constexp
     lat = _pool_lat(pool_ptr, row0, valid, ch, _tok(k)[None, :, None])
     o = mma_v2(pw, lat, gl.full([4, 16, 32], 0.0, gl.float32, _M3))
     return acc * alpha3 + wscale * o
+
+
+@gluon.jit
+def _softmax(part, okc, rw, m, l):
+    """The warps' partial scores summed, then one online-softmax step (the same in every
+    warp): new ``m``, ``l``, the accumulators' rescale factor, the value operand ``fp16(p * rw
+    / rmax)`` (``rw`` the row scales of the block), its row sums and ``rmax``."""
+    s = gl.sum(part, axis=0)  # [16, 64], base-2 logits (q carries the scale)
+    s = gl.where(okc[None, :], s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, axis=1))
+    alpha = gl.exp2(m - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l = l * alpha + gl.sum(p, axis=1)
+    rmax = gl.max(rw, axis=0)
+    rmax = gl.where(rmax > 0.0, rmax, 1.0)
+    pw16 = (p * (rw / rmax)[None, :]).to(gl.float16)
+    pw = gl.convert_layout(
+        gl.broadcast(gl.expand_dims(pw16, 0), gl.full([4, 16, 64], 0.0, gl.float16, _M3))[0],
+        _A3,
+        assert_trivial=True,
+    )
+    # sum(pw) per row, of the fp16 values the value dot multiplies: one n8 column of ones
+    spw = mma_v2(pw, gl.full([4, 64, 8], 1.0, gl.float16, _B3),
+                 gl.full([4, 16, 8], 0.0, gl.float32, _M3))  # fmt: skip
+    return m_new, l, _row_vec(alpha), pw, gl.expand_dims(gl.max(spw, axis=2), 2), rmax
 
 
 @gluon.jit
@@ -471,15 +545,18 @@ def mla_mma_kernel(
     sk = gl.allocate_shared_memory(gl.int32, [NBUF, 4, 32, 32], _SHK)
     scs = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 4, 32], _SHV)
     szp = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 4, 32], _SHV)
+    srs = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 8], _SH2D)
+    srope = gl.allocate_shared_memory(gl.bfloat16, [NBUF, 4, 64, 16], _SHV)
     for st in gl.static_range(NBUF - 1):
-        _issue_stage(sk.index(st), scs.index(st), szp.index(st), lo + st, hi, bt_row,
-                     rec32_ptr, rec16_ptr, REC, CS_OFF, ZP_OFF)  # fmt: skip
+        _issue_stage(sk.index(st), scs.index(st), szp.index(st), srs.index(st),
+                     srope.index(st), lo + st, hi, bt_row, rec32_ptr, rec16_ptr, recbf_ptr,
+                     REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF)  # fmt: skip
 
-    q0 = _load_q(qrot_ptr, qrow, hok, 0)
-    q1 = _load_q(qrot_ptr, qrow, hok, 1)
-    q2 = _load_q(qrot_ptr, qrow, hok, 2)
-    q3 = _load_q(qrot_ptr, qrow, hok, 3)
-    qr_hi, qr_lo = _q_rope(q_ptr, b, h0, H)
+    q0 = _load_q(qrot_ptr, qrow, hok, qk_scale, 0)
+    q1 = _load_q(qrot_ptr, qrow, hok, qk_scale, 1)
+    q2 = _load_q(qrot_ptr, qrow, hok, qk_scale, 2)
+    q3 = _load_q(qrot_ptr, qrow, hok, qk_scale, 3)
+    qr_hi, qr_lo = _q_rope(q_ptr, b, h0, H, qk_scale)
     nc = gl.arange(0, 64, layout=_C2)
     tokc = _tok(nc)  # physical token of each score column
 
@@ -497,56 +574,25 @@ def mla_mma_kernel(
         pb_n = gl.load(map_ptr + blk_n)
         nst = (j + NBUF - 1) % NBUF
         gl.thread_barrier()  # every warp is done with the stage about to be overwritten
-        _issue_stage(sk.index(nst), scs.index(nst), szp.index(nst), u + NBUF - 1, hi, bt_row,
-                     rec32_ptr, rec16_ptr, REC, CS_OFF, ZP_OFF)  # fmt: skip
-        valid = gl.minimum(seq_len - u * 64, 64)
-        okc = tokc < valid
+        _issue_stage(sk.index(nst), scs.index(nst), szp.index(nst), srs.index(nst),
+                     srope.index(nst), u + NBUF - 1, hi, bt_row, rec32_ptr, rec16_ptr,
+                     recbf_ptr, REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF)  # fmt: skip
         async_copy.wait_group(NBUF - 1)
         gl.thread_barrier()
-        cst = j % NBUF
-        if pb >= 0:
-            row0 = pb.to(gl.int64) * 64
-            if FP8:
-                rw = gl.load(pscale_ptr + row0 + tokc, mask=okc, other=0.0)
-            else:
-                rw = gl.where(okc, 1.0, 0.0)
-            part = _pool_scores(pool_ptr, row0, valid, q0, q1, q2, q3, rw)
-            rope = _rope_operand(prope_ptr, row0, valid)
-        else:
-            rb16 = rec16_ptr + blk * (REC // 2)
-            rw = gl.load(rb16 + RS_OFF // 2 + tokc, mask=okc, other=0.0).to(gl.float32)
-            rope = _rope_operand(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 0, valid)
-            part = _packed_scores(sk.index(cst), scs.index(cst), szp.index(cst), q0, q1, q2, q3,
-                                  rw)  # fmt: skip
-        part = mma_v2(qr_hi, rope, part)
-        part = mma_v2(qr_lo, rope, part)
-        s = gl.sum(part, axis=0) * qk_scale  # [16, 64]
-        s = gl.where(okc[None, :], s, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, axis=1))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l = l * alpha + gl.sum(p, axis=1)
-        m = m_new
-        rmax = gl.max(rw, axis=0)
-        rmax = gl.where(rmax > 0.0, rmax, 1.0)
-        pw16 = (p * (rw / rmax)[None, :]).to(gl.float16)
-        pz3 = _row_vec(gl.sum(pw16.to(gl.float32), axis=1))
-        pw = gl.convert_layout(
-            gl.broadcast(gl.expand_dims(pw16, 0), gl.full([4, 16, 64], 0.0, gl.float16, _M3))[0],
-            _A3,
-            assert_trivial=True,
-        )
-        alpha3 = _row_vec(alpha)
-        if pb >= 0:
-            row0 = pb.to(gl.int64) * 64
-            a0 = _pool_values(a0, alpha3, pw, rmax, pool_ptr, row0, valid, 0)
-            a1 = _pool_values(a1, alpha3, pw, rmax, pool_ptr, row0, valid, 1)
-            a2 = _pool_values(a2, alpha3, pw, rmax, pool_ptr, row0, valid, 2)
-            a3 = _pool_values(a3, alpha3, pw, rmax, pool_ptr, row0, valid, 3)
-        else:
+        if pb < 0:
+            # a packed block (exact-pool blocks are read by the loop below)
+            cst = j % NBUF
+            valid = gl.minimum(seq_len - u * 64, 64)
+            okc = tokc < valid
+            rw = gl.where(okc, _staged_rs(srs.index(cst)), 0.0)
             ck = sk.index(cst)
             cc = scs.index(cst)
             cz = szp.index(cst)
+            part = _packed_scores(ck, cc, cz, q0, q1, q2, q3, rw)
+            # RoPE columns past ``valid`` (a partial block) are masked with the scores
+            rope = srope.index(cst).permute([0, 2, 1]).load(_B3)
+            part = mma_v2(qr_lo, rope, mma_v2(qr_hi, rope, part))
+            m, l, alpha3, pw, pz3, rmax = _softmax(part, okc, rw, m, l)
             a0 = _values_chunk(a0, alpha3, pw, pz3, rmax, ck, cc, cz, 0)
             a1 = _values_chunk(a1, alpha3, pw, pz3, rmax, ck, cc, cz, 1)
             a2 = _values_chunk(a2, alpha3, pw, pz3, rmax, ck, cc, cz, 2)
@@ -554,6 +600,35 @@ def mla_mma_kernel(
         blk = blk_n
         pb = pb_n
     async_copy.wait_group(0)
+
+    # Blocks mapped to the exact pool (the filling tail, sinks, rehydrated blocks), after the
+    # packed ones (attention does not depend on the order): the split's block-table entries
+    # are read 128 at a time and their pool-map entries checked at once, so a split without
+    # pool blocks pays one vector load per 128 blocks, and this code's registers stay out of
+    # the packed loop's.
+    for t0 in range(lo, hi, 128):
+        ib = t0 + gl.arange(0, 128, layout=_VEC)
+        okb = ib < hi
+        pbs = gl.load(map_ptr + gl.load(bt_row + ib, mask=okb, other=0), mask=okb, other=-1)
+        for _ in range(gl.sum((pbs >= 0).to(gl.int32), axis=0)):
+            u = gl.min(gl.where(pbs >= 0, ib, 1 << 30), axis=0)
+            pbu = gl.max(gl.where(ib == u, pbs, -1), axis=0)
+            pbs = gl.where(ib == u, -1, pbs)
+            valid = gl.minimum(seq_len - u * 64, 64)
+            okc = tokc < valid
+            row0 = pbu.to(gl.int64) * 64
+            if FP8:
+                rw = gl.load(pscale_ptr + row0 + tokc, mask=okc, other=0.0)
+            else:
+                rw = gl.where(okc, 1.0, 0.0)
+            part = _pool_scores(pool_ptr, row0, valid, q0, q1, q2, q3, rw)
+            rope = _rope_operand(prope_ptr, row0, valid)
+            part = mma_v2(qr_lo, rope, mma_v2(qr_hi, rope, part))
+            m, l, alpha3, pw, pz3, rmax = _softmax(part, okc, rw, m, l)
+            a0 = _pool_values(a0, alpha3, pw, rmax, pool_ptr, row0, valid, 0)
+            a1 = _pool_values(a1, alpha3, pw, rmax, pool_ptr, row0, valid, 1)
+            a2 = _pool_values(a2, alpha3, pw, rmax, pool_ptr, row0, valid, 2)
+            a3 = _pool_values(a3, alpha3, pw, rmax, pool_ptr, row0, valid, 3)
 
     seen = l > 0.0
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l, 1.0), 0.0)
