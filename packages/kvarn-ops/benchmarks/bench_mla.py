@@ -24,7 +24,6 @@ import triton
 
 import kvarn_formats as kf
 from kvarn_ops.kernels import mla_decode, mla_gather, mla_pack
-from kvarn_ops.reference import mla as ref
 
 
 def copy_bandwidth() -> float:
@@ -86,7 +85,7 @@ def bench_decode(bits, batch, heads, context, splits, topk=None, graph=False):
     bmap = torch.full((batch * blocks_per,), -1, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
-    ws = ref.mla_decode_workspace(batch, heads, splits, device="cuda")
+    ws = mla_decode.mla_decode_workspace(batch, heads, splits, device="cuda")
     idx = None
     if topk is not None:
         idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).to(
@@ -147,24 +146,25 @@ def main() -> None:
             record("pack", f"k{bits} N=2048 pool={str(dt)[6:]}", *bench_pack(bits, 2048, dt))
         if "stage" in ops:
             record("stage", f"k{bits} 65536 tokens", *bench_stage(bits, 65536, 8192))
-        # (batch, heads, context, workspace splits): batch 1 also with 128 splits, which the
-        # Gluon kernel (2 programs per SM) needs to fill the GPU
+        # (batch, heads, context, workspace splits; None: the workspace's own choice, enough
+        # to fill the GPU): batch 1 also with the former default of 32 and with 128
         full = (
             (1, 16, 32768, 32),
             (1, 16, 32768, 128),
-            (8, 16, 32768, 32),
-            (32, 128, 8192, 32),
-            (64, 16, 16384, 32),
+            (1, 16, 32768, None),
+            (8, 16, 32768, None),
+            (32, 128, 8192, None),
+            (64, 16, 16384, None),
         )
         for kern in args.kernels.split(",") if "decode" in ops else ():
             mla_decode.MMA_KERNEL = kern == "default"
             tag = ("" if kern == "default" else f" [{kern}]") + (" graph" if args.graph else "")
             for batch, heads, ctx, splits in full:
-                record(
-                    "decode",
-                    f"k{bits} B={batch} H={heads} L={ctx} S={splits}{tag}",
-                    *bench_decode(bits, batch, heads, ctx, splits, graph=args.graph),
+                ms, nbytes = bench_decode(bits, batch, heads, ctx, splits, graph=args.graph)
+                s_used = (
+                    splits or mla_decode.mla_decode_workspace(batch, heads, None, "cuda").num_splits
                 )
+                record("decode", f"k{bits} B={batch} H={heads} L={ctx} S={s_used}{tag}", ms, nbytes)
         mla_decode.MMA_KERNEL = True
         for batch, heads in ((8, 16), (64, 16), (32, 128)) if "sparse" in ops else ():
             record(

@@ -487,6 +487,24 @@ def test_decode_latent_chunk_knob_is_checked(monkeypatch):
         )  # fmt: skip
 
 
+def test_workspace_picks_enough_splits_to_fill_the_gpu(monkeypatch):
+    """``num_splits=None``: at least 32, enough for one program per SM at this batch and head
+    count, at most ``MAX_AUTO_SPLITS``; an explicit count is kept."""
+    monkeypatch.setattr(kdec, "_sm_count", lambda device: 132)
+    want = {(1, 16): 132, (1, 128): 32, (2, 16): 66, (1, 40): 44, (64, 16): 32, (0, 16): 132}
+    for (b, h), splits in want.items():
+        ws = kdec.mla_decode_workspace(b, h)
+        assert ws.num_splits == splits, (b, h, ws.num_splits)
+        assert ws.part_out.shape == (b, h, splits, 512)
+    monkeypatch.setattr(kdec, "_sm_count", lambda device: 600)
+    assert kdec.mla_decode_workspace(1, 16).num_splits == kdec.MAX_AUTO_SPLITS
+    assert kdec.mla_decode_workspace(1, 16, 4).num_splits == 4
+    with pytest.raises(ValueError, match="batch"):
+        kdec.mla_decode_workspace(-1, 16)
+    with pytest.raises(ValueError, match="num_splits"):
+        kdec.mla_decode_workspace(1, 16, 0)
+
+
 # ---------------------------------------------------------------------------------- bad input
 
 
