@@ -49,7 +49,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from kvarn_ops.kernels.decode_mma import _last_dim_first, _pair_bits, _stack8
+from kvarn_ops.kernels.decode_mma import _k_nib, _last_dim_first, _stack8
 
 __all__ = ["MLA_MMA_BITS", "mla_mma_kernel", "mla_mma_supported"]
 
@@ -168,16 +168,6 @@ def _pair_code(a, b, BYTE: gl.constexpr):
         is_pure=True,
         pack=2,
     )
-
-
-@gluon.jit
-def _k_nib(ka, kb, ka4, kb4, J: gl.constexpr):
-    # fp16 1024 + code (0x6400 | code): the 1024 leaves with the zero-point term
-    if J % 2 == 0:
-        r = _pair_bits(ka, kb, J // 2, 0x000F000F, 0x64006400)
-    else:
-        r = _pair_bits(ka4, kb4, J // 2, 0x000F000F, 0x64006400)
-    return r
 
 
 @gluon.jit
