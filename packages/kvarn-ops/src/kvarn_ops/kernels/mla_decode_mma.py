@@ -31,16 +31,23 @@ Token order: score column ``n = 8 j + g`` is physical token ``8 g + j`` (all cod
 one thread), the value dot uses the same order; channel orders are renamed per dot and the
 output is written to the workspace in physical channel order.
 
-Records: codes, channel scales and zero points are copied into shared memory by ``cp.async``
-``NBUF - 1`` blocks ahead; the row scales and RoPE rows are read straight from global memory.
-A block mapped to the exact pool (``block_pool_map``) is read from the pool rows instead: fp16
-MMAs on the latent (fp8 pools exact, bf16 pools rounded to fp16), scaled per token for fp8
-pools.
+Records: the whole record (codes, channel scales, zero points, row scales, RoPE rows; RoPE
+rows and row scales permuted into the score columns' token order on the way) is copied into
+shared memory by ``cp.async`` ``NBUF - 1`` blocks ahead. Blocks mapped to the exact pool
+(``block_pool_map``: the filling tail, sinks, rehydrated blocks) are skipped by that loop and
+read afterwards by a loop of their own (attention does not depend on the order of blocks):
+fp16 MMAs on the pool rows (fp8 pools exact, bf16 pools rounded to fp16), scaled per token for
+fp8 pools. Their code is register hungry (gathered operands); in the packed loop it made ptxas
+spill there too.
 
-Numerics: the score operand is ``fp16(q_rot * cs / cmax_w)`` (``cmax_w`` the largest channel
-scale of the warp's 128 channels), the value operand ``fp16(p * rs / rmax)``; zero-point terms,
-softmax and the running accumulators are fp32. Partial rows and natural-log log-sum-exps go to
-the same workspace as the Triton kernel's, merged by its combine kernel.
+Numerics: the score operand is ``fp16(q_rot * qk_scale * cs / cmax_w)`` (``cmax_w`` the
+largest channel scale of the warp's 128 channels, ``qk_scale`` the softmax scale in base 2),
+the value operand ``fp16(p * rs / rmax)``; zero-point terms, softmax and the running
+accumulators are fp32. Partial rows and natural-log log-sum-exps go to the same workspace as
+the Triton kernel's, merged by its combine kernel.
+
+Speed (H200, BENCHMARKS.md): about 2x the Triton kernel at batch >= 8; 255 registers per
+thread, so two programs per SM, and latency bound (a program takes about 9 us per block).
 """
 
 from __future__ import annotations
