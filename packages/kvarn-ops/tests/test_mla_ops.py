@@ -464,6 +464,22 @@ def test_decode_blocks_per_split(gen, bits, dtype, splits):
     assert_near_oracle(o, model, o_ref, top)
 
 
+@pytest.mark.parametrize("rows", [2, 4, 16])
+def test_decode_combine_rows_per_program(gen, monkeypatch, rows):
+    """The combine merging 2, 4 or 16 rows per program (the launcher picks 1 on this 132-SM
+    default for these 36 rows; the last program of 16 is partial)."""
+    monkeypatch.setattr(kdec, "combine_rows", lambda n, device: rows)
+    test_decode_blocks_per_split(gen, 4, FP8, 3)
+
+
+def test_combine_rows_fill_the_sms(monkeypatch):
+    """16 rows per program once there are 16 per SM, else the largest power of two that
+    still gives every SM a program."""
+    monkeypatch.setattr(kdec, "_sm_count", lambda device: 132)
+    want = {1: 1, 131: 1, 264: 2, 527: 2, 528: 4, 1056: 8, 2112: 16, 100000: 16}
+    assert {n: kdec.combine_rows(n, "cpu") for n in want} == want
+
+
 @pytest.mark.parametrize("chunk", [256, 512])
 def test_decode_latent_chunk_knob(gen, monkeypatch, chunk):
     """The full-context loop and the sparse gather with fewer, wider latent chunks (CHUNK

@@ -27,6 +27,7 @@ Bit packing (docs/contracts.md): code ``i`` of width ``b`` occupies stream bits
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -44,7 +45,9 @@ __all__ = [
     "clip_ratio",
     "exact_in_tf32",
     "frexp_exponent",
+    "gluon_modules",
     "hadamard_signs",
+    "mma_sync_device",
     "pack_codes_store",
     "pack_geometry",
     "pow2",
@@ -58,6 +61,27 @@ __all__ = [
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton runs kernels on the CPU interpreter (set before triton is imported)."""
+
+
+def mma_sync_device(t: torch.Tensor, env_off: str) -> bool:
+    """Whether a Gluon ``mma.sync`` kernel may serve tensors on ``t``'s device: a CUDA device of
+    compute capability 8.0 or newer, not under the Triton interpreter (Gluon kernels do not run
+    there), and the environment variable ``env_off`` not set to ``0``."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or t.device.type != "cuda":
+        return False
+    if os.environ.get(env_off) == "0":
+        return False
+    return torch.cuda.get_device_capability(t.device) >= (8, 0)
+
+
+def gluon_modules(*names: str) -> tuple | None:
+    """The kernel modules ``kvarn_ops.kernels.<name>`` written in Gluon, or None where this
+    Triton has no Gluon (or another Gluon API than Triton 3.6's): the Triton kernels then serve
+    every case."""
+    try:
+        return tuple(importlib.import_module(f"kvarn_ops.kernels.{n}") for n in names)
+    except (ImportError, AttributeError, TypeError):
+        return None
 
 
 def check_device(t: torch.Tensor) -> None:
@@ -163,7 +187,9 @@ def hadamard_signs(N: tl.constexpr):
 
 @triton.jit
 def rotate_rows(x, M: tl.constexpr, D: tl.constexpr, EXACT_TF32: tl.constexpr):
-    """``x [M, D] @ H_D`` (normalized Sylvester Hadamard), fp32 in and out, ``M >= 16``.
+    """``x [M, D] @ H_D`` (normalized Sylvester Hadamard), fp32 in and out; ``M >= 16`` for
+    D = 64, 128 (the dot's M), any ``M >= 1`` for D = 256, 512 (the products' M is ``16 M``
+    or more).
 
     ``EXACT_TF32``: every value of ``x`` has at most 11 significant bits (it was loaded from
     fp16, bf16 or fp8), so a single-pass tf32 product with the +-1 signs is exact and the

@@ -68,6 +68,7 @@ import triton.language as tl
 
 import kvarn_formats as kf
 from kvarn_ops import _validate as V
+from kvarn_ops.kernels._common import gluon_modules, mma_sync_device
 
 __all__ = [
     "DECODE_MAX_QUERY_LEN",
@@ -1080,12 +1081,10 @@ always does (tests set it to check that combine path under the interpreter)."""
 
 def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
     """The Gluon kernel (``decode_mma.py``) serves 4-bit K, 2/4-bit V, G 64, d128 on sm_80+."""
-    if _interpreting() or q.device.type != "cuda" or os.environ.get("KVARN_DECODE_MMA") == "0":
+    if not mma_sync_device(q, "KVARN_DECODE_MMA"):
         return False
     c = _layout_consts(format_name, q.shape[3])
     rows = q.shape[1] * (q.shape[2] // hkv)
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
-        return False
     mods = _mma_module()
     return mods is not None and mods[0].mma_decode_supported(
         c["KB"], c["VB"], c["G"], q.shape[3], rows
@@ -1094,13 +1093,7 @@ def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
 
 @functools.cache
 def _mma_module():
-    try:
-        from kvarn_ops.kernels import decode_mma, decode_mma_t
-    except (ImportError, AttributeError, TypeError):
-        # a Triton without Gluon (or another Gluon API, written for Triton 3.6): the Triton
-        # split kernel serves every format
-        return None
-    return decode_mma, decode_mma_t
+    return gluon_modules("decode_mma", "decode_mma_t")
 
 
 def _launch(

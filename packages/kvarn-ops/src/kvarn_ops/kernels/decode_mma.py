@@ -247,20 +247,32 @@ def _last_dim_first(ll):
 
 
 @gluon.jit
-def _pair_bits(a, b, BYTE: gl.constexpr, M2: gl.constexpr, OR2: gl.constexpr):
+def _pair_bits(
+    a, b, BYTE: gl.constexpr, M2: gl.constexpr, OR2: gl.constexpr, SUB: gl.constexpr = 0
+):
     """``prmt`` + ``lop3``: byte ``BYTE`` of ``a`` (low half) and of ``b`` (high half), each
     copied into both bytes of its half, masked with ``M2`` and or-ed with ``OR2``: two fp16
-    values that carry two codes, in two instructions, returned as ``[..., 2]``. The asm runs
-    with ``pack=2`` on ``join(a, b)`` laid out with the joined axis in register bit 0, so each
-    call gets ``a`` and ``b`` of one element and returns the pair in one 32-bit register (the
-    MMA operand register: no move, no repacking)."""
+    values that carry two codes, in two instructions, returned as ``[..., 2]``; with ``SUB``
+    (two fp16 bit patterns) one ``sub.f16x2`` of it follows. The asm runs with ``pack=2`` on
+    ``join(a, b)`` laid out with the joined axis in register bit 0, so each call gets ``a`` and
+    ``b`` of one element and returns the pair in one 32-bit register (the MMA operand
+    register: no move, no repacking)."""
     SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
     ab = gl.join(a, b)
     ab = gl.convert_layout(
         ab, _last_dim_first(gl.to_linear_layout(ab.type.layout, ab.shape)), assert_trivial=True
     )
+    if SUB == 0:
+        asm: gl.constexpr = (
+            f"{{ .reg .b32 t; prmt.b32 t, $1, $2, {SEL}; lop3.b32 $0, t, {M2}, {OR2}, 0xea; }}"
+        )
+    else:
+        asm: gl.constexpr = (
+            f"{{ .reg .b32 t, o; prmt.b32 t, $1, $2, {SEL}; lop3.b32 t, t, {M2}, {OR2}, 0xea; "
+            f"mov.b32 o, {SUB}; sub.f16x2 $0, t, o; }}"
+        )
     return gl.inline_asm_elementwise(
-        f"{{ .reg .b32 t; prmt.b32 t, $1, $2, {SEL}; lop3.b32 $0, t, {M2}, {OR2}, 0xea; }}",
+        asm,
         "=r,r,r",
         [ab],
         dtype=gl.float16,
@@ -294,12 +306,32 @@ def _k_nib(ka, kb, ka4, kb4, J: gl.constexpr):
     return r
 
 
+@gluon.constexpr_function
+def _lead_shape(shape, tail):
+    """``shape`` without its last two dims, then ``tail`` (leading batch dims kept)."""
+    return [int(getattr(d, "value", d)) for d in shape[:-2]] + list(tail)
+
+
+@gluon.constexpr_function
+def _lead_perm(shape, order):
+    """The permutation ``order`` of the dims after ``shape``'s leading ones (all but its last
+    two), the leading dims kept in place."""
+    n = len(shape) - 2
+    return list(range(n)) + [n + int(o) for o in order]
+
+
 @gluon.jit
-def _k_operand(kw):
-    """B operand [32 channels (logical chunk), 64 tokens (logical)] of 4-bit K codes from the
-    chunk's words ``kw`` [8 c + i, w]."""
+def _k_codes(kw):
+    """B operand values [..., 32 channels (logical chunk), 64 tokens (logical)] of 4-bit K
+    codes from the chunk's words ``kw`` [..., 8 c + i, w] (leading dims, such as the MLA
+    kernel's warp axis, are kept), in registers already placed as the dot operand holds them:
+    the caller converts to its operand layout with ``assert_trivial``."""
     # channel pairs (i, i + 1) of one lane: even and odd rows
-    ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
+    ka, kb = gl.split(
+        gl.permute(
+            gl.reshape(kw, _lead_shape(kw.shape, [16, 2, 8])), _lead_perm(kw.shape, [0, 2, 1]).value
+        )
+    )
     ka4 = ka >> 4
     kb4 = kb >> 4
     c = _stack8(
@@ -311,10 +343,19 @@ def _k_operand(kw):
         _k_nib(ka, kb, ka4, kb4, 5),
         _k_nib(ka, kb, ka4, kb4, 6),
         _k_nib(ka, kb, ka4, kb4, 7),
-    )  # [(8 c + i) // 2, w, x, j]
+    )  # [..., (8 c + i) // 2, w, x, j]
     # i = 4 kt0 + 2 z + x; logical channel 16 kt0 + 8 z + 2 c + x; logical token 8 j + w
-    c = gl.permute(gl.reshape(c, [2, 2, 2, 2, 8, 2, 8]), [2, 3, 0, 1, 5, 6, 4])
-    return gl.convert_layout(gl.reshape(c, [32, 64]), _OPB, assert_trivial=True)
+    c = gl.permute(
+        gl.reshape(c, _lead_shape(kw.shape, [2, 2, 2, 2, 8, 2, 8])),
+        _lead_perm(kw.shape, [2, 3, 0, 1, 5, 6, 4]).value,
+    )
+    return gl.reshape(c, _lead_shape(kw.shape, [32, 64]))
+
+
+@gluon.jit
+def _k_operand(kw):
+    """:func:`_k_codes` in this kernel's B-operand layout."""
+    return gl.convert_layout(_k_codes(kw), _OPB, assert_trivial=True)
 
 
 @gluon.jit

@@ -67,13 +67,19 @@ once and the ``B*H*512*4`` rotated query.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kvarn_ops.kernels._common import INTERPRET, cast_rne, check_device, rotate_rows
+from kvarn_ops.kernels._common import (
+    INTERPRET,
+    cast_rne,
+    check_device,
+    gluon_modules,
+    mma_sync_device,
+    rotate_rows,
+)
 from kvarn_ops.kernels.mla_common import (
     bf16_bits_to_f32,
     field_offsets,
@@ -756,20 +762,12 @@ def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, BH, S, NS, BLOCK_H: tl.conste
 
 @functools.cache
 def _mma_module():
-    try:
-        from kvarn_ops.kernels import mla_decode_mma
-    except (ImportError, AttributeError, TypeError):
-        # a Triton without Gluon (or another Gluon API than Triton 3.6's): the Triton kernel
-        return None
-    return mla_decode_mma
+    mods = gluon_modules("mla_decode_mma")
+    return None if mods is None else mods[0]
 
 
 def _use_mma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
-    if not MMA_KERNEL or sparse or INTERPRET or q.device.type != "cuda":
-        return False
-    if os.environ.get("KVARN_MLA_MMA") == "0":
-        return False
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
+    if not MMA_KERNEL or sparse or not mma_sync_device(q, "KVARN_MLA_MMA"):
         return False
     mod = _mma_module()
     return mod is not None and mod.mla_mma_supported(bits)

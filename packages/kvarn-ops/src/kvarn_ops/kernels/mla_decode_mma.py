@@ -56,7 +56,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from kvarn_ops.kernels.decode_mma import _k_nib, _last_dim_first, _stack8
+from kvarn_ops.kernels.decode_mma import _k_codes, _pair_bits, _stack8
 
 __all__ = ["MLA_MMA_BITS", "mla_mma_kernel", "mla_mma_supported"]
 
@@ -158,45 +158,9 @@ def mla_mma_supported(bits: int) -> bool:
 @gluon.jit
 def _pair_code(a, b, BYTE: gl.constexpr):
     """Low nibbles of byte ``BYTE`` of ``a`` (low half) and ``b`` (high half) as exact fp16
-    values 0..15 in one register: ``prmt``, ``lop3`` into the mantissas of 1024.0, one packed
-    subtraction of 1024 (``pack=2`` on the joined pair, as ``decode_mma._pair_bits``)."""
-    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
-    ab = gl.join(a, b)
-    ab = gl.convert_layout(
-        ab, _last_dim_first(gl.to_linear_layout(ab.type.layout, ab.shape)), assert_trivial=True
-    )
-    return gl.inline_asm_elementwise(
-        f"{{ .reg .b32 t, o; prmt.b32 t, $1, $2, {SEL}; "
-        f"lop3.b32 t, t, 983055, 1677747200, 0xea; mov.b32 o, 1677747200; "
-        f"sub.f16x2 $0, t, o; }}",
-        "=r,r,r",
-        [ab],
-        dtype=gl.float16,
-        is_pure=True,
-        pack=2,
-    )
-
-
-@gluon.jit
-def _k_operand(kw):
-    """Score B operand [W, 32 channels (logical chunk), 64 tokens (logical)] of the codes
-    (+ 1024) from a chunk's words ``kw`` [W, 8 c + i, w] (``decode_mma._k_operand`` per warp)."""
-    ka, kb = gl.split(gl.permute(gl.reshape(kw, [4, 16, 2, 8]), [0, 1, 3, 2]))
-    ka4 = ka >> 4
-    kb4 = kb >> 4
-    c = _stack8(
-        _k_nib(ka, kb, ka4, kb4, 0),
-        _k_nib(ka, kb, ka4, kb4, 1),
-        _k_nib(ka, kb, ka4, kb4, 2),
-        _k_nib(ka, kb, ka4, kb4, 3),
-        _k_nib(ka, kb, ka4, kb4, 4),
-        _k_nib(ka, kb, ka4, kb4, 5),
-        _k_nib(ka, kb, ka4, kb4, 6),
-        _k_nib(ka, kb, ka4, kb4, 7),
-    )  # [W, (8 c + i) // 2, w, x, j]
-    # i = 4 kt0 + 2 z + x; logical channel 16 kt0 + 8 z + 2 c + x; logical token 8 j + w
-    c = gl.permute(gl.reshape(c, [4, 2, 2, 2, 2, 8, 2, 8]), [0, 3, 4, 1, 2, 6, 7, 5])
-    return gl.convert_layout(gl.reshape(c, [4, 32, 64]), _B3, assert_trivial=True)
+    values 0..15 in one register: masked into the mantissas of 1024.0, then 1024 subtracted
+    (``decode_mma._pair_bits``)."""
+    return _pair_bits(a, b, BYTE, 0x000F000F, 0x64006400, 0x64006400)
 
 
 @gluon.jit
@@ -397,7 +361,7 @@ def _scores_chunk(s, qz, corr, q, inv, scs, szp, sk, CQ: gl.constexpr):
         _KW3,
         assert_trivial=True,
     )
-    return mma_v2(qs, _k_operand(kw), s), qz, corr
+    return mma_v2(qs, gl.convert_layout(_k_codes(kw), _B3, assert_trivial=True), s), qz, corr
 
 
 @gluon.jit
