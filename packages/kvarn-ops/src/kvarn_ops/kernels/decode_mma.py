@@ -267,7 +267,7 @@ def _pair_bits(
             f"{{ .reg .b32 t; prmt.b32 t, $1, $2, {SEL}; lop3.b32 $0, t, {M2}, {OR2}, 0xea; }}"
         )
     else:
-        asm: gl.constexpr = (
+        asm: gl.constexpr = (  # type: ignore[no-redef]  # one of two constexpr branches
             f"{{ .reg .b32 t, o; prmt.b32 t, $1, $2, {SEL}; lop3.b32 t, t, {M2}, {OR2}, 0xea; "
             f"mov.b32 o, {SUB}; sub.f16x2 $0, t, o; }}"
         )
