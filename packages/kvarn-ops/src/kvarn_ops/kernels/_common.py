@@ -55,7 +55,6 @@ __all__ = [
     "round_half_even",
     "round_to_bf16",
     "round_to_e4m3",
-    "unbiased_clip_rows",
     "unpack_codes_load",
 ]
 
@@ -349,60 +348,3 @@ def clip_codes(b, lo, step, LEVELS: tl.constexpr):
     inv = tl.where(pos, tl.div_rn(one, tl.where(pos, step, 1.0)), 0.0)
     q = round_half_even((b - lo[:, None]) * inv[:, None])
     return tl.minimum(tl.maximum(q, 0.0), LEVELS * 1.0)
-
-
-@triton.jit
-def unbiased_clip_rows(b, lc, LEVELS: tl.constexpr, R: tl.constexpr):
-    """The reference's ``round_rows(b, lc, bits, "unbiased_clip")`` for one balanced tile
-    ``b [R, C]`` (fp32) with natural-log column scales ``lc [C]``; ``LEVELS = 2**bits - 1``.
-
-    Returns ``(codes, step, lo)``: fp32 integer codes ``[R, C]``, fp32 ``[R]`` each, with
-    ``b ~= codes * step + lo``. Same candidates in the same order (min/max first, then every
-    clip ratio with its unbiased refit), same fp32 formulas, strict ``<`` (ties keep the earlier
-    candidate), zero-range rows keep min/max. Only the winner's clipping range ``(z, s)`` is
-    carried through the search; its codes are recomputed from it at the end (the same fp32
-    operations, so the same codes), which keeps a single ``[R, C]`` code tile live.
-    """
-    lo0 = tl.min(b, axis=1)
-    hi0 = tl.max(b, axis=1)
-    rng = hi0 - lo0
-    lv = tl.full([R], LEVELS, tl.float32)
-    step0 = tl.div_rn(rng, lv)
-    live = rng > 0.0
-    # Column weights exp(2 * lc) relative to the largest.
-    w = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))[None, :]
-    c0 = clip_codes(b, lo0, step0, LEVELS)
-    err = b - (c0 * step0[:, None] + lo0[:, None])
-    best_e = tl.sum(err * err * w, axis=1)
-    best_s = step0
-    best_z = lo0
-    code_z = lo0
-    code_s = step0
-    mid = 0.5 * (hi0 + lo0)
-    half = 0.5 * rng
-    sw = tl.zeros([R], tl.float32) + tl.sum(w, axis=1)
-    mb = tl.div_rn(tl.sum(w * b, axis=1), sw)
-    db = b - mb[:, None]
-    vb = tl.div_rn(tl.sum(w * (db * db), axis=1), sw)
-    # A loop, not unrolled (measured on flush, kvarn_k4v2_g64, D = 128, bf16, on an H200:
-    # unrolled, 1280 B of spill frame per thread against 400 B and 1.6x the time; offline
-    # compiles took about 10 minutes instead of 1).
-    for i in tl.range(0, _NUM_CLIP_RATIOS, loop_unroll_factor=1):
-        ratio = clip_ratio(i)
-        z = mid - ratio * half
-        s = tl.div_rn((2.0 * ratio) * half, lv)
-        c = clip_codes(b, z, s, LEVELS)
-        mq = tl.div_rn(tl.sum(w * c, axis=1), sw)
-        cov = tl.div_rn(tl.sum((w * (c - mq[:, None])) * (b - mb[:, None]), axis=1), sw)
-        ok = cov > 0.0
-        s_u = tl.where(ok, tl.div_rn(vb, tl.where(ok, cov, 1.0)), s)
-        z_u = tl.where(ok, mb - s_u * mq, z)
-        err = b - (c * s_u[:, None] + z_u[:, None])
-        e = tl.sum(err * err * w, axis=1)
-        better = (e < best_e) & live
-        best_e = tl.where(better, e, best_e)
-        best_s = tl.where(better, s_u, best_s)
-        best_z = tl.where(better, z_u, best_z)
-        code_z = tl.where(better, z, code_z)
-        code_s = tl.where(better, s, code_s)
-    return clip_codes(b, code_z, code_s, LEVELS), best_s, best_z

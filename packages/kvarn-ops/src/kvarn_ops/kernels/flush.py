@@ -7,9 +7,10 @@ One launch, one program per (block, KV head, K or V): the program loads its tile
 quantizes, folds and bit-packs it, and writes its half of the record, padding bytes included
 (zeros, as the reference writer). The numerical algorithm is that of
 ``kvarn_ops.reference.quantize`` (module docstring, steps 1-6) for the ``NormalizeConfig``
-given to :func:`flush` (the reference default unless given), step for step and in the same
-order of operations, so codes differ from the reference only where a float reduction order or
-an exp/log ulp flips a rounding (measured in tests/test_flush.py).
+given to :func:`flush` (the reference default unless given), step for step; steps 3 and 4 are
+computed in a cheaper form of the same mathematics (``flush_math.py``: fewer passes over the
+tile, spreads as logarithms), so codes differ from the reference only where a float reduction
+order or an exp/log ulp flips a rounding (measured in tests/test_flush.py).
 
 Step 4 (codes and per-row step and zero point) is chosen per tile kind at compile time
 (``K_ROUNDING``/``V_ROUNDING``, ids in :data:`ROUNDING_IDS`), from ``config.rounding`` and
@@ -17,7 +18,7 @@ Step 4 (codes and per-row step and zero point) is chosen per tile kind at compil
 
 - ``"rtn"`` (0): min/max round-to-nearest (reference ``quantize_rows``).
 - ``"unbiased_clip"`` (1): reference ``round_rows(..., "unbiased_clip")``
-  (``_common.unbiased_clip_rows``): per row, the min/max candidate, then the 14 clip ratios of
+  (``flush_math.unbiased_clip_moments``): per row, the min/max candidate, then the 14 clip ratios of
   ``CLIP_RATIOS`` in order (1.0 first), each with its codes from the clipped range and the
   unbiased refit ``step = var_w(B) / cov_w(codes, B)``, ``lo = mean_w(B) - step * mean_w(codes)``
   (weights ``exp(2 * (lc - max lc))``; the clipped ``(s, z)`` where ``cov <= 0``); the candidate
@@ -26,21 +27,15 @@ Step 4 (codes and per-row step and zero point) is chosen per tile kind at compil
 Other modes (and prescale off, no fp16 rebalance, a log-scale clip) are refused by
 :func:`check_config`.
 
-Cost (estimate; one timing at the end): each of the 8 iterations applies the scales
-twice and takes three two-pass spreads, about 16 fp32 operations per tile element, so ~130
-operations per element in all. At 50% of the H200's copy bandwidth on bf16 input that is
-~140 T fp32 operations/s, about 4x what its CUDA cores issue: this exact-order algorithm is
-compute bound well below the 50% target. Closing the gap needs a cheaper formulation (spreads
-from the separable form ``Y = diag(a) X diag(b)`` as matrix-vector products on the tensor
-cores, one-pass moments, fewer iterations), which changes the numerics and so belongs in the
-reference first. ``"unbiased_clip"`` adds, per candidate and element, the clipped codes (6
-operations), the weighted code mean and covariance (6) and the weighted error (6), about 20
-operations and 3 row reductions; with the 14 candidates, the min/max start and the final
-re-rounding of the winner that is ~300 more operations per element, about 3.3x the arithmetic
-of the RTN flush (~430 vs ~130 per element) on the tiles that use it. Measured on an H200
-(kvarn_k4v2_g64, D = 128, bf16 pool, 512 blocks x 8 KV heads, one launch): 3.1 ms with RTN,
-5.4 ms with unbiased_clip for K and V (1.8x; the candidate loop is not unrolled: unrolled it
-spilled more and took 8.6 ms). Compiling this kernel takes 1-3 minutes per specialization.
+Cost: per tile element, the normalization takes two passes of about 6 fp32 operations per
+iteration (8 iterations), and the clipping search about 15 per candidate (the codes, two sums
+of the refit, the error; 15 candidates), so the default rounding is about 3x the RTN flush's
+arithmetic. At 50% of the H200's copy bandwidth on bf16 input the flush would have about 30
+fp32 operations per element: it is compute bound, two orders of magnitude from that target
+(BENCHMARKS.md has the measured times and profiles). The compiler's layout gives every thread
+8 rows of a tile, each row shared by 8 or 16 threads, so the per-row work of every candidate
+(three IEEE divisions among it) is repeated that often; a layout with whole rows per thread is
+not expressible in Triton. The candidate loop is not unrolled (unrolled, it spilled more).
 """
 
 from __future__ import annotations
@@ -60,13 +55,12 @@ from kvarn_ops.kernels._common import (
     apply_log_scales,
     check_device,
     frexp_exponent,
-    line_spread,
     pack_codes_store,
     pack_geometry,
     pow2,
     round_half_even,
-    unbiased_clip_rows,
 )
+from kvarn_ops.kernels.flush_math import normalize_tile, unbiased_clip_moments
 from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
 from kvarn_ops.reference.rounding import ROUNDING_MODES
 
@@ -75,14 +69,6 @@ __all__ = ["ROUNDING_IDS", "check_config", "flush"]
 _ALIGN = 16
 _FP16_EXP_MIN = -13  # frexp exponent of the smallest normal fp16 (reference step 6)
 _FP16_EXP_MAX = 15
-
-
-@triton.jit
-def _balance(col_s, row_s):
-    """Reference ``_imbalance`` from the two spreads."""
-    return tl.div_rn(tl.max(col_s, axis=0), tl.min(col_s, axis=0)) + tl.div_rn(
-        tl.max(row_s, axis=0), tl.min(row_s, axis=0)
-    )
 
 
 @triton.jit
@@ -156,29 +142,12 @@ def _flush_tile(
     # Step 2: prescale by 2**-e, e = floor(log2(max|x|)) (0 for an all-zero tile).
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     e = tl.where(amax > 0.0, frexp_exponent(amax) - 1, 0)
-    xp = x * pow2(-e)
+    scale = pow2(-e)
 
-    # Step 3: alternate column / row division by the spread; keep the best-balanced iterate.
-    lr = tl.zeros([R], dtype=tl.float32)
-    lc = tl.zeros([C], dtype=tl.float32)
-    col_s = line_spread(xp, 0, R, STD_FLOOR)
-    row_s = line_spread(xp, 1, C, STD_FLOOR)
-    best = _balance(col_s, row_s)
-    best_lr = lr
-    best_lc = lc
-    for _ in range(ITERS):
-        # col_s is the column spread of apply(xp, lr, lc), as the reference recomputes it.
-        lc = lc + tl.log(col_s)
-        lr = lr + tl.log(line_spread(apply_log_scales(xp, lr, lc), 1, C, STD_FLOOR))
-        y = apply_log_scales(xp, lr, lc)
-        col_s = line_spread(y, 0, R, STD_FLOOR)
-        row_s = line_spread(y, 1, C, STD_FLOOR)
-        imb = _balance(col_s, row_s)
-        better = imb < best
-        best = tl.where(better, imb, best)
-        best_lr = tl.where(better, lr, best_lr)
-        best_lc = tl.where(better, lc, best_lc)
-    balanced = apply_log_scales(xp, best_lr, best_lc)
+    # Step 3: alternate column / row division by the spread; keep the best-balanced iterate
+    # (flush_math.py).
+    best_lr, best_lc = normalize_tile(x * scale, R, C, ITERS, STD_FLOOR)
+    balanced = apply_log_scales(x * scale, best_lr, best_lc)
 
     # Step 4: codes and per-row (step, lo), ties to even.
     levels: tl.constexpr = (1 << BITS) - 1
@@ -194,7 +163,7 @@ def _flush_tile(
         step = tl.div_rn(rng, tl.full([R], levels, tl.float32))
     else:
         # Clipping search with unbiased refit (reference round_rows, "unbiased_clip").
-        codes, step, lo = unbiased_clip_rows(balanced, best_lc, levels, R)
+        codes, step, lo = unbiased_clip_moments(balanced, best_lc, levels, R, C)
     codes = codes.to(tl.int32)
 
     # Step 5: fold the RTN step and offset into the normalization scales.

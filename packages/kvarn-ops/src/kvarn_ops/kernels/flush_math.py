@@ -1,0 +1,194 @@
+"""The flush's quantizer arithmetic, cheaper than the reference's literal form (Triton helpers).
+
+The reference quantizer (``reference/quantize.py``, ``reference/rounding.py``) is written to be
+read. Every normalization iteration takes three two-pass spreads of freshly scaled tiles, and
+every candidate of the clipping search reduces its row three times in a chain: code mean, then
+covariance, then error. The flush computes the same quantities with fewer operations per tile
+element:
+
+- **Normalization** (:func:`normalize_tile`): two passes over the tile per iteration, the row
+  moments of the iterate after the column update and the column moments of the iterate after
+  the row update. The reference's third spread is not needed:
+  - after the row update every row's spread is exactly 1 (std and rms both scale with the
+    row; a zero row is filled with the geometric mean of the others, 1), so an iterate's
+    imbalance is its column ratio plus 1;
+  - the column spreads of an iterate are the next column update.
+  Spreads are carried as logarithms, ``0.5 * log(max(var, floor**2 * ms))``. That needs no
+  square roots, and the zero-line fill (a geometric mean) becomes an arithmetic mean of
+  logs. The scaled tiles are formed as the reference forms them, ``(xp * exp(-lr)) *
+  exp(-lc)``, so their values, and the spreads' sums but for order, are the reference's.
+- **Clipping search** (:func:`unbiased_clip_moments`): the unbiased refit of a candidate needs
+  ``sum w c`` and ``sum w c (b - mb)``. These are independent sums, one reduction round. The
+  reference's ``sum w (c - mq)(b - mb)`` differs from the second only by ``mq * sum w (b - mb)``,
+  zero but for rounding. Only the winner's clipping range is carried through the loop, and its
+  refit is recomputed once after it: two live row vectors instead of four, at a loop that is
+  at the register limit. The error of each candidate is summed directly, as the reference
+  does. A moment expansion of it would cancel catastrophically in rows that the codes fit
+  almost exactly; tried, it picked candidates with up to 2.3x the reference's error there.
+
+Equal in exact arithmetic. In fp32 they differ from the reference's results by rounding, as a
+different reduction order does. Measured in ``tests/test_flush.py`` and in the GPU parity
+suite, with the same code agreement and error bounds as the literal form.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvarn_ops.kernels._common import clip_codes, clip_ratio
+from kvarn_ops.reference.rounding import CLIP_RATIOS
+
+__all__ = ["normalize_tile", "unbiased_clip_moments"]
+
+
+_NUM_CLIP_RATIOS = tl.constexpr(len(CLIP_RATIOS))
+
+
+@triton.jit
+def _line_moments(u, AXIS: tl.constexpr, N: tl.constexpr):
+    """Population variance (two-pass) and mean square of every line of ``u`` along AXIS (N
+    values)."""
+    s1 = tl.sum(u, axis=AXIS)
+    s2 = tl.sum(u * u, axis=AXIS)
+    mean = s1 / N
+    if AXIS == 0:
+        dev = u - mean[None, :]
+    else:
+        dev = u - mean[:, None]
+    return tl.sum(dev * dev, axis=AXIS) / N, s2 / N
+
+
+@triton.jit
+def _half_log(var, ms, STD_FLOOR2: tl.constexpr):
+    """``log(max(std, floor * rms))`` of lines with this variance and mean square, as
+    ``0.5 * log(max(var, floor**2 * ms))`` (no square roots), and whether it is positive;
+    ``(0, False)`` for a zero line."""
+    v = tl.maximum(var, STD_FLOOR2 * ms)
+    pos = v > 0.0
+    return 0.5 * tl.log(tl.where(pos, v, 1.0)), pos
+
+
+@triton.jit
+def _log_spread(half_log, pos):
+    """Natural log of the reference ``_spread``: ``half_log`` where positive, else the mean of
+    those (the log of the geometric mean of the positive spreads; 0 if there are none)."""
+    count = tl.sum(pos.to(tl.int32), axis=0)
+    fill = tl.sum(tl.where(pos, half_log, 0.0), axis=0) / tl.maximum(count, 1).to(tl.float32)
+    return tl.where(pos, half_log, fill)
+
+
+@triton.jit
+def _ratio(log_spread):
+    """max/min of the spreads, from their logs (one term of the reference ``_imbalance``)."""
+    return tl.exp(tl.max(log_spread, axis=0) - tl.min(log_spread, axis=0))
+
+
+@triton.jit
+def normalize_tile(
+    xp, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, STD_FLOOR: tl.constexpr
+):
+    """The reference ``normalize_tiles`` (step 3) of one prescaled tile ``xp [R, C]``: the
+    natural-log scales ``(lr [R], lc [C])`` of the best-balanced iterate among 0..ITERS (ties
+    keep the earlier one). Two passes per iteration (module docstring)."""
+    FLOOR2: tl.constexpr = STD_FLOOR * STD_FLOOR
+    lr = tl.zeros([R], dtype=tl.float32)
+    lc = tl.zeros([C], dtype=tl.float32)
+    var_c, ms_c = _line_moments(xp, 0, R)
+    hl_c, pos_c = _half_log(var_c, ms_c, FLOOR2)
+    lcs = _log_spread(hl_c, pos_c)
+    var_r, ms_r = _line_moments(xp, 1, C)
+    hl_r, pos_r = _half_log(var_r, ms_r, FLOOR2)
+    best = _ratio(lcs) + _ratio(_log_spread(hl_r, pos_r))
+    best_lr = lr
+    best_lc = lc
+    for _ in range(ITERS):
+        # lcs: the column log spreads of the current iterate (lr, lc)
+        lc = lc + lcs
+        b = tl.exp(-lc)
+        var_r, ms_r = _line_moments((xp * tl.exp(-lr)[:, None]) * b[None, :], 1, C)
+        hl_r, pos_r = _half_log(var_r, ms_r, FLOOR2)
+        lr = lr + _log_spread(hl_r, pos_r)
+        var_c, ms_c = _line_moments((xp * tl.exp(-lr)[:, None]) * b[None, :], 0, R)
+        hl_c, pos_c = _half_log(var_c, ms_c, FLOOR2)
+        lcs = _log_spread(hl_c, pos_c)
+        # every row of the new iterate has spread 1 (zero rows: the geometric mean of 1s)
+        imb = _ratio(lcs) + 1.0
+        better = imb < best
+        best = tl.where(better, imb, best)
+        best_lr = tl.where(better, lr, best_lr)
+        best_lc = tl.where(better, lc, best_lc)
+    return best_lr, best_lc
+
+
+@triton.jit
+def _refit(c, w, b, mb, vb, s, z, inv_sw):
+    """The unbiased refit of every row for codes ``c``: ``step = vb / cov``, ``lo = mb - step *
+    mq``, or the clipped ``(s, z)`` where ``cov <= 0``. One round of two independent sums
+    (``b - mb`` recomputed, not kept live; ``sum w c (b - mb)`` is the covariance: the
+    reference's ``- mq`` term multiplies ``sum w (b - mb)``, zero but for rounding). The step
+    is an IEEE quotient (``div_rn``), as the reference's: with an approximate one (2 ulp) the
+    H200 picked another of two nearly tied candidates in some rows (codes 2 apart)."""
+    wc = w * c
+    mq = tl.sum(wc, axis=1) * inv_sw
+    cov = tl.sum(wc * (b - mb[:, None]), axis=1) * inv_sw
+    ok = cov > 0.0
+    s_u = tl.where(ok, tl.div_rn(vb, tl.where(ok, cov, 1.0)), s)
+    return s_u, tl.where(ok, mb - s_u * mq, z)
+
+
+@triton.jit
+def unbiased_clip_moments(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """The reference's ``round_rows(b, lc, bits, "unbiased_clip")`` for one balanced tile
+    ``b [R, C]`` (fp32) with natural-log column scales ``lc [C]``; ``LEVELS = 2**bits - 1``.
+
+    Returns ``(codes, step, lo)``: fp32 integer codes ``[R, C]``, fp32 ``[R]`` each, with
+    ``b ~= codes * step + lo``. Same candidates in the same order (min/max first, then every
+    clip ratio with its unbiased refit), the candidate's codes from the same fp32 expression,
+    strict ``<`` (ties keep the earlier candidate), zero-range rows keep min/max; sums as the
+    module docstring says. Only the winner's clipping range is carried through the search;
+    its codes and refit are recomputed from it at the end.
+    """
+    lo0 = tl.min(b, axis=1)
+    hi0 = tl.max(b, axis=1)
+    rng = hi0 - lo0
+    lv = tl.full([R], LEVELS, tl.float32)
+    step0 = tl.div_rn(rng, lv)
+    # Column weights exp(2 * lc) relative to the largest.
+    w1 = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))
+    w = w1[None, :]
+    sw = tl.sum(w1, axis=0)
+    inv_sw = 1.0 / sw
+    mb = tl.div_rn(tl.sum(w * b, axis=1), sw)
+    db = b - mb[:, None]
+    vb = tl.div_rn(tl.sum(w * (db * db), axis=1), sw)
+    mid = 0.5 * (hi0 + lo0)
+    half = 0.5 * rng
+
+    c0 = clip_codes(b, lo0, step0, LEVELS)
+    err = b - (c0 * step0[:, None] + lo0[:, None])
+    # A zero-range row keeps min/max: no error is below -1.
+    best_e = tl.where(rng > 0.0, tl.sum(err * err * w, axis=1), -1.0)
+    # Only the winner's clipping range is carried (fewer live vectors: the loop is at the
+    # register limit); a negative step marks min/max, which has no refit.
+    code_z = lo0
+    code_s = -step0
+    for i in tl.range(0, _NUM_CLIP_RATIOS, loop_unroll_factor=1):
+        ratio = clip_ratio(i)
+        z = mid - ratio * half
+        s = tl.div_rn((2.0 * ratio) * half, lv)
+        c = clip_codes(b, z, s, LEVELS)
+        s_u, z_u = _refit(c, w, b, mb, vb, s, z, inv_sw)
+        err = b - (c * s_u[:, None] + z_u[:, None])
+        e = tl.sum(err * err * w, axis=1)
+        better = e < best_e
+        best_e = tl.where(better, e, best_e)
+        code_z = tl.where(better, z, code_z)
+        code_s = tl.where(better, s, code_s)
+    refit = code_s > 0.0
+    code_s = tl.abs(code_s)
+    codes = clip_codes(b, code_z, code_s, LEVELS)
+    step, lo = _refit(codes, w, b, mb, vb, code_s, code_z, inv_sw)
+    step = tl.where(refit, step, code_s)
+    lo = tl.where(refit, lo, code_z)
+    return codes, step, lo
