@@ -16,8 +16,10 @@ Jit helpers
 ``rotate_rows(x, D, EXACT)`` ``x [M, D] @ H_D`` (normalized), fp32 in and out.
 ``pack_codes_store(...)``   bit-pack a ``[R, C]`` code tile (stream order ``r*C + c``).
 ``unpack_codes_load(...)``  the inverse, for a ``[R, C]`` window of a packed field.
-``line_spread``, ``apply_log_scales``, ``unbiased_clip_rows``: steps of the reference quantizer
-(``kvarn_ops/reference/quantize.py``, ``reference/rounding.py``), shared by the tile kernels.
+``line_spread``, ``apply_log_scales``: steps of the reference quantizer
+(``kvarn_ops/reference/quantize.py``) as the MLA pack computes them; ``clip_ratio``,
+``clip_codes``: the clipping search's candidates (``reference/rounding.py``), used by the
+flush (``flush_math.py``).
 
 Bit packing (docs/contracts.md): code ``i`` of width ``b`` occupies stream bits
 ``[i*b, (i+1)*b)``, stream bit ``j`` is bit ``j % 8`` of byte ``j // 8``. ``L`` consecutive codes
