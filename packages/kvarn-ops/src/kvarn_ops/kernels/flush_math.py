@@ -1,10 +1,8 @@
 """The flush's quantizer arithmetic, cheaper than the reference's literal form (Triton helpers).
 
 The reference quantizer (``reference/quantize.py``, ``reference/rounding.py``) is written to be
-read. Every normalization iteration takes three two-pass spreads of freshly scaled tiles, and
-every candidate of the clipping search reduces its row three times in a chain: code mean, then
-covariance, then error. The flush computes the same quantities with fewer operations per tile
-element:
+read. Every normalization iteration takes three two-pass spreads of freshly scaled tiles. The
+flush computes the same quantities with fewer operations per tile element:
 
 - **Normalization** (:func:`normalize_tile`): two passes over the tile per iteration, the row
   moments of the iterate after the column update and the column moments of the iterate after
@@ -17,14 +15,15 @@ element:
   square roots, and the zero-line fill (a geometric mean) becomes an arithmetic mean of
   logs. The scaled tiles are formed as the reference forms them, ``(xp * exp(-lr)) *
   exp(-lc)``, so their values, and the spreads' sums but for order, are the reference's.
-- **Clipping search** (:func:`unbiased_clip_moments`): the unbiased refit of a candidate needs
-  ``sum w c`` and ``sum w c (b - mb)``. These are independent sums, one reduction round. The
-  reference's ``sum w (c - mq)(b - mb)`` differs from the second only by ``mq * sum w (b - mb)``,
-  zero but for rounding. Only the winner's clipping range is carried through the loop, and its
-  refit is recomputed once after it: two live row vectors instead of four, at a loop that is
-  at the register limit. The error of each candidate is summed directly, as the reference
-  does. A moment expansion of it would cancel catastrophically in rows that the codes fit
-  almost exactly; tried, it picked candidates with up to 2.3x the reference's error there.
+- **Clipping search** (:func:`unbiased_clip_moments`): the reference's candidates, refit and
+  error sums, but only the winner's clipping range is carried through the loop and its refit
+  is recomputed once after it: two live row vectors instead of four, in a loop at the
+  register limit. Two shortcuts were tried and not kept (:func:`_refit` says why): the
+  covariance in one reduction round, and an approximate quotient for the step. A third was
+  also dropped: the error of each candidate from the refit's moments (an expansion in the
+  variance, covariance and code variance, which saves the error pass). It cancels
+  catastrophically in rows that the codes fit almost exactly; offline it picked candidates
+  with up to 2.3x the reference's error.
 
 Equal in exact arithmetic. In fp32 they differ from the reference's results by rounding, as a
 different reduction order does. Measured in ``tests/test_flush.py`` and in the GPU parity
@@ -122,16 +121,20 @@ def normalize_tile(
 
 
 @triton.jit
-def _refit(c, w, b, mb, vb, s, z, inv_sw):
-    """The unbiased refit of every row for codes ``c``: ``step = vb / cov``, ``lo = mb - step *
-    mq``, or the clipped ``(s, z)`` where ``cov <= 0``. One round of two independent sums
-    (``b - mb`` recomputed, not kept live; ``sum w c (b - mb)`` is the covariance: the
-    reference's ``- mq`` term multiplies ``sum w (b - mb)``, zero but for rounding). The step
-    is an IEEE quotient (``div_rn``), as the reference's: with an approximate one (2 ulp) the
+def _refit(c, w, b, mb, vb, s, z, sw):
+    """The unbiased refit of every row for codes ``c``, as the reference computes it: ``mq =
+    sum w c / sw``, ``cov = sum w (c - mq)(b - mb) / sw``, ``step = vb / cov``, ``lo = mb - step *
+    mq``, or the clipped ``(s, z)`` where ``cov <= 0``; IEEE quotients (``div_rn``) as torch's.
+
+    The covariance keeps the reference's form (two reduction rounds). Folding ``mq`` out of it
+    (one round: ``sum w c (b - mb)``, the ``mq`` term being zero but for rounding) changed the
+    result where one column carries almost all the weight: its ``b - mb`` is then rounding
+    noise that ``c - mq`` multiplies down, and without that factor the noise swamped the
+    covariance (36 of 2048 V codes of the special tiles' outlier tile differed from the
+    reference). Likewise the step's quotient stays exact: with an approximate one (2 ulp) the
     H200 picked another of two nearly tied candidates in some rows (codes 2 apart)."""
-    wc = w * c
-    mq = tl.sum(wc, axis=1) * inv_sw
-    cov = tl.sum(wc * (b - mb[:, None]), axis=1) * inv_sw
+    mq = tl.div_rn(tl.sum(w * c, axis=1), sw)
+    cov = tl.div_rn(tl.sum((w * (c - mq[:, None])) * (b - mb[:, None]), axis=1), sw)
     ok = cov > 0.0
     s_u = tl.where(ok, tl.div_rn(vb, tl.where(ok, cov, 1.0)), s)
     return s_u, tl.where(ok, mb - s_u * mq, z)
@@ -157,8 +160,7 @@ def unbiased_clip_moments(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.co
     # Column weights exp(2 * lc) relative to the largest.
     w1 = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))
     w = w1[None, :]
-    sw = tl.sum(w1, axis=0)
-    inv_sw = 1.0 / sw
+    sw = tl.zeros([R], tl.float32) + tl.sum(w1, axis=0)
     mb = tl.div_rn(tl.sum(w * b, axis=1), sw)
     db = b - mb[:, None]
     vb = tl.div_rn(tl.sum(w * (db * db), axis=1), sw)
@@ -178,7 +180,7 @@ def unbiased_clip_moments(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.co
         z = mid - ratio * half
         s = tl.div_rn((2.0 * ratio) * half, lv)
         c = clip_codes(b, z, s, LEVELS)
-        s_u, z_u = _refit(c, w, b, mb, vb, s, z, inv_sw)
+        s_u, z_u = _refit(c, w, b, mb, vb, s, z, sw)
         err = b - (c * s_u[:, None] + z_u[:, None])
         e = tl.sum(err * err * w, axis=1)
         better = e < best_e
@@ -188,7 +190,7 @@ def unbiased_clip_moments(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.co
     refit = code_s > 0.0
     code_s = tl.abs(code_s)
     codes = clip_codes(b, code_z, code_s, LEVELS)
-    step, lo = _refit(codes, w, b, mb, vb, code_s, code_z, inv_sw)
+    step, lo = _refit(codes, w, b, mb, vb, code_s, code_z, sw)
     step = tl.where(refit, step, code_s)
     lo = tl.where(refit, lo, code_z)
     return codes, step, lo
