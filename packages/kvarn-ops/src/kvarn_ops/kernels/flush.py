@@ -18,12 +18,13 @@ Step 4 (codes and per-row step and zero point) is chosen per tile kind at compil
 
 - ``"rtn"`` (0): min/max round-to-nearest (reference ``quantize_rows``).
 - ``"unbiased_clip"`` (1): reference ``round_rows(..., "unbiased_clip")``
-  (``flush_math.unbiased_clip_moments``): per row, the min/max candidate, then the 14 clip ratios of
-  ``CLIP_RATIOS`` in order (1.0 first), each with its codes from the clipped range and the
-  unbiased refit ``step = var_w(B) / cov_w(codes, B)``, ``lo = mean_w(B) - step * mean_w(codes)``
-  (weights ``exp(2 * (lc - max lc))``; the clipped ``(s, z)`` where ``cov <= 0``); the candidate
-  of least weighted error is kept (strict ``<``: ties keep the earlier one; zero-range rows keep
-  min/max). Same fp32 formulas; the divisions are IEEE (``div_rn``), as torch's.
+  (``flush_math.unbiased_clip_search``): per row, the min/max candidate, then the 14 clip
+  ratios of ``CLIP_RATIOS`` in order (1.0 first), each with its codes from the clipped range
+  and the unbiased refit ``step = var_w(B) / cov_w(codes, B)``, ``lo = mean_w(B) - step *
+  mean_w(codes)`` (weights ``exp(2 * (lc - max lc))``; the clipped ``(s, z)`` where
+  ``cov <= 0``); the candidate of least weighted error is kept (strict ``<``: ties keep the
+  earlier one; zero-range rows keep min/max). Same fp32 formulas; the divisions are IEEE
+  (``div_rn``), as torch's.
 Other modes (and prescale off, no fp16 rebalance, a log-scale clip) are refused by
 :func:`check_config`.
 
@@ -60,7 +61,7 @@ from kvarn_ops.kernels._common import (
     pow2,
     round_half_even,
 )
-from kvarn_ops.kernels.flush_math import normalize_tile, unbiased_clip_moments
+from kvarn_ops.kernels.flush_math import normalize_tile, unbiased_clip_search
 from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
 from kvarn_ops.reference.rounding import ROUNDING_MODES
 
@@ -170,7 +171,7 @@ def _flush_tile(
         step = tl.div_rn(rng, tl.full([R], levels, tl.float32))
     else:
         # Clipping search with unbiased refit (reference round_rows, "unbiased_clip").
-        codes, step, lo = unbiased_clip_moments(balanced, best_lc, levels, R, C)
+        codes, step, lo = unbiased_clip_search(balanced, best_lc, levels, R, C)
     codes = codes.to(tl.int32)
 
     # Step 5: fold the RTN step and offset into the normalization scales.

@@ -15,7 +15,7 @@ flush computes the same quantities with fewer operations per tile element:
   square roots, and the zero-line fill (a geometric mean) becomes an arithmetic mean of
   logs. The scaled tiles are formed as the reference forms them, ``(xp * exp(-lr)) *
   exp(-lc)``, so their values, and the spreads' sums but for order, are the reference's.
-- **Clipping search** (:func:`unbiased_clip_moments`): the reference's candidates, refit and
+- **Clipping search** (:func:`unbiased_clip_search`): the reference's candidates, refit and
   error sums, but only the winner's clipping range is carried through the loop and its refit
   is recomputed once after it: two live row vectors instead of four, in a loop at the
   register limit. Two shortcuts were tried and not kept (:func:`_refit` says why): the
@@ -38,7 +38,7 @@ import triton.language as tl
 from kvarn_ops.kernels._common import clip_codes, clip_ratio
 from kvarn_ops.reference.rounding import CLIP_RATIOS
 
-__all__ = ["normalize_tile", "unbiased_clip_moments"]
+__all__ = ["normalize_tile", "unbiased_clip_search"]
 
 
 _NUM_CLIP_RATIOS = tl.constexpr(len(CLIP_RATIOS))
@@ -141,7 +141,7 @@ def _refit(c, w, b, mb, vb, s, z, sw):
 
 
 @triton.jit
-def unbiased_clip_moments(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """The reference's ``round_rows(b, lc, bits, "unbiased_clip")`` for one balanced tile
     ``b [R, C]`` (fp32) with natural-log column scales ``lc [C]``; ``LEVELS = 2**bits - 1``.
 
