@@ -29,13 +29,14 @@ Other modes (and prescale off, no fp16 rebalance, a log-scale clip) are refused 
 :func:`check_config`.
 
 Cost: per tile element, the normalization takes two passes of about 6 fp32 operations per
-iteration (8 iterations), and the clipping search about 15 per candidate (the codes, two sums
-of the refit, the error; 15 candidates), so the default rounding is about 3x the RTN flush's
-arithmetic. At 50% of the H200's copy bandwidth on bf16 input the flush would have about 30
-fp32 operations per element: it is compute bound, two orders of magnitude from that target
+iteration (8 iterations), and the clipping search about 16 per candidate (the codes, the
+refit's code mean and covariance, the error; 15 candidates), so the default rounding is about
+3x the RTN flush's arithmetic. At 50% of the H200's copy bandwidth on bf16 input the flush
+would have about 30 fp32 operations per element: it is compute bound, two orders of magnitude
+from that target
 (BENCHMARKS.md has the measured times and profiles). The compiler's layout gives every thread
 8 rows of a tile, each row shared by 8 or 16 threads, so the per-row work of every candidate
-(three IEEE divisions among it) is repeated that often; a layout with whole rows per thread is
+(five IEEE divisions among it) is repeated that often; a layout with whole rows per thread is
 not expressible in Triton. The candidate loop is not unrolled (unrolled, it spilled more).
 """
 
