@@ -5,17 +5,30 @@
 fp32 operation on scores, softmax weights and output accumulators is done for all 16. Here the
 dots are transposed, ``S^T = K^T q^T`` and ``O^T = V^T P^T``: codes are the A operand (tokens or
 channels in M), the query rows are the N dimension (8), so a lane holds half as many fp32 values
-and the block needs half the MMAs. The code words, their lane assignment and the two-codes-per-
-``prmt`` unpack are those of ``decode_mma.py`` (the A operand pairs the same k indices as the B
-operand did); what changes is the renaming of tokens (``M`` index ``16 mt + 8 y + g`` of the
-scores is token ``8 g + 2 mt + y``), the scale vectors' lane runs, and one shared-memory
-transpose per block of the softmax weights (C layout of ``S^T`` to B operand of ``O^T``).
+and the block needs half the MMAs. The code words and their lane assignment are those of
+``decode_mma.py`` (the A operand pairs the same k indices as the B operand did); what changes is
+the renaming of tokens (``M`` index ``16 mt + 8 y + g`` of the scores is token ``8 g + 2 mt +
+y``), the scale vectors' lane runs, and one shared-memory transpose per block of the softmax
+weights (C layout of ``S^T`` to B operand of ``O^T``).
+
+Unpacking takes 1.5 instructions per operand register for K and 1.25 for 2-bit V (2.25 and 2.5
+in ``decode_mma.py``): one ``prmt`` pairs a byte of two words and every code field of that byte
+is masked out of it in place by one ``lop3``, with no shift. A field that is not at the bottom
+of its fp16 mantissa carries a power-of-two factor: K's high nibbles become ``1024 + 16 c``
+(those token rows take 16 times the zero-point term and 1/16 of the row scale), 2-bit V fields
+become ``1 + c / F`` with F = 4, 256, 64, 16 for the fields at bits 0, 2, 4, 6 (the output
+accumulator is kept divided by F and multiplied back once at the end). All factors are exact
+powers of two. The score MMAs start from the zero-point term minus the offset instead of zero,
+the value MMAs from ``pz / F - sum(pw)``, so neither needs an fp32 pass over the tile
+afterwards; rows that are equal by construction (the zero-point and offset MMAs) are read from
+registers, not reduced across lanes.
 
 The q side: ``q_rot^T`` is computed once per program as an MMA output and moved to the B
 operand layout; the zero-point term ``sum_d q_rot[d] zp_K[d]`` runs on the tensor cores (a row
 of ``zp_K`` times ``q_rot`` split into fp16 high and low parts), as does the ``1024 * sum(qs)``
-that the offset K codes add, so the only per-channel fp32 work left per block is
-``q_rot * s_col_K``.
+that the offset K codes add. The per-block score operand ``q_rot * s_col_K`` is formed in fp16x2
+arithmetic from q_rot's two parts (an ``fma`` of the high part on the rounded product of the low
+part: the correctly rounded product but for near-ties).
 """
 
 from __future__ import annotations
@@ -84,21 +97,64 @@ def _kchan(v, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _joined(a, b):
+    """``join(a, b)`` with the joined axis in register bit 0 (see ``decode_mma._pair_bits``)."""
+    ab = gl.join(a, b)
+    return gl.convert_layout(
+        ab, M._last_dim_first(gl.to_linear_layout(ab.type.layout, ab.shape)), assert_trivial=True
+    )
+
+
+@gluon.jit
+def _nibble_pairs(a, b, BYTE: gl.constexpr):
+    """Both 4-bit codes of byte ``BYTE`` of words ``a`` (low halves) and ``b`` (high halves)
+    from one ``prmt``: ``1024 + c`` for the low nibble and ``1024 + 16 c`` for the high one,
+    one ``lop3`` each (1.5 instructions per operand register instead of 2 plus a shift)."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t; prmt.b32 t, $2, $3, {SEL}; "
+        "lop3.b32 $0, t, 983055, 1677747200, 0xea; "  # 0x000F000F, 0x64006400
+        "lop3.b32 $1, t, 15728880, 1677747200, 0xea; }",  # 0x00F000F0
+        "=r,=r,r,r",
+        [_joined(a, b)],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _crumb_pairs(a, b, BYTE: gl.constexpr):
+    """The four 2-bit codes of byte ``BYTE`` of words ``a`` and ``b`` from one ``prmt`` (the
+    byte copied into both bytes of its half) and one ``lop3`` each: fp16 ``1 + c / F`` with
+    ``F`` = 4, 256, 64, 16 for the fields at bits 0, 2, 4, 6 (field 0 from the copy's high
+    byte, the others in place), no shifts."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t; prmt.b32 t, $4, $5, {SEL}; "
+        "lop3.b32 $0, t, 50332416, 1006648320, 0xea; "  # 0x03000300, 0x3C003C00
+        "lop3.b32 $1, t, 786444, 1006648320, 0xea; "  # 0x000C000C
+        "lop3.b32 $2, t, 3145776, 1006648320, 0xea; "  # 0x00300030
+        "lop3.b32 $3, t, 12583104, 1006648320, 0xea; }",  # 0x00C000C0
+        "=r,=r,=r,=r,r,r",
+        [_joined(a, b)],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
 def _k_operand_a(kw):
-    """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 4-bit K codes."""
+    """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 4-bit K codes: token
+    rows of odd nibbles (``y = 1``) hold ``1024 + 16 c``, the others ``1024 + c``."""
     ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
-    ka4 = ka >> 4
-    kb4 = kb >> 4
-    c = M._stack8(
-        M._k_nib(ka, kb, ka4, kb4, 0),
-        M._k_nib(ka, kb, ka4, kb4, 1),
-        M._k_nib(ka, kb, ka4, kb4, 2),
-        M._k_nib(ka, kb, ka4, kb4, 3),
-        M._k_nib(ka, kb, ka4, kb4, 4),
-        M._k_nib(ka, kb, ka4, kb4, 5),
-        M._k_nib(ka, kb, ka4, kb4, 6),
-        M._k_nib(ka, kb, ka4, kb4, 7),
-    )  # [(8 c + i) // 2, w, x, j]; token 8 w + j, j = 2 mt + y
+    n0, n1 = _nibble_pairs(ka, kb, 0)
+    n2, n3 = _nibble_pairs(ka, kb, 1)
+    n4, n5 = _nibble_pairs(ka, kb, 2)
+    n6, n7 = _nibble_pairs(ka, kb, 3)
+    c = M._stack8(n0, n1, n2, n3, n4, n5, n6, n7)
+    # [(8 c + i) // 2, w, x, j]; token 8 w + j, j = 2 mt + y
     # rows m = 16 mt + 8 y + w; channel 16 kt0 + 8 z + 2 c + x (i = 4 kt0 + 2 z + x)
     c = gl.reshape(c, [2, 2, 2, 2, 8, 2, 2, 2, 2])  # c1 c0 kt0 z w x j2 j1 j0
     c = gl.permute(c, [6, 7, 8, 4, 2, 3, 0, 1, 5])
@@ -107,14 +163,20 @@ def _k_operand_a(kw):
 
 @gluon.jit
 def _v_operand_a(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
-    """A operand [32 channels (logical chunk CQ), 64 tokens] of V codes."""
-    BIT0: gl.constexpr = (4 * CQ * VB) % 32
-    c = M._stack4(
-        M._v_field(va, vb, (BIT0 + 0 * VB) % 8, (BIT0 + 0 * VB) // 8, VB),
-        M._v_field(va, vb, (BIT0 + 1 * VB) % 8, (BIT0 + 1 * VB) // 8, VB),
-        M._v_field(va, vb, (BIT0 + 2 * VB) % 8, (BIT0 + 2 * VB) // 8, VB),
-        M._v_field(va, vb, (BIT0 + 3 * VB) % 8, (BIT0 + 3 * VB) // 8, VB),
-    )  # [c, i', g, x, f]: token 16 c + 8 x + i' (i' = 2 kt + z), channel 16 g + 4 CQ + f
+    """A operand [32 channels (logical chunk CQ), 64 tokens] of V codes (2-bit: field f holds
+    ``1 + c / F_f``, see :func:`_crumb_pairs`; 4-bit: ``c``)."""
+    if VB == 2:
+        f0, f1, f2, f3 = _crumb_pairs(va, vb, CQ)
+        c = M._stack4(f0, f1, f2, f3)
+    else:
+        BIT0: gl.constexpr = (4 * CQ * VB) % 32
+        c = M._stack4(
+            M._v_field(va, vb, (BIT0 + 0 * VB) % 8, (BIT0 + 0 * VB) // 8, VB),
+            M._v_field(va, vb, (BIT0 + 1 * VB) % 8, (BIT0 + 1 * VB) // 8, VB),
+            M._v_field(va, vb, (BIT0 + 2 * VB) % 8, (BIT0 + 2 * VB) // 8, VB),
+            M._v_field(va, vb, (BIT0 + 3 * VB) % 8, (BIT0 + 3 * VB) // 8, VB),
+        )
+    # [c, i', g, x, f]: token 16 c + 8 x + i' (i' = 2 kt + z), channel 16 g + 4 CQ + f
     # rows 8 f + g (f = 2 mt + y); tokens k = 16 kt + 8 z + 2 c + x
     c = gl.reshape(c, [2, 2, 2, 2, 2, 8, 2, 4])  # c1 c0 kt1 kt0 z g x f
     c = gl.permute(c, [7, 5, 2, 3, 4, 0, 1, 6])
@@ -145,32 +207,81 @@ def _q_parts(qr, QB: gl.constexpr):
 
 
 @gluon.jit
-def _scores_t(s, qz, corr, qr, qh, ql, kcs_run, kzp_run, kw, QB: gl.constexpr):
-    """One 32-channel chunk: ``S^T += K^T qs``, ``qz += zp_K q_rot`` (hi + lo), ``corr +=
-    1024 * sum(qs)`` (rows of the last two: all equal)."""
-    kcs = _kchan(kcs_run.to(gl.float32), gl.SliceLayout(1, QB))
-    qs = gl.convert_layout((qr * kcs[:, None]).to(gl.float16), _OPB, assert_trivial=True)
+def _qs_t(qz, corr, qh, ql, kcs_run, kzp_run, QB: gl.constexpr):
+    """One 32-channel chunk's score operand ``qs = q_rot * s_col_K`` in fp16, from q_rot's
+    fp16 parts: ``fma(qh, s, fp16(ql * s))`` in fp16x2 arithmetic (the correctly rounded
+    product but for near-ties; four instructions per lane instead of twenty), ``qz += zp_K
+    q_rot`` (hi + lo) and ``corr += 1024 * sum(qs)`` (rows of the last two: all equal)."""
+    kcs = _kchan(kcs_run, gl.SliceLayout(1, QB))[:, None]
+    qhl = gl.convert_layout(qh, QB, assert_trivial=True)
+    qll = gl.convert_layout(ql, QB, assert_trivial=True)
+    qs = gl.convert_layout(qhl * kcs + qll * kcs, _OPB, assert_trivial=True)
     zrow = _kchan(kzp_run, gl.SliceLayout(0, _OPA))
     za = gl.full([16, 32], 0.0, gl.float16, _OPA) + zrow[None, :]
     qz = mma_v2(za, qh, qz)
     qz = mma_v2(za, ql, qz)
     corr = mma_v2(gl.full([16, 32], 1024.0, gl.float16, _OPA), qs, corr)
-    return mma_v2(_k_operand_a(kw), qs, s), qz, corr
+    return qs, qz, corr
 
 
 @gluon.jit
-def _values_t(acc, alpha, pwb, pz, va, vb, vcs_run, CQ: gl.constexpr, VB: gl.constexpr):
-    o = mma_v2(_v_operand_a(va, vb, CQ, VB), pwb, gl.full([32, 8], 0.0, gl.float32, _MMA))
-    if VB == 2:
-        o = o * 4.0
-    vcs = _chan_rows(vcs_run)
-    return acc * alpha[None, :] + vcs[:, None] * (o + pz[None, :])
+def _equal_rows(x):
+    """A [16, 8] MMA accumulator whose rows are all equal, as [8 g, 8] (row ``g`` of each
+    lane, the other held row dropped): no shuffle, unlike a reduction over the rows."""
+    return gl.max(gl.reshape(x, [2, 8, 8]), axis=0)
 
 
 @gluon.jit
-def _store_t(acc, inv_l, ws_rows, row_ok, CQ: gl.constexpr):
+def _rows_like(xg, R: gl.constexpr):
+    """[8 g, 8] from :func:`_equal_rows` broadcast to an [R, 8] MMA accumulator (register
+    copies)."""
+    x = gl.reshape(xg[None, :, :] + gl.full([R // 8, 1, 1], 0.0, gl.float32, layout=None), [R, 8])
+    return gl.convert_layout(x, _MMA, assert_trivial=True)
+
+
+@gluon.jit
+def _run_consts(
+    LAYOUT: gl.constexpr,
+    N: gl.constexpr,
+    C0: gl.constexpr,
+    C1: gl.constexpr,
+    C2: gl.constexpr,
+    C3: gl.constexpr,
+):
+    """An [8, N] run tile holding ``C_(i % 4)`` at run index ``i`` (the run is a register axis,
+    so every register holds a compile-time constant)."""
+    i = gl.arange(0, N, layout=gl.SliceLayout(0, LAYOUT)) % 4
+    c = gl.where(i == 0, C0, gl.where(i == 1, C1, gl.where(i == 2, C2, C3)))
+    return gl.full([8, N], 0.0, gl.float32, LAYOUT) + c[None, :]
+
+
+@gluon.jit
+def _v_factors(INVERSE: gl.constexpr):
+    """The 2-bit V field factors F (or 1 / F) of a channel chunk's O^T rows (constants)."""
+    if INVERSE:
+        f = _chan_rows(_run_consts(gl.constexpr(_RUNG4), 4, 0.25, 0.00390625, 0.015625, 0.0625))
+    else:
+        f = _chan_rows(_run_consts(gl.constexpr(_RUNG4), 4, 4.0, 256.0, 64.0, 16.0))
+    return f
+
+
+@gluon.jit
+def _values_t(acc, pwb, pt, va, vb, vcs_run, CQ: gl.constexpr, VB: gl.constexpr):
+    """``acc + s_col_V * (p @ cV + pz)`` (``acc`` already rescaled), the bracket from one MMA
+    whose accumulator starts at ``pt``. 2-bit V: the dot runs on ``1 + c / F`` (F per channel
+    row), so the bracket is ``F * (dot + pz / F - sum(pw))``; ``pt`` holds the last two terms
+    and ``acc`` is kept divided by F (:func:`_store_t` multiplies it back; powers of two,
+    exact). 4-bit V: ``pt`` is pz."""
+    o = mma_v2(_v_operand_a(va, vb, CQ, VB), pwb, pt)
+    return acc + _chan_rows(vcs_run)[:, None] * o
+
+
+@gluon.jit
+def _store_t(acc, inv_l, ws_rows, row_ok, CQ: gl.constexpr, VB: gl.constexpr):
     mrow = gl.arange(0, 32, layout=_TOK)  # 16 mt + 8 y + g -> channel 16 g + 4 CQ + 2 mt + y
     phys = (mrow & 7) * 16 + 4 * CQ + (mrow >> 4) * 2 + ((mrow >> 3) & 1)
+    if VB == 2:
+        acc = acc * _v_factors(False)[:, None]
     gl.store(ws_rows[None, :] + phys[:, None], acc * inv_l[None, :], mask=row_ok[None, :])
 
 
@@ -323,29 +434,35 @@ def mma_decode_t_kernel(
         ck = sk.index(cst)
         kc = skc.index(cst)
         kz = skz.index(cst)
-        s = gl.full([64, 8], 0.0, gl.float32, _MMA)
         qz = gl.full([16, 8], 0.0, gl.float32, _MMA)
         corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
-        s, qz, corr = _scores_t(
-            s, qz, corr, qr0, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), M._staged_kw(ck, 0), QB
-        )
-        s, qz, corr = _scores_t(
-            s, qz, corr, qr1, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), M._staged_kw(ck, 1), QB
-        )
-        s, qz, corr = _scores_t(
-            s, qz, corr, qr2, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), M._staged_kw(ck, 2), QB
-        )
-        s, qz, corr = _scores_t(
-            s, qz, corr, qr3, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), M._staged_kw(ck, 3), QB
-        )
-        zq = gl.max(qz, axis=0) - gl.max(corr, axis=0)
-        krs = _tok_rows(skr.index(cst).load(_RUNG8))
-        s = (s + zq[None, :]) * krs[:, None]
+        qs0, qz, corr = _qs_t(qz, corr, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), QB)
+        qs1, qz, corr = _qs_t(qz, corr, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), QB)
+        qs2, qz, corr = _qs_t(qz, corr, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), QB)
+        qs3, qz, corr = _qs_t(qz, corr, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
+        # the score MMAs start from the zero-point term minus the codes' 1024 offset; odd-
+        # nibble token rows run on 1024 + 16 c, so theirs is 16 qz - corr and their row
+        # scale is divided by 16 (exact)
+        qzg = _equal_rows(qz)
+        cg = _equal_rows(corr)
+        odd = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0)) > 0.5
+        s = gl.where(odd[:, None], _rows_like(16.0 * qzg - cg, 64), _rows_like(qzg - cg, 64))
+        s = mma_v2(_k_operand_a(M._staged_kw(ck, 0)), qs0, s)
+        s = mma_v2(_k_operand_a(M._staged_kw(ck, 1)), qs1, s)
+        s = mma_v2(_k_operand_a(M._staged_kw(ck, 2)), qs2, s)
+        s = mma_v2(_k_operand_a(M._staged_kw(ck, 3)), qs3, s)
+        kf = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 1.0, 0.0625, 1.0, 0.0625))
+        krs = _tok_rows(skr.index(cst).load(_RUNG8)) * kf
+        s = s * krs[:, None]
         if T > 1:
             key = u * 64 + tok_of_row
             s = gl.where(key[:, None] <= q_pos[None, :], s, float("-inf"))
         m_new = gl.maximum(m, gl.max(s, axis=0))
         alpha = gl.exp2(m - m_new)
+        a0 = a0 * alpha[None, :]
+        a1 = a1 * alpha[None, :]
+        a2 = a2 * alpha[None, :]
+        a3 = a3 * alpha[None, :]
         p = gl.exp2(s - m_new[None, :])
         m = m_new
         l = l * alpha + gl.sum(p, axis=0)
@@ -359,7 +476,9 @@ def mma_decode_t_kernel(
                 pwb,
                 gl.full([16, 8], 0.0, gl.float32, _MMA),
             )
-            pz = pz - 4.0 * gl.max(spw, axis=0)
+            pt = pz[None, :] * _v_factors(True)[:, None] - _rows_like(_equal_rows(spw), 32)
+        else:
+            pt = gl.full([32, 8], 0.0, gl.float32, _MMA) + pz[None, :]
         RDV: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[16 * HV, 1],
             threads_per_warp=[1, 32],
@@ -376,10 +495,10 @@ def mma_decode_t_kernel(
             va1 = va0
             vb1 = vb0
         vc = svc.index(cst)
-        a0 = _values_t(a0, alpha, pwb, pz, va0, vb0, vc.slice(0, 4, dim=1).load(_RUNG4), 0, VB)
-        a1 = _values_t(a1, alpha, pwb, pz, va0, vb0, vc.slice(4, 4, dim=1).load(_RUNG4), 1, VB)
-        a2 = _values_t(a2, alpha, pwb, pz, va1, vb1, vc.slice(8, 4, dim=1).load(_RUNG4), 2, VB)
-        a3 = _values_t(a3, alpha, pwb, pz, va1, vb1, vc.slice(12, 4, dim=1).load(_RUNG4), 3, VB)
+        a0 = _values_t(a0, pwb, pt, va0, vb0, vc.slice(0, 4, dim=1).load(_RUNG4), 0, VB)
+        a1 = _values_t(a1, pwb, pt, va0, vb0, vc.slice(4, 4, dim=1).load(_RUNG4), 1, VB)
+        a2 = _values_t(a2, pwb, pt, va1, vb1, vc.slice(8, 4, dim=1).load(_RUNG4), 2, VB)
+        a3 = _values_t(a3, pwb, pt, va1, vb1, vc.slice(12, 4, dim=1).load(_RUNG4), 3, VB)
     async_copy.wait_group(0)
 
     seen = l > 0.0
@@ -389,7 +508,7 @@ def mma_decode_t_kernel(
     ws_row = q_row * S + split
     gl.store(ws_ptr + ws_row, lse, mask=row_ok)
     ws_rows = ws_ptr + lse_numel + ws_row * 128
-    _store_t(a0, inv_l, ws_rows, row_ok, 0)
-    _store_t(a1, inv_l, ws_rows, row_ok, 1)
-    _store_t(a2, inv_l, ws_rows, row_ok, 2)
-    _store_t(a3, inv_l, ws_rows, row_ok, 3)
+    _store_t(a0, inv_l, ws_rows, row_ok, 0, VB)
+    _store_t(a1, inv_l, ws_rows, row_ok, 1, VB)
+    _store_t(a2, inv_l, ws_rows, row_ok, 2, VB)
+    _store_t(a3, inv_l, ws_rows, row_ok, 3, VB)
