@@ -281,10 +281,12 @@ def test_mma_decode_transposed_compiles(target, case):
     assert frame <= T_SPILL.get((case, target.arch), 0), f"{frame} B of spill frame"
     assert regs <= 255
     assert ptx.count("cp.async") >= 48
-    # rotation 4 x 16; per block: scores 4 x (8 + 2 x 2 zero-point + 2 offset), values
-    # 4 x 8 (+ 4 for the ones column of 2-bit V)
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 64 + 56 + 32 + (4 if vb == 2 else 0)
-    assert "cvt.rn.f16.s32" not in ptx  # the rotation's signs as fp16 bits (418 before)
+    # per block: scores 4 x (8 + 2 x 2 zero-point + 2 offset), values 4 x 8 (+ 4 for the ones
+    # column of 2-bit V); q is rotated by a Walsh-Hadamard transform, not by MMAs (64 before)
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 56 + 32 + (4 if vb == 2 else 0)
+    # its two cross-lane stages: one butterfly shuffle per register each
+    assert ptx.count("shfl.sync.bfly.b32") >= 64
+    assert "popc" not in ptx  # no sign matrix
 
 
 # --------------------------------------------------------------------------------------------

@@ -196,6 +196,71 @@ def _rotation_t(q16b, QB: gl.constexpr, CQ: gl.constexpr):
     return gl.convert_layout(acc, QB)
 
 
+# q as [8 query rows, 128 channels]: lane 4 n + t holds row n, channels 32 t .. 32 t + 31 (the
+# channels of the score operand's lane t in every chunk, see _q_chunk)
+_QL: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[8, 128],
+)
+
+
+@gluon.jit
+def _butterfly_regs(x, B: gl.constexpr):
+    """One Walsh-Hadamard stage on channel bit ``B`` (< 5, a register bit of ``_QL``)."""
+    x = gl.reshape(x, [8, 4, 32 >> (B + 1), 2, 1 << B])
+    a, b = gl.split(gl.permute(x, [0, 1, 2, 4, 3]))
+    y = gl.permute(gl.join(a + b, a - b), [0, 1, 2, 4, 3])
+    return gl.convert_layout(gl.reshape(y, [8, 128]), _QL, assert_trivial=True)
+
+
+@gluon.jit
+def _butterfly_lanes(x, sign, MASK: gl.constexpr):
+    """One Walsh-Hadamard stage on channel bit 5 or 6 (lane bit ``MASK`` = 1 or 2): the
+    partner's value comes by ``shfl.bfly``; ``sign`` is -1 where the bit is set."""
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .f32 p; shfl.sync.bfly.b32 p, $1, {MASK}, 31, -1; fma.rn.f32 $0, $2, $1, p; }}",
+        "=f,f,f",
+        [x, sign],
+        dtype=gl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _q_rotated(q):
+    """``q @ H_128 / sqrt(128)`` in fp32 by a fast Walsh-Hadamard transform: five register
+    stages and two ``shfl`` stages, about 300 instructions per lane (the sign matrix that the
+    MMA rotation needs took about 2,000)."""
+    ch = gl.arange(0, 128, layout=gl.SliceLayout(0, _QL))
+    s5 = gl.full([8, 128], 1.0, gl.float32, _QL) - 2.0 * ((ch >> 5) & 1).to(gl.float32)[None, :]
+    s6 = gl.full([8, 128], 1.0, gl.float32, _QL) - 2.0 * ((ch >> 6) & 1).to(gl.float32)[None, :]
+    x = _butterfly_regs(q, 0)
+    x = _butterfly_regs(x, 1)
+    x = _butterfly_regs(x, 2)
+    x = _butterfly_regs(x, 3)
+    x = _butterfly_regs(x, 4)
+    x = _butterfly_lanes(x, s5, 1)
+    return _butterfly_lanes(x, s6, 2) * 0.08838834764831845  # 1 / sqrt(128)
+
+
+@gluon.jit
+def _q_chunk(qrot, QB: gl.constexpr, CQ: gl.constexpr):
+    """``q_rot^T`` rows ``32 CQ ..`` (logical channels) x 8 query rows in ``QB``: logical
+    channel ``32 CQ + 16 kt0 + 8 z + 2 c + x`` is physical ``32 c + 8 CQ + 4 kt0 + 2 z + x``."""
+    x = gl.reshape(qrot, [8, 4, 2, 2, 2, 2, 2])  # n c cq1 cq0 kt0 z x
+    x = gl.permute(x, [0, 1, 4, 5, 6, 2, 3])  # n c kt0 z x cq1 cq0
+    a, b = gl.split(x)
+    x = b if CQ % 2 == 1 else a
+    a, b = gl.split(x)
+    x = b if CQ // 2 == 1 else a  # n c kt0 z x
+    x = gl.permute(x, [2, 3, 1, 4, 0])
+    return gl.convert_layout(gl.reshape(x, [32, 8]), QB, assert_trivial=True)
+
+
 @gluon.jit
 def _q_parts(qr, QB: gl.constexpr):
     hi = qr.to(gl.float16)
@@ -372,17 +437,17 @@ def mma_decode_t_kernel(
             True,
         )
 
-    # q^T as the B operand of the rotation: [128 input channels, 8 query rows]
-    kb = gl.arange(0, 128, layout=gl.SliceLayout(1, _OPB))
-    rb = gl.arange(0, 8, layout=gl.SliceLayout(0, _OPB))
-    ok_b = rb < T * GQA
-    qrow_b = ((b * T + rb // GQA) * num_q_heads + h * GQA + rb % GQA).to(gl.int64)
-    q = gl.load(q_ptr + qrow_b[None, :] * 128 + kb[:, None], mask=ok_b[None, :], other=0.0)
-    q16b = (q.to(gl.float32) * qk_scale).to(gl.float16)
-    qr0 = _rotation_t(q16b, QB, 0)
-    qr1 = _rotation_t(q16b, QB, 1)
-    qr2 = _rotation_t(q16b, QB, 2)
-    qr3 = _rotation_t(q16b, QB, 3)
+    # q rows [8, 128] (lane 4 n + t: row n, channels 32 t ..), scaled and rotated in fp32
+    rq = gl.arange(0, 8, layout=gl.SliceLayout(1, _QL))
+    cq = gl.arange(0, 128, layout=gl.SliceLayout(0, _QL))
+    ok_q = rq < T * GQA
+    qrow = ((b * T + rq // GQA) * num_q_heads + h * GQA + rq % GQA).to(gl.int64)
+    q = gl.load(q_ptr + qrow[:, None] * 128 + cq[None, :], mask=ok_q[:, None], other=0.0)
+    qrot = _q_rotated(q.to(gl.float32) * qk_scale)
+    qr0 = _q_chunk(qrot, QB, 0)
+    qr1 = _q_chunk(qrot, QB, 1)
+    qr2 = _q_chunk(qrot, QB, 2)
+    qr3 = _q_chunk(qrot, QB, 3)
     qh0, ql0 = _q_parts(qr0, QB)
     qh1, ql1 = _q_parts(qr1, QB)
     qh2, ql2 = _q_parts(qr2, QB)
