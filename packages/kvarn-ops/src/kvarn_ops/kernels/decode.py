@@ -109,6 +109,18 @@ def _hadamard_signs(i, j):
 
 
 @triton.jit
+def _fwht(x, D: tl.constexpr):
+    """``x @ H_D`` (unnormalized Sylvester Hadamard) of a ``[D]`` vector, D a power of two, by
+    log2(D) butterfly stages: about D log2(D) additions instead of the D^2 products (and the
+    D^2 generated signs) of the matrix product."""
+    for b in tl.static_range(D.bit_length() - 1):
+        y = tl.permute(tl.reshape(x, [D >> (b + 1), 2, 1 << b]), [0, 2, 1])
+        lo, hi = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(lo + hi, lo - hi), [0, 2, 1]), [D])
+    return x
+
+
+@triton.jit
 def _load_codes(base_ptr, idx, BITS: tl.constexpr):
     """Generic unpack: code ``idx`` of a little-endian ``BITS``-bit stream, any width 2..8.
 
@@ -755,7 +767,6 @@ def _decode_combine_kernel(
     S: tl.constexpr,
     S_P2: tl.constexpr,
     MIN_UNITS: tl.constexpr,
-    JC: tl.constexpr,
     SC: tl.constexpr,
     TAIL: tl.constexpr,
     T: tl.constexpr,
@@ -786,14 +797,9 @@ def _decode_combine_kernel(
         hq = row % num_q_heads
         h = hq // GQA
         q_pos = seq_len - T + (row % rows_per_request) // num_q_heads
-        # q_rot[j] = sum_i q[i] H[i, j], by chunks of JC input channels i
-        q_rot = tl.zeros([D], dtype=tl.float32)
-        for i0 in range(0, D, JC):
-            i = i0 + tl.arange(0, JC)
-            qv = tl.load(q_ptr + row * D + i).to(tl.float32) * qk_scale
-            hs = _hadamard_signs(i[:, None], d[None, :]).to(tl.float32)
-            q_rot += tl.sum(qv[:, None] * hs, axis=0)
-        q_rot = q_rot * (1.0 / tl.sqrt(D * 1.0))
+        # q_rot[j] = sum_i q[i] H[i, j] by a fast Walsh-Hadamard transform
+        qv = tl.load(q_ptr + row * D + d).to(tl.float32) * qk_scale
+        q_rot = _fwht(qv, D) * (1.0 / tl.sqrt(D * 1.0))
         tok = tl.arange(0, G)
         t_ok = (tok < tail) & (n_full * G + tok <= q_pos)
         pb = tl.load(tail_ptr + b, mask=tail > 0, other=0).to(tl.int64)
@@ -833,12 +839,8 @@ def _decode_combine_kernel(
         )
         o += tl.sum(w_s[:, None] * part, axis=0)
     o = o * (inv_w / tl.sqrt(D * 1.0))
-    # back to the model frame: out[j] = sum_i o[i] * H[i, j], by column chunks of JC
-    for j0 in range(0, D, JC):
-        j = j0 + tl.arange(0, JC)
-        hs = _hadamard_signs(d[:, None], j[None, :]).to(tl.float32)
-        res = tl.sum(o[:, None] * hs, axis=0)
-        tl.store(out_ptr + row * D + j, res.to(out_ptr.dtype.element_ty))
+    # back to the model frame: out[j] = sum_i o[i] * H[i, j]
+    tl.store(out_ptr + row * D + d, _fwht(o, D).to(out_ptr.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------------------------
@@ -938,13 +940,9 @@ def kernel_config(
 
 
 def combine_consts(head_dim: int, num_splits: int) -> dict:
-    """Tile sizes of the combine kernel: JC output columns per Hadamard chunk, SC splits per
-    partial-row tile (both keep a tile at <= 4096 fp32 elements, 32 registers a thread at 4
-    warps)."""
-    return dict(
-        JC=max(1, min(head_dim, 4096 // head_dim)),
-        SC=max(1, min(_next_pow2(num_splits), 4096 // head_dim)),
-    )
+    """Tile size of the combine kernel: SC splits per partial-row tile (a tile of <= 4096 fp32
+    elements, 32 registers a thread at 4 warps)."""
+    return dict(SC=max(1, min(_next_pow2(num_splits), 4096 // head_dim)))
 
 
 def decode_num_splits(
