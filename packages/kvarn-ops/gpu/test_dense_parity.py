@@ -212,6 +212,8 @@ DECODE_CASES = [
     # the MMA kernels' causal masks: 8 rows (query rows in the MMA's N dimension), 16 rows
     ("kvarn_k4v2_g64", 0, [2, 65, 130, 3000], 2, torch.bfloat16, torch.bfloat16),
     ("kvarn_k4v4_g64", 0, [4, 66, 1000], 4, torch.float16, torch.float8_e4m3fn),
+    # 16 rows with 2-bit V (GQA 8, two query tokens: speculative decoding's shape)
+    ("kvarn_k4v2_g64", 1, [2, 64, 129, 5000], 2, torch.bfloat16, torch.bfloat16),
 ]
 
 

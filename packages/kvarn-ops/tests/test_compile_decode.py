@@ -252,14 +252,15 @@ def test_mma_decode_compiles_without_operand_trips(target, case, nbuf):
     assert frame <= MMA_SPILL.get(case, 0), f"{frame} B of spill frame"
     assert regs <= 255
     # per 64-token block: 4 x 16 score MMAs + 4 x 16 value MMAs, 8 for the K codes' 1024
-    # offset, 4 for the ones column of 2-bit V; the q rotation 4 x 32
+    # offset, 4 for the ones column of 2-bit V; q is rotated by a Walsh-Hadamard transform,
+    # not by MMAs (4 x 32 more before), so no sign is generated either
     vb = KD._layout_consts(case[0], 128)["VB"]
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 256 + 8 + (4 if vb == 2 else 0)
-    # codes unpacked two per prmt (K: 32 x 8 per chunk and lane / 2; V: the same)
-    assert ptx.count("prmt.b32") >= 256
-    # the q rotation's +-1 signs are built as fp16 bits: no int-to-fp16 conversion (there
-    # were 394, one per sign, before)
-    assert "cvt.rn.f16.s32" not in ptx
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 128 + 8 + (4 if vb == 2 else 0)
+    assert ptx.count("shfl.sync.bfly.b32") >= 128  # the transform's two cross-lane stages
+    assert "popc" not in ptx and "cvt.rn.f16.s32" not in ptx
+    # one prmt per byte pair: K 16 per chunk (each feeds two operand registers), 2-bit V 8 per
+    # chunk (four registers each); 4-bit V keeps one per register, 32 per chunk
+    assert ptx.count("prmt.b32") == 4 * 16 + 4 * (8 if vb == 2 else 32)
 
 
 T_CASES = [MMA_CASES[0], MMA_CASES[1], ("kvarn_k4v2_g64", 4, 2, "*bf16")]

@@ -14,22 +14,27 @@ the score dot hold, for token column ``n = 8 j + w`` of the tile, channels ``16 
 8, 9}``; mapping column ``n`` to physical token ``8 w + j`` puts all eight nibbles of K word ``w``
 (8 consecutive tokens of one channel) in the thread that owns column ``w``. Channels are renamed
 so that a thread's 32 channels are 32 consecutive physical channels (one ``[32, 8]`` word tile,
-contiguous scale vectors); q is rotated straight into that order (the Hadamard matrix's columns
-are permuted when it is built). The value dot uses the same token order, and renames output
-channel ``n = 8 nt + g`` to physical channel ``16 g + nt``, so a thread's codes come from V word
-``g`` of its 16 tokens. The output is written to the workspace in physical order.
+contiguous scale vectors); q is rotated by a fast Walsh-Hadamard transform whose output
+layout is that order (:func:`_q_rows`: lane ``4 g + c`` holds channels ``32 c ..``, five
+register stages and two ``shfl.bfly`` stages in fp32). The value dot uses the same token order,
+and renames output channel ``n = 8 nt + g`` to physical channel ``16 g + nt``, so a thread's
+codes come from V word ``g`` of its 16 tokens. The output is written to the workspace in
+physical order.
 
-Unpacking: one ``prmt`` puts the byte holding a code of word ``a`` and the same byte of word
-``b`` into the two halves of a register, one ``lop3`` masks the codes into fp16 mantissas, and
-that register is the MMA operand (the asm runs with ``pack=2`` on the joined pair, see
-:func:`_pair_bits`): two instructions per two codes. K codes become ``1024 + c`` (code in the
-low mantissa bits); the ``1024 * sum(qs)`` this adds to every score comes from one more MMA
+Unpacking (:func:`_nibble_pairs`, :func:`_crumb_pairs`): one ``prmt`` copies a byte of word
+``a`` and the same byte of word ``b`` into the two halves of a register, and every code field of
+that byte is masked out of it in place by one ``lop3`` into an fp16 mantissa; each result is an
+MMA operand register (the asm runs with ``pack=2`` on the joined pair, see :func:`_pair_bits`).
+K: 1.5 instructions per operand register, the low nibble as ``1024 + c``, the high one as
+``1024 + 16 c`` (its token columns take 16 times the zero-point term and 1/16 of the row
+scale). The ``1024 * sum(qs)`` that the offset adds to every score comes from one more MMA
 column of 1024s and leaves with the row's zero-point term, where it cancels against values of
 the same size (the error it adds is far below that of the fp16 operands: scores mix signs).
-2-bit V codes become ``1 + c / 4`` (code in the top mantissa bits), so the weights' sum that
-this adds is as large as the result, not 1024 times it; a ones column gives it. 4-bit V keeps
-``1024 + c`` with an fp16 subtraction (``sub.f16x2``), because its weights are all positive and
-the 1024 offset would cancel badly.
+2-bit V: 1.25 instructions per register, fields as ``1 + c / F`` with F = 4, 256, 64, 16 for the
+fields at bits 0, 2, 4, 6 (a small offset, so the weights' sum it adds is not 1024 times the
+result; a ones column gives that sum; F is kept in the output accumulator and multiplied back
+once). 4-bit V keeps ``1024 + c`` with an fp16 subtraction (``sub.f16x2``, :func:`_pair_f16`),
+because its weights are all positive and the 1024 offset would cancel badly.
 
 Memory: the next records are copied into shared memory by ``cp.async`` while the current one
 is computed (``NBUF >= 2`` stages; 2 is the default: 14.6 KB per program at k4v2), words stored
@@ -47,8 +52,8 @@ and sm_120a (and check that they have no shared-memory stores of codes, no layou
 the expected MMA count), the interpreter tests check the combine's tail path through the Triton
 kernel, and ``gpu/parity.py`` compares the whole decode with the reference on the GPU.
 
-Numerics: q is scaled, rounded to fp16 and rotated with fp32 accumulation (as in the Triton
-kernel); the score operand is ``fp16(q_rot * s_col_K)``, the value operand
+Numerics: q is scaled and rotated in fp32 (the Triton kernel rounds the scaled q to fp16
+before its rotation); the score operand is ``fp16(q_rot * s_col_K)``, the value operand
 ``fp16(p * s_row_V)``; zero-point terms, softmax and the running accumulators are fp32.
 """
 
@@ -145,32 +150,6 @@ def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: in
         and head_dim == MMA_DECODE_D
         and rows <= 16
     )
-
-
-@gluon.jit
-def _popc(x):
-    return gl.inline_asm_elementwise(
-        "popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1
-    )
-
-
-@gluon.jit
-def _sign_f16(popcount):
-    """fp16 +1.0 / -1.0 for an even / odd ``popcount``, built as bits (the parity moved to the
-    sign bit of 0x3C00): no integer-to-float conversion per element."""
-    return (((popcount << 15) & 0x8000) | 0x3C00).to(gl.int16).to(gl.float16, bitcast=True)
-
-
-@gluon.jit
-def _rotation_chunk(q16, CQ: gl.constexpr):
-    """Columns ``32 CQ .. 32 CQ + 31`` (logical channel order) of ``q16 @ H_128``, fp32."""
-    kk = gl.arange(0, 128, layout=gl.SliceLayout(1, _OPB))
-    nl = gl.arange(0, 32, layout=gl.SliceLayout(0, _OPB))
-    # logical channel 32 CQ + 16 kt0 + 8 z + 2 c + x  ->  physical 32 c + 8 CQ + 4 kt0 + 2 z + x
-    phys = ((nl >> 1) & 3) * 32 + 8 * CQ + (nl >> 4) * 4 + ((nl >> 3) & 1) * 2 + (nl & 1)
-    hs = _sign_f16(_popc(kk[:, None] & phys[None, :]))
-    acc = gl.full([16, 32], 0.0, gl.float32, _MMA)
-    return mma_v2(q16, hs, acc) * 0.08838834764831845  # 1 / sqrt(128)
 
 
 @gluon.jit
@@ -282,6 +261,130 @@ def _pair_bits(
 
 
 @gluon.jit
+def _joined(a, b):
+    """``join(a, b)`` with the joined axis in register bit 0 (see :func:`_pair_bits`)."""
+    ab = gl.join(a, b)
+    return gl.convert_layout(
+        ab, _last_dim_first(gl.to_linear_layout(ab.type.layout, ab.shape)), assert_trivial=True
+    )
+
+
+@gluon.jit
+def _nibble_pairs(a, b, BYTE: gl.constexpr):
+    """Both 4-bit codes of byte ``BYTE`` of words ``a`` (low halves) and ``b`` (high halves)
+    from one ``prmt``: ``1024 + c`` for the low nibble and ``1024 + 16 c`` for the high one,
+    one ``lop3`` each (1.5 instructions per operand register instead of 2 plus a shift)."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t; prmt.b32 t, $2, $3, {SEL}; "
+        "lop3.b32 $0, t, 983055, 1677747200, 0xea; "  # 0x000F000F, 0x64006400
+        "lop3.b32 $1, t, 15728880, 1677747200, 0xea; }",  # 0x00F000F0
+        "=r,=r,r,r",
+        [_joined(a, b)],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _crumb_pairs(a, b, BYTE: gl.constexpr):
+    """The four 2-bit codes of byte ``BYTE`` of words ``a`` and ``b`` from one ``prmt`` (the
+    byte copied into both bytes of its half) and one ``lop3`` each: fp16 ``1 + c / F`` with
+    ``F`` = 4, 256, 64, 16 for the fields at bits 0, 2, 4, 6 (field 0 from the copy's high
+    byte, the others in place), no shifts."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t; prmt.b32 t, $4, $5, {SEL}; "
+        "lop3.b32 $0, t, 50332416, 1006648320, 0xea; "  # 0x03000300, 0x3C003C00
+        "lop3.b32 $1, t, 786444, 1006648320, 0xea; "  # 0x000C000C
+        "lop3.b32 $2, t, 3145776, 1006648320, 0xea; "  # 0x00300030
+        "lop3.b32 $3, t, 12583104, 1006648320, 0xea; }",  # 0x00C000C0
+        "=r,=r,=r,=r,r,r",
+        [_joined(a, b)],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+# q as [R query rows, 128 channels] (R = 8 or 16): lane 4 g + t holds rows g (and g + 8),
+# channels 32 t .. 32 t + 31, which are the channels of the score operand's lane t in every
+# 32-channel chunk of both MMA kernels (see their q chunk functions)
+_QL8: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[8, 128],
+)
+_QL16: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[16, 128],
+)
+
+
+@gluon.jit
+def _butterfly_regs(x, B: gl.constexpr, QL: gl.constexpr):
+    """One Walsh-Hadamard stage on channel bit ``B`` (< 5, a register bit of ``QL``)."""
+    R: gl.constexpr = x.shape[0]
+    x = gl.reshape(x, [R, 4, 32 >> (B + 1), 2, 1 << B])
+    a, b = gl.split(gl.permute(x, [0, 1, 2, 4, 3]))
+    y = gl.permute(gl.join(a + b, a - b), [0, 1, 2, 4, 3])
+    return gl.convert_layout(gl.reshape(y, [R, 128]), QL, assert_trivial=True)
+
+
+@gluon.jit
+def _butterfly_lanes(x, sign, MASK: gl.constexpr):
+    """One Walsh-Hadamard stage on channel bit 5 or 6 (lane bit ``MASK`` = 1 or 2): the
+    partner's value comes by ``shfl.bfly``; ``sign`` is -1 where the bit is set."""
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .f32 p; shfl.sync.bfly.b32 p, $1, {MASK}, 31, -1; fma.rn.f32 $0, $2, $1, p; }}",
+        "=f,f,f",
+        [x, sign],
+        dtype=gl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _q_rotated(q, QL: gl.constexpr):
+    """``q @ H_128 / sqrt(128)`` of ``q`` [R, 128] in ``QL``, fp32, by a fast Walsh-Hadamard
+    transform: five register stages and two ``shfl`` stages, about 300 instructions per lane
+    at R = 8 (the sign matrix of an MMA rotation took about 2,000)."""
+    R: gl.constexpr = q.shape[0]
+    ch = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    s5 = gl.full([R, 128], 1.0, gl.float32, QL) - 2.0 * ((ch >> 5) & 1).to(gl.float32)[None, :]
+    s6 = gl.full([R, 128], 1.0, gl.float32, QL) - 2.0 * ((ch >> 6) & 1).to(gl.float32)[None, :]
+    x = _butterfly_regs(q, 0, QL)
+    x = _butterfly_regs(x, 1, QL)
+    x = _butterfly_regs(x, 2, QL)
+    x = _butterfly_regs(x, 3, QL)
+    x = _butterfly_regs(x, 4, QL)
+    x = _butterfly_lanes(x, s5, 1)
+    return _butterfly_lanes(x, s6, 2) * 0.08838834764831845  # 1 / sqrt(128)
+
+
+@gluon.jit
+def _q_rows(
+    q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr, QL: gl.constexpr
+):
+    """Query rows ``r = t * GQA + g`` (token ``t`` of request ``b``, head ``h * GQA + g``) as
+    [R, 128] in ``QL``, scaled by ``qk_scale`` and rotated, fp32 (rows past T * GQA are 0)."""
+    R: gl.constexpr = QL.shape[0]
+    rq = gl.arange(0, R, layout=gl.SliceLayout(1, QL))
+    cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    ok = rq < T * GQA
+    qrow = ((b * T + rq // GQA) * num_q_heads + h * GQA + rq % GQA).to(gl.int64)
+    q = gl.load(q_ptr + qrow[:, None] * 128 + cq[None, :], mask=ok[:, None], other=0.0)
+    return _q_rotated(q.to(gl.float32) * qk_scale, QL)
+
+
+@gluon.jit
 def _stack8(c0, c1, c2, c3, c4, c5, c6, c7):
     """[..., 8] with ``c_j`` at index j of the new last axis (kept in registers)."""
     x = gl.join(
@@ -353,12 +456,6 @@ def _k_codes(kw):
 
 
 @gluon.jit
-def _k_operand(kw):
-    """:func:`_k_codes` in this kernel's B-operand layout."""
-    return gl.convert_layout(_k_codes(kw), _OPB, assert_trivial=True)
-
-
-@gluon.jit
 def _v_pairs(vw):
     """V words [16 c + i, g] as token pairs (i, i + 8) of one lane: ([4, 8, 8], [4, 8, 8])."""
     return gl.split(gl.permute(gl.reshape(vw, [4, 2, 8, 8]), [0, 2, 3, 1]))
@@ -392,6 +489,71 @@ def _v_operand(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
 
 
 @gluon.jit
+def _q_chunk_rows(qrot, CQ: gl.constexpr):
+    """Columns ``32 CQ ..`` (logical channel order) of the rotated q rows [16, 128] as [16, 32]
+    in the MMA accumulator layout: logical ``32 CQ + 16 kt0 + 8 z + 2 c + x`` is physical
+    ``32 c + 8 CQ + 4 kt0 + 2 z + x``."""
+    x = gl.reshape(qrot, [16, 4, 2, 2, 2, 2, 2])  # m c cq1 cq0 kt0 z x
+    x = gl.permute(x, [0, 1, 4, 5, 6, 2, 3])  # m c kt0 z x cq1 cq0
+    a, b = gl.split(x)
+    x = b if CQ % 2 == 1 else a
+    a, b = gl.split(x)
+    x = b if CQ // 2 == 1 else a  # m c kt0 z x
+    x = gl.permute(x, [0, 2, 3, 1, 4])
+    return gl.convert_layout(gl.reshape(x, [16, 32]), _MMA, assert_trivial=True)
+
+
+@gluon.jit
+def _k_operand_pairs(kw):
+    """B operand [32 channels, 64 tokens] of 4-bit K codes in the order of :func:`_k_codes`,
+    unpacked by :func:`_nibble_pairs`: token columns of odd nibbles (odd ``n // 8``) hold
+    ``1024 + 16 c``, the others ``1024 + c``."""
+    ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
+    n0, n1 = _nibble_pairs(ka, kb, 0)
+    n2, n3 = _nibble_pairs(ka, kb, 1)
+    n4, n5 = _nibble_pairs(ka, kb, 2)
+    n6, n7 = _nibble_pairs(ka, kb, 3)
+    c = _stack8(n0, n1, n2, n3, n4, n5, n6, n7)  # [(8 c + i) // 2, w, x, j]
+    c = gl.permute(gl.reshape(c, [2, 2, 2, 2, 8, 2, 8]), [2, 3, 0, 1, 5, 6, 4])
+    return gl.convert_layout(gl.reshape(c, [32, 64]), _OPB, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand_pairs(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
+    """:func:`_v_operand` with 2-bit fields from :func:`_crumb_pairs` (column ``8 f + g``
+    holds ``1 + c / F_f``, F = 4, 256, 64, 16); 4-bit V as there."""
+    if VB == 2:
+        f0, f1, f2, f3 = _crumb_pairs(va, vb, CQ)
+        c = _stack4(f0, f1, f2, f3)
+        c = gl.permute(gl.reshape(c, [2, 2, 2, 2, 2, 8, 2, 4]), [2, 3, 4, 0, 1, 6, 7, 5])
+        r = gl.convert_layout(gl.reshape(c, [64, 32]), _OPB, assert_trivial=True)
+    else:
+        r = _v_operand(va, vb, CQ, VB)
+    return r
+
+
+@gluon.jit
+def _odd_nibble_cols():
+    """[64] in ``_COLS``: True for the token columns of odd nibbles (a constant per register:
+    the nibble index is the run index of ``_RUN16``)."""
+    i = gl.arange(0, 16, layout=gl.SliceLayout(0, _RUN16))
+    run = gl.full([4, 16], 0.0, gl.float32, _RUN16) + (i & 1).to(gl.float32)[None, :]
+    return _tok_from_run(run) > 0.5
+
+
+@gluon.jit
+def _v_factor_cols(INVERSE: gl.constexpr):
+    """[32] in ``_COLS``: the 2-bit V field factor F (or 1 / F) of each channel column of a
+    chunk (constants: the field is the run index of ``_RUN4``)."""
+    f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _RUN4)))
+    if INVERSE:
+        c = gl.where(f == 0, 0.25, gl.where(f == 1, 0.00390625, gl.where(f == 2, 0.015625, 0.0625)))
+    else:
+        c = gl.where(f == 0, 4.0, gl.where(f == 1, 256.0, gl.where(f == 2, 64.0, 16.0)))
+    return _vchan_from_run(gl.full([4, 2, 4], 0.0, gl.float32, _RUN4) + c[None, None, :])
+
+
+@gluon.jit
 def _scores_chunk(s, qz, corr, q_rot, kcs, kzp, kw):
     """Scores of one 32-channel chunk on codes offset by 1024, and ``1024 * sum(qs)`` per row
     (one extra n8 column of 1024s) to take the offset out exactly where it cancels least:
@@ -399,17 +561,18 @@ def _scores_chunk(s, qz, corr, q_rot, kcs, kzp, kw):
     qs = gl.convert_layout((q_rot * kcs[None, :]).to(gl.float16), _OPA, assert_trivial=True)
     qz = qz + gl.sum(q_rot * kzp[None, :], axis=1)
     corr = mma_v2(qs, gl.full([32, 8], 1024.0, gl.float16, _OPB), corr)
-    return mma_v2(qs, _k_operand(kw), s), qz, corr
+    return mma_v2(qs, _k_operand_pairs(kw), s), qz, corr
 
 
 @gluon.jit
-def _values_chunk(acc, alpha, pw, pz, va, vb, vcs, CQ: gl.constexpr, VB: gl.constexpr):
-    """``acc * alpha + s_col_V * (p @ cV + pz)``; for 2-bit V the dot ran on ``1 + c / 4``,
-    so ``p @ cV = 4 * dot - 4 * sum(pw)``, the second term already folded into ``pz``."""
-    o = mma_v2(pw, _v_operand(va, vb, CQ, VB), gl.full([16, 32], 0.0, gl.float32, _MMA))
-    if VB == 2:
-        o = o * 4.0
-    return acc * alpha[:, None] + vcs[None, :] * (o + pz[:, None])
+def _values_chunk(acc, alpha, pw, pt, va, vb, vcs, CQ: gl.constexpr, VB: gl.constexpr):
+    """``acc * alpha + s_col_V * (p @ cV + pz)``, the bracket from one MMA whose accumulator
+    starts at ``pt``. 2-bit V: the dot runs on ``1 + c / F`` (F per channel column), so the
+    bracket is ``F * (dot + pz / F - sum(pw))``; ``pt`` holds the last two terms and ``acc``
+    is kept divided by F (:func:`_store_chunk` multiplies it back; powers of two, exact).
+    4-bit V: ``pt`` is pz."""
+    o = mma_v2(pw, _v_operand_pairs(va, vb, CQ, VB), pt)
+    return acc * alpha[:, None] + vcs[None, :] * o
 
 
 @gluon.jit
@@ -590,19 +753,24 @@ def _staged_tok(st):
 
 
 @gluon.jit
-def _store_chunk(acc, inv_l, out_rows, row_ok, CQ: gl.constexpr):
+def _store_chunk(acc, inv_l, out_rows, row_ok, CQ: gl.constexpr, VB: gl.constexpr):
     n = gl.arange(0, 32, layout=_COLS)  # 8 nt + 2 c + x -> channel 32 c + 16 x + 4 CQ + nt
     phys = (n & 7) * 16 + 4 * CQ + (n >> 3)
+    if VB == 2:
+        acc = acc * _v_factor_cols(False)[None, :]
     gl.store(out_rows[:, None] + phys[None, :], acc * inv_l[:, None], mask=row_ok[:, None])
 
 
 @gluon.jit
 def _softmax_step(
-    s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T: gl.constexpr, VB: gl.constexpr
+    s, ze, zo, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T: gl.constexpr, VB: gl.constexpr
 ):
-    """Scores -> online softmax of one block: new (m, l), the rescale factor, the V zero-point
-    row sums and the value operand ``fp16(p * s_row_V)``."""
-    s = (s + qz[:, None]) * krs[None, :]
+    """Scores -> online softmax of one block: new (m, l), the rescale factor, the value
+    MMAs' starting accumulator ``pt`` and the value operand ``fp16(p * s_row_V)``. Token
+    columns of odd nibbles ran on ``1024 + 16 c``: they take ``zo`` (16 times the zero-point
+    term, minus the offset) instead of ``ze``, and ``krs`` already holds 1/16 of their row
+    scale."""
+    s = (s + gl.where(_odd_nibble_cols()[None, :], zo[:, None], ze[:, None])) * krs[None, :]
     if T > 1:
         key = u * 64 + tok_of_col
         s = gl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -616,8 +784,10 @@ def _softmax_step(
         spw = mma_v2(
             pw, gl.full([64, 8], 1.0, gl.float16, _OPB), gl.full([16, 8], 0.0, gl.float32, _MMA)
         )
-        pz = pz - 4.0 * gl.max(spw, axis=1)
-    return m_new, l, alpha, pz, pw
+        pt = pz[:, None] * _v_factor_cols(True)[None, :] - gl.max(spw, axis=1)[:, None]
+    else:
+        pt = gl.full([16, 32], 0.0, gl.float32, _MMA) + pz[:, None]
+    return m_new, l, alpha, pt, pw
 
 
 @gluon.jit
@@ -707,17 +877,13 @@ def mma_decode_kernel(
             False,
         )
 
-    # query rows r = t * GQA + g (token t at position seq_len - T + t, head h * GQA + g)
-    ra = gl.arange(0, 16, layout=gl.SliceLayout(1, _OPA))
-    ka = gl.arange(0, 128, layout=gl.SliceLayout(0, _OPA))
-    ok_a = ra < T * GQA
-    qrow_a = ((b * T + ra // GQA) * num_q_heads + h * GQA + ra % GQA).to(gl.int64)
-    q = gl.load(q_ptr + qrow_a[:, None] * 128 + ka[None, :], mask=ok_a[:, None], other=0.0)
-    q16 = (q.to(gl.float32) * qk_scale).to(gl.float16)
-    q0 = _rotation_chunk(q16, 0)
-    q1 = _rotation_chunk(q16, 1)
-    q2 = _rotation_chunk(q16, 2)
-    q3 = _rotation_chunk(q16, 3)
+    # query rows r = t * GQA + g (token t at position seq_len - T + t, head h * GQA + g),
+    # scaled and rotated in fp32 (lane 4 g + c: rows g, g + 8, channels 32 c ..)
+    qrot = _q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(_QL16))
+    q0 = _q_chunk_rows(qrot, 0)
+    q1 = _q_chunk_rows(qrot, 1)
+    q2 = _q_chunk_rows(qrot, 2)
+    q3 = _q_chunk_rows(qrot, 3)
 
     r = gl.arange(0, 16, layout=_ROWS)
     row_ok = r < T * GQA
@@ -781,11 +947,14 @@ def mma_decode_kernel(
         s, qz, corr = _scores_chunk(
             s, qz, corr, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
         )
-        qz = qz - gl.max(corr, axis=1)
-        krs = _staged_tok(skr.index(cst))
+        cm = gl.max(corr, axis=1)
+        kf = gl.where(_odd_nibble_cols(), 0.0625, 1.0)
+        krs = _staged_tok(skr.index(cst)) * kf
         vrs = _staged_tok(svr.index(cst))
         vzp = _staged_tok(svz.index(cst))
-        m, l, alpha, pz, pw = _softmax_step(s, qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB)
+        m, l, alpha, pt, pw = _softmax_step(
+            s, qz - cm, 16.0 * qz - cm, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB
+        )
         RDV: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[16 * HV, 1],
             threads_per_warp=[1, 32],
@@ -801,10 +970,10 @@ def mma_decode_kernel(
             va0, vb0 = _v_pairs(_vw_from_lanes(gl.reshape(vt3, [16, 32])))
             va1 = va0
             vb1 = vb0
-        a0 = _values_chunk(a0, alpha, pw, pz, va0, vb0, _staged_vchan(vc, 0), 0, VB)
-        a1 = _values_chunk(a1, alpha, pw, pz, va0, vb0, _staged_vchan(vc, 1), 1, VB)
-        a2 = _values_chunk(a2, alpha, pw, pz, va1, vb1, _staged_vchan(vc, 2), 2, VB)
-        a3 = _values_chunk(a3, alpha, pw, pz, va1, vb1, _staged_vchan(vc, 3), 3, VB)
+        a0 = _values_chunk(a0, alpha, pw, pt, va0, vb0, _staged_vchan(vc, 0), 0, VB)
+        a1 = _values_chunk(a1, alpha, pw, pt, va0, vb0, _staged_vchan(vc, 1), 1, VB)
+        a2 = _values_chunk(a2, alpha, pw, pt, va1, vb1, _staged_vchan(vc, 2), 2, VB)
+        a3 = _values_chunk(a3, alpha, pw, pt, va1, vb1, _staged_vchan(vc, 3), 3, VB)
     async_copy.wait_group(0)
 
     seen = l > 0.0
@@ -814,7 +983,7 @@ def mma_decode_kernel(
     ws_row = q_row * S + split
     gl.store(ws_ptr + ws_row, lse, mask=row_ok)
     out_rows = ws_ptr + lse_numel + ws_row * 128
-    _store_chunk(a0, inv_l, out_rows, row_ok, 0)
-    _store_chunk(a1, inv_l, out_rows, row_ok, 1)
-    _store_chunk(a2, inv_l, out_rows, row_ok, 2)
-    _store_chunk(a3, inv_l, out_rows, row_ok, 3)
+    _store_chunk(a0, inv_l, out_rows, row_ok, 0, VB)
+    _store_chunk(a1, inv_l, out_rows, row_ok, 1, VB)
+    _store_chunk(a2, inv_l, out_rows, row_ok, 2, VB)
+    _store_chunk(a3, inv_l, out_rows, row_ok, 3, VB)

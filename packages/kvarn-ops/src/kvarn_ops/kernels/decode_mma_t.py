@@ -97,62 +97,14 @@ def _kchan(v, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _joined(a, b):
-    """``join(a, b)`` with the joined axis in register bit 0 (see ``decode_mma._pair_bits``)."""
-    ab = gl.join(a, b)
-    return gl.convert_layout(
-        ab, M._last_dim_first(gl.to_linear_layout(ab.type.layout, ab.shape)), assert_trivial=True
-    )
-
-
-@gluon.jit
-def _nibble_pairs(a, b, BYTE: gl.constexpr):
-    """Both 4-bit codes of byte ``BYTE`` of words ``a`` (low halves) and ``b`` (high halves)
-    from one ``prmt``: ``1024 + c`` for the low nibble and ``1024 + 16 c`` for the high one,
-    one ``lop3`` each (1.5 instructions per operand register instead of 2 plus a shift)."""
-    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
-    return gl.inline_asm_elementwise(
-        f"{{ .reg .b32 t; prmt.b32 t, $2, $3, {SEL}; "
-        "lop3.b32 $0, t, 983055, 1677747200, 0xea; "  # 0x000F000F, 0x64006400
-        "lop3.b32 $1, t, 15728880, 1677747200, 0xea; }",  # 0x00F000F0
-        "=r,=r,r,r",
-        [_joined(a, b)],
-        dtype=(gl.float16, gl.float16),
-        is_pure=True,
-        pack=2,
-    )
-
-
-@gluon.jit
-def _crumb_pairs(a, b, BYTE: gl.constexpr):
-    """The four 2-bit codes of byte ``BYTE`` of words ``a`` and ``b`` from one ``prmt`` (the
-    byte copied into both bytes of its half) and one ``lop3`` each: fp16 ``1 + c / F`` with
-    ``F`` = 4, 256, 64, 16 for the fields at bits 0, 2, 4, 6 (field 0 from the copy's high
-    byte, the others in place), no shifts."""
-    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
-    return gl.inline_asm_elementwise(
-        f"{{ .reg .b32 t; prmt.b32 t, $4, $5, {SEL}; "
-        "lop3.b32 $0, t, 50332416, 1006648320, 0xea; "  # 0x03000300, 0x3C003C00
-        "lop3.b32 $1, t, 786444, 1006648320, 0xea; "  # 0x000C000C
-        "lop3.b32 $2, t, 3145776, 1006648320, 0xea; "  # 0x00300030
-        "lop3.b32 $3, t, 12583104, 1006648320, 0xea; }",  # 0x00C000C0
-        "=r,=r,=r,=r,r,r",
-        [_joined(a, b)],
-        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-        is_pure=True,
-        pack=2,
-    )
-
-
-@gluon.jit
 def _k_operand_a(kw):
     """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 4-bit K codes: token
     rows of odd nibbles (``y = 1``) hold ``1024 + 16 c``, the others ``1024 + c``."""
     ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
-    n0, n1 = _nibble_pairs(ka, kb, 0)
-    n2, n3 = _nibble_pairs(ka, kb, 1)
-    n4, n5 = _nibble_pairs(ka, kb, 2)
-    n6, n7 = _nibble_pairs(ka, kb, 3)
+    n0, n1 = M._nibble_pairs(ka, kb, 0)
+    n2, n3 = M._nibble_pairs(ka, kb, 1)
+    n4, n5 = M._nibble_pairs(ka, kb, 2)
+    n6, n7 = M._nibble_pairs(ka, kb, 3)
     c = M._stack8(n0, n1, n2, n3, n4, n5, n6, n7)
     # [(8 c + i) // 2, w, x, j]; token 8 w + j, j = 2 mt + y
     # rows m = 16 mt + 8 y + w; channel 16 kt0 + 8 z + 2 c + x (i = 4 kt0 + 2 z + x)
@@ -166,7 +118,7 @@ def _v_operand_a(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
     """A operand [32 channels (logical chunk CQ), 64 tokens] of V codes (2-bit: field f holds
     ``1 + c / F_f``, see :func:`_crumb_pairs`; 4-bit: ``c``)."""
     if VB == 2:
-        f0, f1, f2, f3 = _crumb_pairs(va, vb, CQ)
+        f0, f1, f2, f3 = M._crumb_pairs(va, vb, CQ)
         c = M._stack4(f0, f1, f2, f3)
     else:
         BIT0: gl.constexpr = (4 * CQ * VB) % 32
@@ -181,70 +133,6 @@ def _v_operand_a(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
     c = gl.reshape(c, [2, 2, 2, 2, 2, 8, 2, 4])  # c1 c0 kt1 kt0 z g x f
     c = gl.permute(c, [7, 5, 2, 3, 4, 0, 1, 6])
     return gl.convert_layout(gl.reshape(c, [32, 64]), _OPA, assert_trivial=True)
-
-
-@gluon.jit
-def _rotation_t(q16b, QB: gl.constexpr, CQ: gl.constexpr):
-    """``q_rot^T`` rows ``32 CQ ..`` (logical channels) x 8 query rows, fp32, in ``QB`` (the
-    B-operand layout of a [32, 8] tile)."""
-    mm = gl.arange(0, 32, layout=gl.SliceLayout(1, _OPA))
-    kk = gl.arange(0, 128, layout=gl.SliceLayout(0, _OPA))
-    # logical channel 32 CQ + 16 kt0 + 8 z + 2 c + x -> physical 32 c + 8 CQ + 4 kt0 + 2 z + x
-    phys = ((mm >> 1) & 3) * 32 + 8 * CQ + (mm >> 4) * 4 + ((mm >> 3) & 1) * 2 + (mm & 1)
-    hs = M._sign_f16(M._popc(phys[:, None] & kk[None, :]))
-    acc = mma_v2(hs, q16b, gl.full([32, 8], 0.0, gl.float32, _MMA)) * 0.08838834764831845
-    return gl.convert_layout(acc, QB)
-
-
-# q as [8 query rows, 128 channels]: lane 4 n + t holds row n, channels 32 t .. 32 t + 31 (the
-# channels of the score operand's lane t in every chunk, see _q_chunk)
-_QL: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
-    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[],
-    block_bases=[],
-    shape=[8, 128],
-)
-
-
-@gluon.jit
-def _butterfly_regs(x, B: gl.constexpr):
-    """One Walsh-Hadamard stage on channel bit ``B`` (< 5, a register bit of ``_QL``)."""
-    x = gl.reshape(x, [8, 4, 32 >> (B + 1), 2, 1 << B])
-    a, b = gl.split(gl.permute(x, [0, 1, 2, 4, 3]))
-    y = gl.permute(gl.join(a + b, a - b), [0, 1, 2, 4, 3])
-    return gl.convert_layout(gl.reshape(y, [8, 128]), _QL, assert_trivial=True)
-
-
-@gluon.jit
-def _butterfly_lanes(x, sign, MASK: gl.constexpr):
-    """One Walsh-Hadamard stage on channel bit 5 or 6 (lane bit ``MASK`` = 1 or 2): the
-    partner's value comes by ``shfl.bfly``; ``sign`` is -1 where the bit is set."""
-    return gl.inline_asm_elementwise(
-        f"{{ .reg .f32 p; shfl.sync.bfly.b32 p, $1, {MASK}, 31, -1; fma.rn.f32 $0, $2, $1, p; }}",
-        "=f,f,f",
-        [x, sign],
-        dtype=gl.float32,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _q_rotated(q):
-    """``q @ H_128 / sqrt(128)`` in fp32 by a fast Walsh-Hadamard transform: five register
-    stages and two ``shfl`` stages, about 300 instructions per lane (the sign matrix that the
-    MMA rotation needs took about 2,000)."""
-    ch = gl.arange(0, 128, layout=gl.SliceLayout(0, _QL))
-    s5 = gl.full([8, 128], 1.0, gl.float32, _QL) - 2.0 * ((ch >> 5) & 1).to(gl.float32)[None, :]
-    s6 = gl.full([8, 128], 1.0, gl.float32, _QL) - 2.0 * ((ch >> 6) & 1).to(gl.float32)[None, :]
-    x = _butterfly_regs(q, 0)
-    x = _butterfly_regs(x, 1)
-    x = _butterfly_regs(x, 2)
-    x = _butterfly_regs(x, 3)
-    x = _butterfly_regs(x, 4)
-    x = _butterfly_lanes(x, s5, 1)
-    return _butterfly_lanes(x, s6, 2) * 0.08838834764831845  # 1 / sqrt(128)
 
 
 @gluon.jit
@@ -438,12 +326,7 @@ def mma_decode_t_kernel(
         )
 
     # q rows [8, 128] (lane 4 n + t: row n, channels 32 t ..), scaled and rotated in fp32
-    rq = gl.arange(0, 8, layout=gl.SliceLayout(1, _QL))
-    cq = gl.arange(0, 128, layout=gl.SliceLayout(0, _QL))
-    ok_q = rq < T * GQA
-    qrow = ((b * T + rq // GQA) * num_q_heads + h * GQA + rq % GQA).to(gl.int64)
-    q = gl.load(q_ptr + qrow[:, None] * 128 + cq[None, :], mask=ok_q[:, None], other=0.0)
-    qrot = _q_rotated(q.to(gl.float32) * qk_scale)
+    qrot = M._q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
     qr0 = _q_chunk(qrot, QB, 0)
     qr1 = _q_chunk(qrot, QB, 1)
     qr2 = _q_chunk(qrot, QB, 2)
