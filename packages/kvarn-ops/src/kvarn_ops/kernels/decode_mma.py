@@ -489,17 +489,24 @@ def _v_operand(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
 
 
 @gluon.jit
-def _q_chunk_rows(qrot, CQ: gl.constexpr):
-    """Columns ``32 CQ ..`` (logical channel order) of the rotated q rows [16, 128] as [16, 32]
-    in the MMA accumulator layout: logical ``32 CQ + 16 kt0 + 8 z + 2 c + x`` is physical
-    ``32 c + 8 CQ + 4 kt0 + 2 z + x``."""
-    x = gl.reshape(qrot, [16, 4, 2, 2, 2, 2, 2])  # m c cq1 cq0 kt0 z x
-    x = gl.permute(x, [0, 1, 4, 5, 6, 2, 3])  # m c kt0 z x cq1 cq0
+def _q_chunk_parts(qrot, CQ: gl.constexpr):
+    """The channels of 32-channel chunk ``CQ`` of rotated q rows [R, 128] (:func:`_q_rows`) as
+    [R, c, kt0, z, x]: physical channel ``32 c + 8 CQ + 4 kt0 + 2 z + x`` (register selections
+    only). Both MMA kernels use logical channel ``32 CQ + 16 kt0 + 8 z + 2 c + x`` for it."""
+    R: gl.constexpr = qrot.shape[0]
+    x = gl.reshape(qrot, [R, 4, 2, 2, 2, 2, 2])  # r c cq1 cq0 kt0 z x
+    x = gl.permute(x, [0, 1, 4, 5, 6, 2, 3])  # r c kt0 z x cq1 cq0
     a, b = gl.split(x)
     x = b if CQ % 2 == 1 else a
     a, b = gl.split(x)
-    x = b if CQ // 2 == 1 else a  # m c kt0 z x
-    x = gl.permute(x, [0, 2, 3, 1, 4])
+    return b if CQ // 2 == 1 else a
+
+
+@gluon.jit
+def _q_chunk_rows(qrot, CQ: gl.constexpr):
+    """Chunk ``CQ`` of the rotated q rows [16, 128] as [16, 32] (logical channel order) in the
+    MMA accumulator layout."""
+    x = gl.permute(_q_chunk_parts(qrot, CQ), [0, 2, 3, 1, 4])  # m kt0 z c x
     return gl.convert_layout(gl.reshape(x, [16, 32]), _MMA, assert_trivial=True)
 
 

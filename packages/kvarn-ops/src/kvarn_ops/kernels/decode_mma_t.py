@@ -137,15 +137,8 @@ def _v_operand_a(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
 
 @gluon.jit
 def _q_chunk(qrot, QB: gl.constexpr, CQ: gl.constexpr):
-    """``q_rot^T`` rows ``32 CQ ..`` (logical channels) x 8 query rows in ``QB``: logical
-    channel ``32 CQ + 16 kt0 + 8 z + 2 c + x`` is physical ``32 c + 8 CQ + 4 kt0 + 2 z + x``."""
-    x = gl.reshape(qrot, [8, 4, 2, 2, 2, 2, 2])  # n c cq1 cq0 kt0 z x
-    x = gl.permute(x, [0, 1, 4, 5, 6, 2, 3])  # n c kt0 z x cq1 cq0
-    a, b = gl.split(x)
-    x = b if CQ % 2 == 1 else a
-    a, b = gl.split(x)
-    x = b if CQ // 2 == 1 else a  # n c kt0 z x
-    x = gl.permute(x, [2, 3, 1, 4, 0])
+    """``q_rot^T`` rows ``32 CQ ..`` (logical channels) x 8 query rows in ``QB``."""
+    x = gl.permute(M._q_chunk_parts(qrot, CQ), [2, 3, 1, 4, 0])  # kt0 z c x n
     return gl.convert_layout(gl.reshape(x, [32, 8]), QB, assert_trivial=True)
 
 
