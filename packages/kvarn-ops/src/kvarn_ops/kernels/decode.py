@@ -14,7 +14,8 @@ Two launches per call:
    exact tail is then folded in by the combine kernel). ``KVARN_DECODE_MMA=0`` turns them off.
 2. ``_decode_combine_kernel``, grid ``(B * T * Hq,)``: merges the live splits of one query row
    (partial rows read by tiles of ``SC`` splits, one memory round trip per tile) and rotates
-   the result back to the model frame.
+   the result back to the model frame by a fast Walsh-Hadamard transform (:func:`_fwht`; the
+   exact tail's q, when the combine computes it, the same way).
 
 The split count follows the live context length read on the device: with ``n`` work units
 (full blocks, plus one for a non-empty tail), ``per = cdiv(n, min(S, cdiv(n, MIN_UNITS)))``
