@@ -156,3 +156,28 @@ def test_json_rejects_tampering_and_garbage():
         kf.layout_from_json("{")
     with pytest.raises(kf.LayoutError, match="JSON object"):
         kf.layout_from_json("[]")
+
+
+def test_layouts_are_built_once_and_errors_are_not_cached():
+    """Launchers ask for their layout on every call: the same immutable object comes back
+    (for equal head_dim values of other types too, as a plain int), and a bad request raises
+    every time."""
+    a = kf.dense_layout("kvarn_k4v2_g64", 128)
+    assert kf.dense_layout("kvarn_k4v2_g64", 128) is a
+    assert kf.dense_layout(kf.parse_format("kvarn_k4v2_g64"), 128) is a
+    b = kf.dense_layout("kvarn_k4v2_g64", 128.0)
+    assert b is a and type(b.head_dim) is int
+    assert kf.dense_layout("kvarn_k4v2_g64", 64) is not a
+    m = kf.mla_layout("kvarn_mla_k5_g64")
+    assert kf.mla_layout("kvarn_mla_k5_g64") is m
+    assert m != kf.mla_layout("kvarn_mla_k4_g64")
+    assert kf.parse_format("kvarn_k2v2_g32") is kf.parse_format("kvarn_k2v2_g32")
+    for _ in range(2):
+        with pytest.raises(kf.FormatError, match="kvarn_k4v2_g64"):
+            kf.dense_layout("kvarn_k4v2_g65", 128)
+        with pytest.raises(kf.LayoutError, match="head_dim"):
+            kf.dense_layout("kvarn_k4v2_g64", 100)
+        with pytest.raises(kf.LayoutError, match="latent_dim"):
+            kf.mla_layout("kvarn_mla_k5_g64", latent_dim=256)
+        with pytest.raises(kf.FormatError, match="string"):
+            kf.parse_format(["kvarn_k4v2_g64"])

@@ -144,6 +144,13 @@ def parse_format(text: object) -> Format:
     """
     if not isinstance(text, str):
         raise FormatError(f"a KV-cache dtype must be a string, got {type(text).__name__}")
+    return _parse_name(text)
+
+
+@lru_cache(maxsize=256)
+def _parse_name(text: str) -> Format:
+    """:func:`parse_format` of a string, cached: kernels' launchers parse their format on every
+    call (formats are immutable; a name that fails raises every time, nothing is cached)."""
     if len(text) > _MAX_NAME:
         raise _fail(text, f"name is longer than {_MAX_NAME} characters")
     if not text.isascii() or not text.isprintable() or text != text.strip():

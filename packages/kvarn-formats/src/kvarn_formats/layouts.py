@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from .grammar import DenseFormat, FormatError, MlaFormat, parse_format
@@ -173,6 +174,13 @@ def dense_layout(fmt: str | DenseFormat, head_dim: int) -> RecordLayout:
     if head_dim not in DENSE_HEAD_DIMS:
         allowed = ", ".join(map(str, DENSE_HEAD_DIMS))
         raise LayoutError(f"head_dim must be one of {allowed} for {f.name}, got {head_dim!r}")
+    return _dense_record(f, int(head_dim))
+
+
+@lru_cache(maxsize=256)
+def _dense_record(f: DenseFormat, head_dim: int) -> RecordLayout:
+    """The dense layout, cached after validation (layouts are immutable: frozen dataclasses
+    of tuples); kernels' launchers ask for it on every call."""
     d, g = head_dim, f.group
     fields, size = _build(
         [
@@ -212,7 +220,13 @@ def mla_layout(
             f"MLA layouts need latent_dim={MLA_LATENT_DIM} and rope_dim={MLA_ROPE_DIM}, "
             f"got latent_dim={latent_dim!r}, rope_dim={rope_dim!r}"
         )
-    g = f.group
+    return _mla_record(f)
+
+
+@lru_cache(maxsize=64)
+def _mla_record(f: MlaFormat) -> RecordLayout:
+    """The MLA layout (512 + 64), cached after validation like :func:`_dense_record`."""
+    latent_dim, rope_dim, g = MLA_LATENT_DIM, MLA_ROPE_DIM, f.group
     fields, size = _build(
         [
             ("codes", "codes", (latent_dim, g), f.bits),
