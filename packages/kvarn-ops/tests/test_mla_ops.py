@@ -17,8 +17,12 @@ Tolerance table (kernel vs reference):
 - scatter fp8: amax (hence the scale) by a few fp32 ulps, which can flip the e4m3 rounding of a
   value near a tie. Bound: scale rel 1e-6, dequant within 1 e4m3 step (2^-3 relative for
   normals, 2^-9 of the scale for subnormals).
-- materialize: the rotation back runs as two small products. Bound: 1 bf16 ulp + 1e-6*rms
-  (rounding of the bf16 output).
+- materialize: the rotation back runs as two small products, summed in another order than
+  the reference's transform. Bound: 1 bf16 ulp (rounding of the bf16 output) + 4 fp32
+  epsilons of the row's largest magnitude (the order of the fp32 sums; gpu_parity allows 8).
+  Measured over 41 seeds x 2 pools: at most 0.75 epsilon beyond the bf16 ulp. The former
+  1e-6 * rms was exceeded once in those 82 runs (4.05e-6 against 3.7e-6, at an output of
+  -2.0e-5 in a row of rms 3.7; seed 1722413089, fp8 pool).
 - decode, sparse path: fp32 dots and online softmax vs the fp64 oracle. Bound: 2e-4 * max
   abs(out) (interpreter fp32) (GPU tf32 needs more; gpu_parity).
 - decode, full context: packed blocks feed the dots 16-bit operands (q times the channel
@@ -262,7 +266,8 @@ def test_stage_zero_token_scale_is_one():
 
 def check_materialize(layout, pool, packed, bmap, slots):
     """Kernel vs reference materialize into NaN-poisoned rows: invalid slots untouched, RoPE
-    bit-exact, the rotated latent within one bf16 ulp (plus fp32 rounding near zero)."""
+    bit-exact, the rotated latent within one bf16 ulp plus 4 fp32 epsilons of the row's
+    largest magnitude (the order of the fp32 sums, which matters near zero)."""
     a = torch.full((slots.shape[0], 576), float("nan"), dtype=BF16)
     b = a.clone()
     ref.mla_materialize(packed, bmap, pool[0], pool[1], pool[2], slots, layout, a)
@@ -272,8 +277,8 @@ def check_materialize(layout, pool, packed, bmap, slots):
     assert not bool(b[ok].isnan().any())
     assert torch.equal(a[ok, 512:].view(torch.int16), b[ok, 512:].view(torch.int16))
     x, y = a[ok, :512].float(), b[ok, :512].float()
-    rms = x.pow(2).mean().sqrt()
-    assert bool(((x - y).abs() <= x.abs() * 2.0**-7 + 1e-6 * rms).all())
+    row_max = x.abs().amax(dim=1, keepdim=True)
+    assert bool(((x - y).abs() <= x.abs() * 2.0**-7 + 4 * 2.0**-23 * row_max).all())
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP8])
