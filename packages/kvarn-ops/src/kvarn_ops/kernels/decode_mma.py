@@ -287,6 +287,17 @@ def _nibble_pairs(a, b, BYTE: gl.constexpr):
     )
 
 
+CRUMB_FACTORS = (4.0, 256.0, 64.0, 16.0)
+"""F of :func:`_crumb_pairs`' fields at bits 0, 2, 4, 6 (each field decodes as ``1 + c / F``)."""
+
+
+@gluon.constexpr_function
+def _crumb_factor(field, inverse):
+    """``F`` (or ``1 / F``) of 2-bit field ``field``, exact (powers of two)."""
+    f = CRUMB_FACTORS[int(getattr(field, "value", field))]
+    return 1.0 / f if getattr(inverse, "value", inverse) else f
+
+
 @gluon.jit
 def _crumb_pairs(a, b, BYTE: gl.constexpr):
     """The four 2-bit codes of byte ``BYTE`` of words ``a`` and ``b`` from one ``prmt`` (the
@@ -553,10 +564,15 @@ def _v_factor_cols(INVERSE: gl.constexpr):
     """[32] in ``_COLS``: the 2-bit V field factor F (or 1 / F) of each channel column of a
     chunk (constants: the field is the run index of ``_RUN4``)."""
     f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _RUN4)))
-    if INVERSE:
-        c = gl.where(f == 0, 0.25, gl.where(f == 1, 0.00390625, gl.where(f == 2, 0.015625, 0.0625)))
-    else:
-        c = gl.where(f == 0, 4.0, gl.where(f == 1, 256.0, gl.where(f == 2, 64.0, 16.0)))
+    c = gl.where(
+        f == 0,
+        _crumb_factor(0, INVERSE),
+        gl.where(
+            f == 1,
+            _crumb_factor(1, INVERSE),
+            gl.where(f == 2, _crumb_factor(2, INVERSE), _crumb_factor(3, INVERSE)),
+        ),
+    )
     return _vchan_from_run(gl.full([4, 2, 4], 0.0, gl.float32, _RUN4) + c[None, None, :])
 
 

@@ -204,11 +204,16 @@ def _run_consts(
 @gluon.jit
 def _v_factors(INVERSE: gl.constexpr):
     """The 2-bit V field factors F (or 1 / F) of a channel chunk's O^T rows (constants)."""
-    if INVERSE:
-        f = _chan_rows(_run_consts(gl.constexpr(_RUNG4), 4, 0.25, 0.00390625, 0.015625, 0.0625))
-    else:
-        f = _chan_rows(_run_consts(gl.constexpr(_RUNG4), 4, 4.0, 256.0, 64.0, 16.0))
-    return f
+    return _chan_rows(
+        _run_consts(
+            gl.constexpr(_RUNG4),
+            4,
+            M._crumb_factor(0, INVERSE),
+            M._crumb_factor(1, INVERSE),
+            M._crumb_factor(2, INVERSE),
+            M._crumb_factor(3, INVERSE),
+        )
+    )
 
 
 @gluon.jit
