@@ -138,6 +138,7 @@ def test_split_kernel_compiles_register_capped(target):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("splits", [16, 128])
 @pytest.mark.parametrize(
     "d,out,tail,pool",
     [
@@ -152,18 +153,23 @@ def test_split_kernel_compiles_register_capped(target):
         (64, "float32", True, "float16"),
     ],
 )
-def test_combine_kernel_compiles(d, out, tail, pool, target):
+def test_combine_kernel_compiles(d, out, tail, pool, splits, target):
+    """Every configuration the launcher picks compiles without spilling (pointers 16-byte
+    aligned as the JIT sees them), including one tile of all 128 splits at d128."""
+    cc, copts = KD.combine_config(d, splits)
+    if d == 128 and splits == 128:
+        assert cc["SC"] == 128 and copts["num_warps"] == 8  # the whole row in one round trip
     consts = dict(
         D=d,
         G=64,
-        S=16,
-        S_P2=16,
+        S=splits,
+        S_P2=splits,
         MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT,
         TAIL=tail,
         T=2,
         GQA=4,
         POOL_FP8=pool == "float8_e4m3fn",
-        **KD.combine_consts(d, 16),
+        **cc,
     )
     types = {
         "ws_ptr": "*fp32",
@@ -183,9 +189,15 @@ def test_combine_kernel_compiles(d, out, tail, pool, target):
     }
     names = KD._decode_combine_kernel.arg_names
     sig = {n: "constexpr" if n in consts else types[n] for n in names}
-    src = triton.compiler.ASTSource(fn=KD._decode_combine_kernel, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=target, options=dict(num_warps=4))
-    assert "ptx" in k.asm
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"}
+    src = triton.compiler.ASTSource(
+        fn=KD._decode_combine_kernel, signature=sig, constexprs=consts, attrs=attrs
+    )
+    k = triton.compile(src, target=target, options=copts)
+    regs, frame = cubin_resources(k.asm["cubin"])
+    print(f"combine d{d} S{splits} tail={tail} {pool} sm{target.arch}: {regs} registers, {frame} B")
+    assert 0 < regs <= 255
+    assert frame == 0, f"{frame} B of spill frame"
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Two launches per call:
    contract, one warp per program, codes unpacked straight into MMA operand registers; the
    exact tail is then folded in by the combine kernel). ``KVARN_DECODE_MMA=0`` turns them off.
 2. ``_decode_combine_kernel``, grid ``(B * T * Hq,)``: merges the live splits of one query row
-   (partial rows read by tiles of ``SC`` splits, one memory round trip per tile) and rotates
+   (every partial row in one memory round trip after ``seq_len``'s, up to 16,384 fp32 of them; tiles of ``SC`` splits beyond) and rotates
    the result back to the model frame by a fast Walsh-Hadamard transform (:func:`_fwht`; the
    exact tail's q, when the combine computes it, the same way).
 
@@ -775,10 +775,20 @@ def _decode_combine_kernel(
     POOL_FP8: tl.constexpr,
 ):
     """One program per query row: merge the live splits' partial rows (and, with ``TAIL``, the
-    exact tail's attention, computed here in fp32) and rotate back to the model frame."""
+    exact tail's attention, computed here in fp32) and rotate back to the model frame.
+
+    Global reads come in two dependent rounds: the row's ``seq_len`` (with the query row and
+    the tail's pool block, which do not depend on it), then every log-sum-exp, partial row
+    and tail token at once when ``SC >= S_P2`` (one tile of all splits); a smaller ``SC``
+    adds one round per further tile of ``SC`` splits."""
     row = tl.program_id(0).to(tl.int64)
     b = row // rows_per_request
+    d = tl.arange(0, D)
+    # round 1
     seq_len = tl.load(seq_ptr + b)
+    if TAIL:
+        qv = tl.load(q_ptr + row * D + d).to(tl.float32) * qk_scale
+        pb = tl.load(tail_ptr + b).to(tl.int64)  # read only where the tail is non-empty
     n_full = seq_len // G
     tail = seq_len - n_full * G
     if TAIL:
@@ -788,34 +798,40 @@ def _decode_combine_kernel(
     n_splits = tl.maximum(tl.minimum(S, tl.cdiv(n_units, MIN_UNITS)), 1)
     per = tl.maximum(tl.cdiv(n_units, n_splits), 1)
     n_live = tl.cdiv(n_units, per)
+    # round 2: everything the row needs, issued before any of it is used
     sp = tl.arange(0, S_P2)
     lse = tl.load(ws_ptr + row * S + sp, mask=sp < n_live, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    d = tl.arange(0, D)
+    if SC >= S_P2:
+        part0 = tl.load(
+            ws_ptr + lse_numel + (row * S + sp)[:, None] * D + d[None, :],
+            mask=(sp < n_live)[:, None],
+            other=0.0,
+        )
     if TAIL:
-        # the exact tail (seq_len % G newest tokens of pool block tail_pool_block[b]) in fp32:
-        # q rotated into the cache frame by column chunks, then one [G, D] tile of K and V
-        hq = row % num_q_heads
-        h = hq // GQA
+        # the exact tail (seq_len % G newest tokens of pool block tail_pool_block[b]) in fp32
+        h = (row % num_q_heads) // GQA
         q_pos = seq_len - T + (row % rows_per_request) // num_q_heads
-        # q_rot[j] = sum_i q[i] H[i, j] by a fast Walsh-Hadamard transform
-        qv = tl.load(q_ptr + row * D + d).to(tl.float32) * qk_scale
-        q_rot = _fwht(qv, D) * (1.0 / tl.sqrt(D * 1.0))
         tok = tl.arange(0, G)
         t_ok = (tok < tail) & (n_full * G + tok <= q_pos)
-        pb = tl.load(tail_ptr + b, mask=tail > 0, other=0).to(tl.int64)
         slot = (pb * G + tok) * num_kv_heads + h
         kx = tl.load(ek_ptr + slot[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        vx = tl.load(ev_ptr + slot[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        if POOL_FP8:
+            k_sc = tl.load(ks_ptr + slot, mask=t_ok, other=0.0)
+            v_sc = tl.load(vs_ptr + slot, mask=t_ok, other=0.0)
+    lse_max = tl.max(lse, axis=0)
+    if TAIL:
+        # q_rot[j] = sum_i q[i] H[i, j] by a fast Walsh-Hadamard transform
+        q_rot = _fwht(qv, D) * (1.0 / tl.sqrt(D * 1.0))
         kx = kx.to(tl.float32)
         if POOL_FP8:
-            kx = kx * tl.load(ks_ptr + slot, mask=t_ok, other=0.0)[:, None]
+            kx = kx * k_sc[:, None]
         st = tl.where(t_ok, tl.sum(kx * q_rot[None, :], axis=1), float("-inf"))
         m_t = tl.max(st, axis=0)
         p_t = tl.where(t_ok, tl.exp2(st - m_t), 0.0)
         l_t = tl.sum(p_t, axis=0)
         if POOL_FP8:
-            p_t = p_t * tl.load(vs_ptr + slot, mask=t_ok, other=0.0)
-        vx = tl.load(ev_ptr + slot[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+            p_t = p_t * v_sc
         o_t = tl.sum(p_t[:, None] * vx.to(tl.float32), axis=0)
         lse_t = tl.where(l_t > 0.0, m_t + tl.log2(tl.where(l_t > 0.0, l_t, 1.0)), float("-inf"))
         top = tl.maximum(lse_max, lse_t)
@@ -828,17 +844,22 @@ def _decode_combine_kernel(
         w_sum = 0.0
     w = tl.where(sp < n_live, tl.exp2(lse - lse_max), 0.0)
     inv_w = 1.0 / (tl.sum(w, axis=0) + w_sum)
-    # partial rows by tiles of SC splits: one memory round trip per tile, not per split
-    for s0 in range(0, n_live, SC):
-        sc = s0 + tl.arange(0, SC)
-        live = sc < n_live
-        w_s = tl.exp2(tl.load(ws_ptr + row * S + sc, mask=live, other=float("-inf")) - lse_max)
-        part = tl.load(
-            ws_ptr + lse_numel + (row * S + sc)[:, None] * D + d[None, :],
-            mask=live[:, None],
-            other=0.0,
-        )
-        o += tl.sum(w_s[:, None] * part, axis=0)
+    if SC >= S_P2:
+        o += tl.sum(w[:, None] * part0, axis=0)
+    else:
+        # partial rows by tiles of SC splits: one memory round trip per tile
+        for s0 in range(0, n_live, SC):
+            sc = s0 + tl.arange(0, SC)
+            live = sc < n_live
+            w_s = tl.exp2(
+                tl.load(ws_ptr + row * S + sc, mask=live, other=float("-inf")) - lse_max
+            )
+            part = tl.load(
+                ws_ptr + lse_numel + (row * S + sc)[:, None] * D + d[None, :],
+                mask=live[:, None],
+                other=0.0,
+            )
+            o += tl.sum(w_s[:, None] * part, axis=0)
     o = o * (inv_w / tl.sqrt(D * 1.0))
     # back to the model frame: out[j] = sum_i o[i] * H[i, j]
     tl.store(out_ptr + row * D + d, _fwht(o, D).to(out_ptr.dtype.element_ty))
@@ -940,10 +961,13 @@ def kernel_config(
     return consts, opts
 
 
-def combine_consts(head_dim: int, num_splits: int) -> dict:
-    """Tile size of the combine kernel: SC splits per partial-row tile (a tile of <= 4096 fp32
-    elements, 32 registers a thread at 4 warps)."""
-    return dict(SC=max(1, min(_next_pow2(num_splits), 4096 // head_dim)))
+def combine_config(head_dim: int, num_splits: int) -> tuple[dict, dict]:
+    """Constexprs and launch options of the combine kernel: ``SC`` splits per partial-row tile,
+    all of them in one tile when that is <= 16,384 fp32 elements (one memory round trip for
+    the whole row; 128 splits at d128), at 8 warps when a tile exceeds 4,096 (64 registers a
+    thread for the tile)."""
+    sc = max(1, min(_next_pow2(num_splits), 16384 // head_dim))
+    return dict(SC=sc), dict(num_warps=8 if sc * head_dim > 4096 else 4)
 
 
 def decode_num_splits(
@@ -1183,6 +1207,7 @@ def _launch(
             **consts,
             **opts,
         )
+    cc, copts = combine_config(d, num_splits)
     _decode_combine_kernel[(b * t * hq,)](
         workspace,
         seq_lens,
@@ -1207,8 +1232,8 @@ def _launch(
         T=t,
         GQA=hq // hkv,
         POOL_FP8=pool_fp8,
-        **combine_consts(d, num_splits),
-        num_warps=4,
+        **cc,
+        **copts,
     )
 
 
