@@ -17,6 +17,7 @@ Tolerances (relative Frobenius error against the reference computed in fp32 or f
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -214,7 +215,15 @@ DECODE_CASES = [
     ("kvarn_k4v4_g64", 0, [4, 66, 1000], 4, torch.float16, torch.float8_e4m3fn),
     # 16 rows with 2-bit V (GQA 8, two query tokens: speculative decoding's shape)
     ("kvarn_k4v2_g64", 1, [2, 64, 129, 5000], 2, torch.bfloat16, torch.bfloat16),
+    # 128-token records through the MMA kernels (read as two 64-token halves): 8 rows and
+    # 16 rows, 2- and 4-bit V, records split unevenly, a long context with an fp8 pool
+    ("kvarn_k4v2_g128", 0, [1, 127, 128, 129, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v2_g128", 0, [32768 + 77], 1, torch.bfloat16, torch.float8_e4m3fn),
+    ("kvarn_k4v4_g128", 0, [4, 130, 3000], 4, torch.float16, torch.float8_e4m3fn),
+    ("kvarn_k4v2_g128", 1, [2, 128, 257, 5000], 2, torch.bfloat16, torch.bfloat16),
 ]
+#: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, d128, <= 16 rows)
+MMA_DECODE_CASES = {0, 1, 2, 3, 9, 10, 11, 12, 13, 14, 15}
 
 
 def _run_decode(cache, q, scale):
@@ -241,6 +250,8 @@ def test_decode(gen, case):
     cache = build_cache(gen, fmt, d, hkv, lens, pool_dtype)
     q = torch.randn(len(lens), t, hq, d, generator=gen, device=DEVICE).to(q_dtype)
     scale = 1 / math.sqrt(d)
+    kd = importlib.import_module("kvarn_ops.kernels.decode")
+    assert kd._use_mma_kernel(fmt, q, hkv) == (case in MMA_DECODE_CASES)
     out = _run_decode(cache, q, scale)
     # The fp64 oracle, stored in fp32 (its rounding, ~6e-8, is far below every bound).
     oracle = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)

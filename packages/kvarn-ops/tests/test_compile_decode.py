@@ -156,12 +156,24 @@ def test_split_kernel_compiles_register_capped(target):
 def test_combine_kernel_compiles(d, out, tail, pool, splits, target):
     """Every configuration the launcher picks compiles without spilling (pointers 16-byte
     aligned as the JIT sees them), including one tile of all 128 splits at d128."""
+    _compile_combine(d, out, tail, pool, splits, target, 64)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("pool", ["bfloat16", "float8_e4m3fn"])
+def test_combine_kernel_compiles_g128_tail(pool, target):
+    """The MMA kernels' calls with 128-token records: a [128, 128] exact tail beside all 128
+    splits' partial rows, still without spilling."""
+    _compile_combine(128, "bfloat16", True, pool, 128, target, 128)
+
+
+def _compile_combine(d, out, tail, pool, splits, target, g):
     cc, copts = KD.combine_config(d, splits)
     if d == 128 and splits == 128:
         assert cc["SC"] == 128 and copts["num_warps"] == 8  # the whole row in one round trip
     consts = dict(
         D=d,
-        G=64,
+        G=g,
         S=splits,
         S_P2=splits,
         MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT,
@@ -195,7 +207,7 @@ def test_combine_kernel_compiles(d, out, tail, pool, splits, target):
     )
     k = triton.compile(src, target=target, options=copts)
     regs, frame = cubin_resources(k.asm["cubin"])
-    print(f"combine d{d} S{splits} tail={tail} {pool} sm{target.arch}: {regs} registers, {frame} B")
+    print(f"combine d{d} G{g} S{splits} tail={tail} {pool} sm{target.arch}: {regs} regs, {frame} B")
     assert 0 < regs <= 255
     assert frame == 0, f"{frame} B of spill frame"
 
@@ -208,11 +220,12 @@ MMA_CASES = [
     ("kvarn_k4v2_g64", 4, 1, "*bf16"),
     ("kvarn_k4v4_g64", 8, 1, "*fp16"),
     ("kvarn_k4v2_g64", 4, 4, "*fp32"),
+    ("kvarn_k4v2_g128", 4, 4, "*bf16"),  # 128-token records, two 64-token halves
 ]
 #: spill frame allowed (bytes, the larger of sm_90a / sm_120a measured offline, rounded up):
 #: the benchmark target spills nothing on sm_90a (32 B on sm_120a), 4-bit V 32 B, T > 1 with
-#: the causal mask 112-136 B
-MMA_SPILL = {MMA_CASES[0]: 64, MMA_CASES[1]: 64, MMA_CASES[2]: 192}
+#: the causal mask 112-136 B (with 128-token records, bf16 q: 8 B on sm_90a)
+MMA_SPILL = {MMA_CASES[0]: 64, MMA_CASES[1]: 64, MMA_CASES[2]: 192, MMA_CASES[3]: 192}
 
 
 def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False):
@@ -223,7 +236,7 @@ def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False):
     kern = decode_mma_t.mma_decode_t_kernel if transposed else decode_mma.mma_decode_kernel
 
     c = KD._layout_consts(fmt, 128)
-    consts = dict(T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2, NBUF=nbuf)
+    consts = dict(T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2, NBUF=nbuf, G=c["G"])
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
         consts[name] = c[name]
     consts["VZP_OFF"] = c["VZP_OFF"]
@@ -261,13 +274,14 @@ def test_mma_decode_compiles_without_operand_trips(target, case, nbuf):
     # one record per stage: K words 4 KB, V words 2 or 4 KB, scales 1,152 B
     assert k.metadata.shared == nbuf * (4096 + 1024 * vb + 1152)
     assert ptx.count("cp.async") >= 48
+    print(f"{case} sm{target.arch} nbuf {nbuf}: {regs} registers, {frame} B spill frame")
     assert frame <= MMA_SPILL.get(case, 0), f"{frame} B of spill frame"
     assert regs <= 255
-    # per 64-token block: 4 x 16 score MMAs + 4 x 16 value MMAs, 8 for the K codes' 1024
-    # offset, 4 for the ones column of 2-bit V; q is rotated by a Walsh-Hadamard transform,
-    # not by MMAs (4 x 32 more before), so no sign is generated either
+    # per 64-token block: 4 x 16 score MMAs for each of the two fp16 parts of q * s_col_K,
+    # 4 x 16 value MMAs, 4 for the ones column of 2-bit V; q is rotated by a Walsh-Hadamard
+    # transform, not by MMAs (4 x 32 more before), so no sign is generated either
     vb = KD._layout_consts(case[0], 128)["VB"]
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 128 + 8 + (4 if vb == 2 else 0)
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 2 * 64 + 64 + (4 if vb == 2 else 0)
     assert ptx.count("shfl.sync.bfly.b32") >= 128  # the transform's two cross-lane stages
     assert "popc" not in ptx and "cvt.rn.f16.s32" not in ptx
     # one prmt per byte pair: K 16 per chunk (each feeds two operand registers), 2-bit V 8 per
@@ -275,7 +289,14 @@ def test_mma_decode_compiles_without_operand_trips(target, case, nbuf):
     assert ptx.count("prmt.b32") == 4 * 16 + 4 * (8 if vb == 2 else 32)
 
 
-T_CASES = [MMA_CASES[0], MMA_CASES[1], ("kvarn_k4v2_g64", 4, 2, "*bf16")]
+T_CASES = [
+    MMA_CASES[0],
+    MMA_CASES[1],
+    ("kvarn_k4v2_g64", 4, 2, "*bf16"),
+    # 128-token records, read as two 64-token halves
+    ("kvarn_k4v2_g128", 4, 1, "*bf16"),
+    ("kvarn_k4v4_g128", 8, 1, "*fp16"),
+]
 #: the transposed kernel: no spill frame on sm_90a; sm_120a measured offline, rounded up
 T_SPILL = {}
 
@@ -291,12 +312,16 @@ def test_mma_decode_transposed_compiles(target, case):
     regs, frame = cubin_resources(k.asm["cubin"])
     ptx = k.asm["ptx"]
     vb = KD._layout_consts(case[0], 128)["VB"]
+    print(f"{case} sm{target.arch}: {regs} registers, {frame} B spill frame")
     assert frame <= T_SPILL.get((case, target.arch), 0), f"{frame} B of spill frame"
     assert regs <= 255
     assert ptx.count("cp.async") >= 48
-    # per block: scores 4 x (8 + 2 x 2 zero-point + 2 offset), values 4 x 8 (+ 4 for the ones
-    # column of 2-bit V); q is rotated by a Walsh-Hadamard transform, not by MMAs (64 before)
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 56 + 32 + (4 if vb == 2 else 0)
+    # per block: scores 4 x (2 x 8 for the two fp16 parts of q * s_col_K + 2 x 2 zero-point),
+    # values 4 x 8 (+ 4 for the ones column of 2-bit V); q is rotated by a Walsh-Hadamard
+    # transform, not by MMAs (64 before)
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 80 + 32 + (4 if vb == 2 else 0)
+    # K codes exact (the 1024 of the mantissa trick subtracted): two per byte pair
+    assert ptx.count("sub.f16x2") >= 2 * 16 * 4
     # its two cross-lane stages: one butterfly shuffle per register each
     assert ptx.count("shfl.sync.bfly.b32") >= 64
     assert "popc" not in ptx  # no sign matrix

@@ -291,6 +291,8 @@ TAIL_COMBINE_CASES = [
     ("kvarn_k4v2_g64", 128, 2, 4, 1, torch.bfloat16, [1, 64, 65, 700]),
     ("kvarn_k4v4_g64", 128, 1, 4, 3, torch.float8_e4m3fn, [3, 63, 130]),
     ("kvarn_k4v2_g64", 64, 1, 2, 4, torch.float16, [4, 66, 200]),
+    # 128-token records: the combine's [128, D] tail tile (up to 127 tokens)
+    ("kvarn_k4v2_g128", 128, 1, 4, 1, torch.bfloat16, [1, 127, 128, 300]),
 ]
 
 
@@ -314,9 +316,7 @@ def test_combine_reads_splits_by_tiles(tail_in_combine, monkeypatch):
     monkeypatch.setattr(kd, "combine_config", lambda d, s: (dict(SC=2), dict(num_warps=4)))
     monkeypatch.setattr(kd, "_TAIL_IN_COMBINE", tail_in_combine)
     rng = np.random.default_rng([SEED, 400 + tail_in_combine])
-    run_and_check(
-        rng, "kvarn_k4v2_g64", 64, 1, 2, 1, [2, 200, 700], torch.bfloat16, num_splits=64
-    )
+    run_and_check(rng, "kvarn_k4v2_g64", 64, 1, 2, 1, [2, 200, 700], torch.bfloat16, num_splits=64)
 
 
 def test_large_head_dims_and_bf16_query():

@@ -8,14 +8,16 @@ Two launches per call:
    cache frame (Sylvester Hadamard built from ``popcount(i & j)``), walks its share of the
    request's full blocks (packed records) and, in the last split, the exact tail, and writes
    a normalized partial output and its log-sum-exp (base 2) to the workspace.
-   On a CUDA GPU, 4-bit K with 2- or 4-bit V at G 64 and d128 (T * GQA <= 16) takes the Gluon
-   kernels of ``decode_mma.py`` / ``decode_mma_t.py`` instead (same grid and workspace
-   contract, one warp per program, codes unpacked straight into MMA operand registers; the
-   exact tail is then folded in by the combine kernel). ``KVARN_DECODE_MMA=0`` turns them off.
+   On a CUDA GPU, 4-bit K with 2- or 4-bit V at G 64 or 128 and d128 (T * GQA <= 16) takes
+   the Gluon kernels of ``decode_mma.py`` / ``decode_mma_t.py`` instead (same grid and
+   workspace contract, one warp per program, codes unpacked straight into MMA operand
+   registers; the exact tail is then folded in by the combine kernel). ``KVARN_DECODE_MMA=0``
+   turns them off.
 2. ``_decode_combine_kernel``, grid ``(B * T * Hq,)``: merges the live splits of one query row
-   (every partial row in one memory round trip after ``seq_len``'s, up to 16,384 fp32 of them; tiles of ``SC`` splits beyond) and rotates
-   the result back to the model frame by a fast Walsh-Hadamard transform (:func:`_fwht`; the
-   exact tail's q, when the combine computes it, the same way).
+   (every partial row and the exact tail read in one memory round trip after ``seq_len``'s,
+   up to 16,384 fp32 of partial rows; tiles of ``SC`` splits beyond) and rotates the result
+   back to the model frame by a fast Walsh-Hadamard transform (:func:`_fwht`; the exact
+   tail's q, when the combine computes it, the same way).
 
 The split count follows the live context length read on the device: with ``n`` work units
 (full blocks, plus one for a non-empty tail), ``per = cdiv(n, min(S, cdiv(n, MIN_UNITS)))``
@@ -851,9 +853,7 @@ def _decode_combine_kernel(
         for s0 in range(0, n_live, SC):
             sc = s0 + tl.arange(0, SC)
             live = sc < n_live
-            w_s = tl.exp2(
-                tl.load(ws_ptr + row * S + sc, mask=live, other=float("-inf")) - lse_max
-            )
+            w_s = tl.exp2(tl.load(ws_ptr + row * S + sc, mask=live, other=float("-inf")) - lse_max)
             part = tl.load(
                 ws_ptr + lse_numel + (row * S + sc)[:, None] * D + d[None, :],
                 mask=live[:, None],
@@ -1103,7 +1103,8 @@ always does (tests set it to check that combine path under the interpreter)."""
 
 
 def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
-    """The Gluon kernel (``decode_mma.py``) serves 4-bit K, 2/4-bit V, G 64, d128 on sm_80+."""
+    """The Gluon kernel (``decode_mma.py``) serves 4-bit K, 2/4-bit V, G 64 or 128, d128 on
+    sm_80+."""
     if not mma_sync_device(q, "KVARN_DECODE_MMA"):
         return False
     c = _layout_consts(format_name, q.shape[3])
@@ -1179,6 +1180,7 @@ def _launch(
             S=num_splits,
             MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
             NBUF=_MMA_STAGES,
+            G=c["G"],
             num_warps=1,
             **({} if _MMA_MAXNREG is None else {"maxnreg": _MMA_MAXNREG}),
         )

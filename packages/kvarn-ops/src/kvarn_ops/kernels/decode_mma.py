@@ -25,11 +25,16 @@ Unpacking (:func:`_nibble_pairs`, :func:`_crumb_pairs`): one ``prmt`` copies a b
 ``a`` and the same byte of word ``b`` into the two halves of a register, and every code field of
 that byte is masked out of it in place by one ``lop3`` into an fp16 mantissa; each result is an
 MMA operand register (the asm runs with ``pack=2`` on the joined pair, see :func:`_pair_bits`).
-K: 1.5 instructions per operand register, the low nibble as ``1024 + c``, the high one as
-``1024 + 16 c`` (its token columns take 16 times the zero-point term and 1/16 of the row
-scale). The ``1024 * sum(qs)`` that the offset adds to every score comes from one more MMA
-column of 1024s and leaves with the row's zero-point term, where it cancels against values of
-the same size (the error it adds is far below that of the fp16 operands: scores mix signs).
+K: 2.5 instructions per operand register, the low nibble as ``c``, the high one as ``16 c``
+(its token columns take 16 times the zero-point term and 1/16 of the row scale), each masked
+into the mantissa of 1024.0 and the 1024 subtracted in fp16 (exact). Leaving the 1024 in the
+operand (1.5 instructions, an MMA column of 1024s taking ``1024 * sum(qs)`` out with the
+zero-point term) was faster but not accurate enough on records whose zero-point term nearly
+cancels the code term (large channel zero points and row scales, as on tokens with outsized
+keys): the fp32 sums then carry 1024 times the operands. For the same records the score
+operand ``q_rot * s_col_K`` enters as two fp16 parts ``hi + lo`` (two MMAs on each code
+operand): one fp16 operand gave score errors of tens of log2 units on such a record of the
+GPU parity suite.
 2-bit V: 1.25 instructions per register, fields as ``1 + c / F`` with F = 4, 256, 64, 16 for the
 fields at bits 0, 2, 4, 6 (a small offset, so the weights' sum it adds is not 1024 times the
 result; a ones column gives that sum; F is kept in the output accumulator and multiplied back
@@ -42,7 +47,9 @@ lane-major so that 32 lanes read 32 consecutive words. (Loading straight from gl
 before each use, with no latency hiding, measured 38.7% of copy bandwidth against 46.3% with the
 staging, B=64 32K on the H200; that path is gone.)
 
-Scope: 4-bit K, 2- or 4-bit V, 64-token blocks, head_dim 128, at most 16 query rows per KV head
+Scope: 4-bit K, 2- or 4-bit V, 64- or 128-token blocks (a 128-token record is read as two
+64-token halves: its K words of a channel are consecutive, V rows are tokens; splits are of
+whole records, as in the combine's formula), head_dim 128, at most 16 query rows per KV head
 (T * GQA), one warp per program; up to 8 rows take ``decode_mma_t.py`` (rows in the MMA's N
 dimension), which reuses this file's loads and unpack. Both read full blocks only; the exact
 tail is folded in by the combine kernel (``decode._decode_combine_kernel`` with
@@ -63,10 +70,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-__all__ = ["MMA_DECODE_D", "MMA_DECODE_G", "mma_decode_supported", "mma_decode_kernel"]
+__all__ = ["MMA_DECODE_D", "MMA_DECODE_GROUPS", "mma_decode_supported", "mma_decode_kernel"]
 
 MMA_DECODE_D = 128
-MMA_DECODE_G = 64
+MMA_DECODE_GROUPS = (64, 128)
 
 # one warp: m16n8k16 fragments of fp16 operands (two per 32-bit register)
 _MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -146,7 +153,7 @@ def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: in
     return (
         k_bits == 4
         and v_bits in (2, 4)
-        and block_size == MMA_DECODE_G
+        and block_size in MMA_DECODE_GROUPS
         and head_dim == MMA_DECODE_D
         and rows <= 16
     )
@@ -272,13 +279,17 @@ def _joined(a, b):
 @gluon.jit
 def _nibble_pairs(a, b, BYTE: gl.constexpr):
     """Both 4-bit codes of byte ``BYTE`` of words ``a`` (low halves) and ``b`` (high halves)
-    from one ``prmt``: ``1024 + c`` for the low nibble and ``1024 + 16 c`` for the high one,
-    one ``lop3`` each (1.5 instructions per operand register instead of 2 plus a shift)."""
+    from one ``prmt``: ``c`` for the low nibble and ``16 c`` for the high one (exact fp16),
+    one ``lop3`` each into the mantissas of 1024.0 and one ``sub.f16x2`` each that takes the
+    1024 out (2.5 instructions per operand register; without the subtraction the score sums
+    carry 1024 times the operands, whose fp32 rounding does not cancel: measured offline on a
+    GPU parity record with row scales near 300, 1.9 log2 units of score error)."""
     SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
     return gl.inline_asm_elementwise(
-        f"{{ .reg .b32 t; prmt.b32 t, $2, $3, {SEL}; "
-        "lop3.b32 $0, t, 983055, 1677747200, 0xea; "  # 0x000F000F, 0x64006400
-        "lop3.b32 $1, t, 15728880, 1677747200, 0xea; }",  # 0x00F000F0
+        f"{{ .reg .b32 t, o, x, y; prmt.b32 t, $2, $3, {SEL}; mov.b32 o, 1677747200; "
+        "lop3.b32 x, t, 983055, 1677747200, 0xea; "  # 0x000F000F, 0x64006400
+        "lop3.b32 y, t, 15728880, 1677747200, 0xea; "  # 0x00F000F0
+        "sub.f16x2 $0, x, o; sub.f16x2 $1, y, o; }",
         "=r,=r,r,r",
         [_joined(a, b)],
         dtype=(gl.float16, gl.float16),
@@ -525,7 +536,7 @@ def _q_chunk_rows(qrot, CQ: gl.constexpr):
 def _k_operand_pairs(kw):
     """B operand [32 channels, 64 tokens] of 4-bit K codes in the order of :func:`_k_codes`,
     unpacked by :func:`_nibble_pairs`: token columns of odd nibbles (odd ``n // 8``) hold
-    ``1024 + 16 c``, the others ``1024 + c``."""
+    ``16 c``, the others ``c``."""
     ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
     n0, n1 = _nibble_pairs(ka, kb, 0)
     n2, n3 = _nibble_pairs(ka, kb, 1)
@@ -577,14 +588,18 @@ def _v_factor_cols(INVERSE: gl.constexpr):
 
 
 @gluon.jit
-def _scores_chunk(s, qz, corr, q_rot, kcs, kzp, kw):
-    """Scores of one 32-channel chunk on codes offset by 1024, and ``1024 * sum(qs)`` per row
-    (one extra n8 column of 1024s) to take the offset out exactly where it cancels least:
-    in the row's zero-point term."""
-    qs = gl.convert_layout((q_rot * kcs[None, :]).to(gl.float16), _OPA, assert_trivial=True)
+def _scores_chunk(s, qz, q_rot, kcs, kzp, kw):
+    """Scores of one 32-channel chunk: ``q_rot * s_col_K`` enters as two fp16 operands
+    ``hi + lo`` (relative error about 2^-22 instead of 2^-12; see ``decode_mma_t._qs_t`` for
+    the records that need it), each meeting the same code operand."""
+    x = q_rot * kcs[None, :]
+    hi = x.to(gl.float16)
+    lo = (x - hi.to(gl.float32)).to(gl.float16)
+    qs = gl.convert_layout(hi, _OPA, assert_trivial=True)
+    qt = gl.convert_layout(lo, _OPA, assert_trivial=True)
     qz = qz + gl.sum(q_rot * kzp[None, :], axis=1)
-    corr = mma_v2(qs, gl.full([32, 8], 1024.0, gl.float16, _OPB), corr)
-    return mma_v2(qs, _k_operand_pairs(kw), s), qz, corr
+    kop = _k_operand_pairs(kw)
+    return mma_v2(qs, kop, mma_v2(qt, kop, s)), qz
 
 
 @gluon.jit
@@ -599,16 +614,19 @@ def _values_chunk(acc, alpha, pw, pt, va, vb, vcs, CQ: gl.constexpr, VB: gl.cons
 
 
 @gluon.jit
-def _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB: gl.constexpr):
-    """cp.async of a record's K words [8 * chunk + i, lane] and V words [i * HV + h, lane]."""
+def _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB: gl.constexpr, G: gl.constexpr):
+    """cp.async of the K words [8 * chunk + i, lane] and V words [i * HV + h, lane] of the
+    64-token half ``half`` of a G-token record (channel ``d``'s K words are ``d * G / 8 ..``,
+    a half's eight follow ``8 * half`` of them; V rows are tokens)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 128 * VB // 32
-    # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w
+    # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w of the half
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CPK))
     ln = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPK))
-    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * 8 + (ln[None, :] >> 2)
-    async_copy.async_copy_global_to_shared(sk, r32 + K_OFF // 4 + koff, mask=(koff >= 0) & ok)
-    # V: row i * HV + h, lane c + 4 g: token 16 c + i, word g * HV + h
+    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * (G // 8) + (ln[None, :] >> 2)
+    kbase = r32 + K_OFF // 4 + half * 8
+    async_copy.async_copy_global_to_shared(sk, kbase + koff, mask=(koff >= 0) & ok)
+    # V: row i * HV + h, lane c + 4 g: token 16 c + i of the half, word g * HV + h
     CPV: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[16 * HV, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
     )
@@ -616,11 +634,12 @@ def _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB: gl.constexpr):
     vl = gl.arange(0, 32, layout=gl.SliceLayout(0, CPV))
     tok = (vl[None, :] & 3) * 16 + vr[:, None] // HV
     voff = tok * WV + (vl[None, :] >> 2) * HV + vr[:, None] % HV
-    async_copy.async_copy_global_to_shared(sv, r32 + V_OFF // 4 + voff, mask=(voff >= 0) & ok)
+    vbase = r32 + V_OFF // 4 + half * (64 * WV)
+    async_copy.async_copy_global_to_shared(sv, vbase + voff, mask=(voff >= 0) & ok)
 
 
 @gluon.jit
-def _stage_kchan(skc, skz, r16, ok, KCS_OFF):
+def _stage_kchan(skc, skz, r16, ok, KCS_OFF, KZP_OFF):
     """cp.async of the K column scales and zero points as [4, 32] (both kernels read them in
     runs of 8 channels per lane)."""
     c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP32))
@@ -628,7 +647,7 @@ def _stage_kchan(skc, skz, r16, ok, KCS_OFF):
     o32 = c32[:, None] * 32 + j32[None, :]
     m32 = (o32 >= 0) & ok
     async_copy.async_copy_global_to_shared(skc, r16 + KCS_OFF // 2 + o32, mask=m32)
-    async_copy.async_copy_global_to_shared(skz, r16 + KCS_OFF // 2 + 128 + o32, mask=m32)
+    async_copy.async_copy_global_to_shared(skz, r16 + KZP_OFF // 2 + o32, mask=m32)
 
 
 @gluon.jit
@@ -644,24 +663,32 @@ def _stage_block(
     r32,
     r16,
     ok,
-    K_OFF,
-    KCS_OFF,
-    V_OFF,
-    VCS_OFF,
+    half,
+    K_OFF: gl.constexpr,
+    KCS_OFF: gl.constexpr,
+    KZP_OFF: gl.constexpr,
+    KRS_OFF: gl.constexpr,
+    V_OFF: gl.constexpr,
+    VCS_OFF: gl.constexpr,
+    VRS_OFF: gl.constexpr,
+    VZP_OFF: gl.constexpr,
     VB: gl.constexpr,
+    G: gl.constexpr,
 ):
-    """Issue the cp.async copies of one record into a stage (nothing read when ``ok`` is
-    false): K words lane-major [chunk, i, lane], V words [i, h, lane], the K scale fields
-    (s_col, zero point, s_row: 320 fp16) and the V ones (s_col, s_row, zero point: 256)."""
-    _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB)
-    _stage_kchan(skc, skz, r16, ok, KCS_OFF)
+    """Issue the cp.async copies of one 64-token half of a record into a stage (nothing read
+    when ``ok`` is false): K words lane-major [chunk, i, lane], V words [i, h, lane], the K
+    scale fields (s_col, zero point, the half's s_row: 320 fp16) and the V ones (s_col, the
+    half's s_row and zero point: 256); field offsets in bytes."""
+    _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G)
+    _stage_kchan(skc, skz, r16, ok, KCS_OFF, KZP_OFF)
     c16 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP16))
     j16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP16))
     o16 = c16[:, None] * 16 + j16[None, :]
     m16 = (o16 >= 0) & ok
-    async_copy.async_copy_global_to_shared(skr, r16 + KCS_OFF // 2 + 256 + o16, mask=m16)
-    async_copy.async_copy_global_to_shared(svr, r16 + VCS_OFF // 2 + 128 + o16, mask=m16)
-    async_copy.async_copy_global_to_shared(svz, r16 + VCS_OFF // 2 + 192 + o16, mask=m16)
+    r16h = r16 + half * 64
+    async_copy.async_copy_global_to_shared(skr, r16h + KRS_OFF // 2 + o16, mask=m16)
+    async_copy.async_copy_global_to_shared(svr, r16h + VRS_OFF // 2 + o16, mask=m16)
+    async_copy.async_copy_global_to_shared(svz, r16h + VZP_OFF // 2 + o16, mask=m16)
     cv = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CPV16)))
     xv = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CPV16)))
     jv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CPV16)))
@@ -682,23 +709,31 @@ def _stage_block_t(
     r32,
     r16,
     ok,
-    K_OFF,
-    KCS_OFF,
-    V_OFF,
-    VCS_OFF,
+    half,
+    K_OFF: gl.constexpr,
+    KCS_OFF: gl.constexpr,
+    KZP_OFF: gl.constexpr,
+    KRS_OFF: gl.constexpr,
+    V_OFF: gl.constexpr,
+    VCS_OFF: gl.constexpr,
+    VRS_OFF: gl.constexpr,
+    VZP_OFF: gl.constexpr,
     VB: gl.constexpr,
+    G: gl.constexpr,
 ):
-    """cp.async copies of one record: the K and V words as in ``decode_mma``, the K channel
-    vectors as [4, 32], the token vectors as [8, 8] and the V column scales as [8, 16]."""
-    _stage_words(sk, sv, r32, ok, K_OFF, V_OFF, VB)
-    _stage_kchan(skc, skz, r16, ok, KCS_OFF)
+    """cp.async copies of one 64-token half of a record: the K and V words as in
+    ``decode_mma``, the K channel vectors as [4, 32], the half's token vectors as [8, 8] and
+    the V column scales as [8, 16]."""
+    _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G)
+    _stage_kchan(skc, skz, r16, ok, KCS_OFF, KZP_OFF)
     g8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP88))
     i8 = gl.arange(0, 8, layout=gl.SliceLayout(0, _CP88))
     o8 = g8[:, None] * 8 + i8[None, :]
     m8 = (o8 >= 0) & ok
-    async_copy.async_copy_global_to_shared(skr, r16 + KCS_OFF // 2 + 256 + o8, mask=m8)
-    async_copy.async_copy_global_to_shared(svr, r16 + VCS_OFF // 2 + 128 + o8, mask=m8)
-    async_copy.async_copy_global_to_shared(svz, r16 + VCS_OFF // 2 + 192 + o8, mask=m8)
+    r16h = r16 + half * 64
+    async_copy.async_copy_global_to_shared(skr, r16h + KRS_OFF // 2 + o8, mask=m8)
+    async_copy.async_copy_global_to_shared(svr, r16h + VRS_OFF // 2 + o8, mask=m8)
+    async_copy.async_copy_global_to_shared(svz, r16h + VZP_OFF // 2 + o8, mask=m8)
     g16 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP816))
     i16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP816))
     o16 = g16[:, None] * 16 + i16[None, :]
@@ -725,26 +760,77 @@ def _issue_stage(
     REC: gl.constexpr,
     K_OFF: gl.constexpr,
     KCS_OFF: gl.constexpr,
+    KZP_OFF: gl.constexpr,
+    KRS_OFF: gl.constexpr,
     V_OFF: gl.constexpr,
     VCS_OFF: gl.constexpr,
+    VRS_OFF: gl.constexpr,
+    VZP_OFF: gl.constexpr,
     VB: gl.constexpr,
+    G: gl.constexpr,
     T_LAYOUT: gl.constexpr,
 ):
-    """Stage block ``uu`` of the request (nothing is read past ``u1``) into the given stage
+    """Stage 64-token unit ``uu`` of the request (half ``uu % (G / 64)`` of the record of
+    block-table entry ``uu // (G / 64)``; nothing is read from ``u1`` on) into the given stage
     buffers and commit the copy group: the 16-row layout of the scale vectors, or with
     ``T_LAYOUT`` the one of ``decode_mma_t``."""
-    blk = gl.load(bt_row + gl.minimum(uu, u1 - 1)).to(gl.int64)
+    HALVES: gl.constexpr = G // 64
+    uc = gl.minimum(uu, u1 - 1)
+    blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
+    half = uc % HALVES
     rbase = blk * num_kv_heads + h
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
     ok = uu < u1
     if T_LAYOUT:
         _stage_block_t(
-            sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, K_OFF, KCS_OFF, V_OFF, VCS_OFF, VB
+            sk,
+            sv,
+            skc,
+            skz,
+            skr,
+            svc,
+            svr,
+            svz,
+            r32,
+            r16,
+            ok,
+            half,
+            K_OFF,
+            KCS_OFF,
+            KZP_OFF,
+            KRS_OFF,
+            V_OFF,
+            VCS_OFF,
+            VRS_OFF,
+            VZP_OFF,
+            VB,
+            G,
         )
     else:
         _stage_block(
-            sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, K_OFF, KCS_OFF, V_OFF, VCS_OFF, VB
+            sk,
+            sv,
+            skc,
+            skz,
+            skr,
+            svc,
+            svr,
+            svz,
+            r32,
+            r16,
+            ok,
+            half,
+            K_OFF,
+            KCS_OFF,
+            KZP_OFF,
+            KRS_OFF,
+            V_OFF,
+            VCS_OFF,
+            VRS_OFF,
+            VZP_OFF,
+            VB,
+            G,
         )
     async_copy.commit_group()
 
@@ -790,9 +876,8 @@ def _softmax_step(
 ):
     """Scores -> online softmax of one block: new (m, l), the rescale factor, the value
     MMAs' starting accumulator ``pt`` and the value operand ``fp16(p * s_row_V)``. Token
-    columns of odd nibbles ran on ``1024 + 16 c``: they take ``zo`` (16 times the zero-point
-    term, minus the offset) instead of ``ze``, and ``krs`` already holds 1/16 of their row
-    scale."""
+    columns of odd nibbles ran on ``16 c``: they take ``zo`` (16 times the zero-point term)
+    instead of ``ze``, and ``krs`` already holds 1/16 of their row scale."""
     s = (s + gl.where(_odd_nibble_cols()[None, :], zo[:, None], ze[:, None])) * krs[None, :]
     if T > 1:
         key = u * 64 + tok_of_col
@@ -841,6 +926,7 @@ def mma_decode_kernel(
     S: gl.constexpr,
     MIN_UNITS: gl.constexpr,
     NBUF: gl.constexpr,
+    G: gl.constexpr = 64,
 ):
     """Grid ``(S, B * Hkv)``, one warp: split ``program_id(0)`` of request ``b``'s full blocks
     for KV head ``h``; writes the normalized partial rows and their base-2 log-sum-exp to the
@@ -850,7 +936,8 @@ def mma_decode_kernel(
     b = bh // num_kv_heads
     h = bh % num_kv_heads
     seq_len = gl.load(seq_ptr + b)
-    n_full = seq_len // 64
+    # splits of whole records (the combine's formula); the loop walks their 64-token halves
+    n_full = seq_len // G
     if n_full == 0:
         return
     n_splits = gl.maximum(gl.minimum(S, (n_full + MIN_UNITS - 1) // MIN_UNITS), 1)
@@ -858,8 +945,8 @@ def mma_decode_kernel(
     n_live = (n_full + per - 1) // per
     if split >= n_live:
         return
-    u0 = split * per
-    u1 = gl.minimum(u0 + per, n_full)
+    u0 = split * per * (G // 64)
+    u1 = gl.minimum(split * per + per, n_full) * (G // 64)
 
     bt_row = bt_ptr + b.to(gl.int64) * bt_stride
     gl.static_assert(NBUF >= 2)
@@ -894,9 +981,14 @@ def mma_decode_kernel(
             REC,
             K_OFF,
             KCS_OFF,
+            KZP_OFF,
+            KRS_OFF,
             V_OFF,
             VCS_OFF,
+            VRS_OFF,
+            VZP_OFF,
             VB,
+            G,
             False,
         )
 
@@ -943,9 +1035,14 @@ def mma_decode_kernel(
             REC,
             K_OFF,
             KCS_OFF,
+            KZP_OFF,
+            KRS_OFF,
             V_OFF,
             VCS_OFF,
+            VRS_OFF,
+            VZP_OFF,
             VB,
+            G,
             False,
         )
         async_copy.wait_group(NBUF - 1)
@@ -957,26 +1054,24 @@ def mma_decode_kernel(
         vc = svc.index(cst)
         s = gl.full([16, 64], 0.0, gl.float32, _MMA)
         qz = gl.full([16], 0.0, gl.float32, _ROWS)
-        corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
-        s, qz, corr = _scores_chunk(
-            s, qz, corr, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0)
+        s, qz = _scores_chunk(
+            s, qz, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0)
         )
-        s, qz, corr = _scores_chunk(
-            s, qz, corr, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1)
+        s, qz = _scores_chunk(
+            s, qz, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1)
         )
-        s, qz, corr = _scores_chunk(
-            s, qz, corr, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2)
+        s, qz = _scores_chunk(
+            s, qz, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2)
         )
-        s, qz, corr = _scores_chunk(
-            s, qz, corr, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
+        s, qz = _scores_chunk(
+            s, qz, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
         )
-        cm = gl.max(corr, axis=1)
         kf = gl.where(_odd_nibble_cols(), 0.0625, 1.0)
         krs = _staged_tok(skr.index(cst)) * kf
         vrs = _staged_tok(svr.index(cst))
         vzp = _staged_tok(svz.index(cst))
         m, l, alpha, pt, pw = _softmax_step(
-            s, qz - cm, 16.0 * qz - cm, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB
+            s, qz, 16.0 * qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB
         )
         RDV: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[16 * HV, 1],

@@ -11,24 +11,24 @@ the renaming of tokens (``M`` index ``16 mt + 8 y + g`` of the scores is token `
 y``), the scale vectors' lane runs, and one shared-memory transpose per block of the softmax
 weights (C layout of ``S^T`` to B operand of ``O^T``).
 
-Unpacking takes 1.5 instructions per operand register for K and 1.25 for 2-bit V (2.25 and 2.5
-in ``decode_mma.py``): one ``prmt`` pairs a byte of two words and every code field of that byte
-is masked out of it in place by one ``lop3``, with no shift. A field that is not at the bottom
-of its fp16 mantissa carries a power-of-two factor: K's high nibbles become ``1024 + 16 c``
-(those token rows take 16 times the zero-point term and 1/16 of the row scale), 2-bit V fields
+Unpacking takes 2.5 instructions per operand register for K and 1.25 for 2-bit V (2.25 and 2.5
+before the nibble pairs): one ``prmt`` pairs a byte of two words and every code field of that
+byte is masked out of it in place by one ``lop3``, with no shift. A field that is not at the
+bottom of its fp16 mantissa carries a power-of-two factor: K's high nibbles become ``16 c``
+(those token rows take 16 times the zero-point term and 1/16 of the row scale; K codes have
+the 1024 of their mantissa trick subtracted, see ``decode_mma.py`` for why), 2-bit V fields
 become ``1 + c / F`` with F = 4, 256, 64, 16 for the fields at bits 0, 2, 4, 6 (the output
 accumulator is kept divided by F and multiplied back once at the end). All factors are exact
-powers of two. The score MMAs start from the zero-point term minus the offset instead of zero,
-the value MMAs from ``pz / F - sum(pw)``, so neither needs an fp32 pass over the tile
-afterwards; rows that are equal by construction (the zero-point and offset MMAs) are read from
-registers, not reduced across lanes.
+powers of two. The score MMAs start from the zero-point term instead of zero, the value MMAs
+from ``pz / F - sum(pw)``, so neither needs an fp32 pass over the tile afterwards; rows that
+are equal by construction (the zero-point MMAs) are read from registers, not reduced across
+lanes.
 
 The q side: ``q_rot^T`` is computed once per program as an MMA output and moved to the B
 operand layout; the zero-point term ``sum_d q_rot[d] zp_K[d]`` runs on the tensor cores (a row
-of ``zp_K`` times ``q_rot`` split into fp16 high and low parts), as does the ``1024 * sum(qs)``
-that the offset K codes add. The per-block score operand ``q_rot * s_col_K`` is formed in fp16x2
-arithmetic from q_rot's two parts (an ``fma`` of the high part on the rounded product of the low
-part: the correctly rounded product but for near-ties).
+of ``zp_K`` times ``q_rot`` split into fp16 high and low parts). The per-block score operand
+``q_rot * s_col_K`` is formed in fp16x2 arithmetic from q_rot's two parts as two fp16 operands
+``hi + lo`` (:func:`_split_product`), each of which meets every code operand.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _kchan(v, LAYOUT: gl.constexpr):
 @gluon.jit
 def _k_operand_a(kw):
     """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 4-bit K codes: token
-    rows of odd nibbles (``y = 1``) hold ``1024 + 16 c``, the others ``1024 + c``."""
+    rows of odd nibbles (``y = 1``) hold ``16 c``, the others ``c``."""
     ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
     n0, n1 = M._nibble_pairs(ka, kb, 0)
     n2, n3 = M._nibble_pairs(ka, kb, 1)
@@ -153,21 +153,45 @@ def _q_parts(qr, QB: gl.constexpr):
 
 
 @gluon.jit
-def _qs_t(qz, corr, qh, ql, kcs_run, kzp_run, QB: gl.constexpr):
-    """One 32-channel chunk's score operand ``qs = q_rot * s_col_K`` in fp16, from q_rot's
-    fp16 parts: ``fma(qh, s, fp16(ql * s))`` in fp16x2 arithmetic (the correctly rounded
-    product but for near-ties; four instructions per lane instead of twenty), ``qz += zp_K
-    q_rot`` (hi + lo) and ``corr += 1024 * sum(qs)`` (rows of the last two: all equal)."""
+def _split_product(qh, ql, s):
+    """``(qh + ql) * s`` as two fp16 terms ``hi + lo`` (relative error about 2^-21, against
+    2^-12 for the rounded product alone), in fp16x2 arithmetic: ``t = ql s``, ``hi = qh s +
+    t``, ``lo = (qh s - hi) + t`` (both ``qh s`` products inside an ``fma``, exact there);
+    five instructions per two channels."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t, n; mul.rn.f16x2 t, $3, $4; fma.rn.f16x2 $0, $2, $4, t; "
+        "xor.b32 n, $0, 0x80008000; fma.rn.f16x2 $1, $2, $4, n; add.rn.f16x2 $1, $1, t; }",
+        "=r,=r,r,r,r",
+        [qh, ql, s],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _qs_t(qz, qh, ql, kcs_run, kzp_run, QB: gl.constexpr):
+    """One 32-channel chunk's score operand ``qs = q_rot * s_col_K`` as two fp16 operands
+    ``hi + lo`` (:func:`_split_product`) and ``qz += zp_K q_rot`` (hi + lo; rows all equal).
+
+    One fp16 operand is not enough: a record whose zero-point term nearly cancels the code
+    term (large channel zero points and row scales, as on tokens with outsized keys) turns
+    the 2^-12 rounding of ``qs`` into score errors of tens of log2 units (measured offline on
+    a GPU parity record with row scales near 300: -19 on its top keys, whose output came out
+    2.8x off on the GPU); with ``hi + lo`` and exact codes that record's scores are within
+    0.001."""
     kcs = _kchan(kcs_run, gl.SliceLayout(1, QB))[:, None]
     qhl = gl.convert_layout(qh, QB, assert_trivial=True)
     qll = gl.convert_layout(ql, QB, assert_trivial=True)
-    qs = gl.convert_layout(qhl * kcs + qll * kcs, _OPB, assert_trivial=True)
+    kcs2 = gl.full(qhl.shape, 0.0, gl.float16, QB) + kcs
+    hi, lo = _split_product(qhl, qll, kcs2)
     zrow = _kchan(kzp_run, gl.SliceLayout(0, _OPA))
     za = gl.full([16, 32], 0.0, gl.float16, _OPA) + zrow[None, :]
     qz = mma_v2(za, qh, qz)
     qz = mma_v2(za, ql, qz)
-    corr = mma_v2(gl.full([16, 32], 1024.0, gl.float16, _OPA), qs, corr)
-    return qs, qz, corr
+    qs_hi = gl.convert_layout(hi, _OPB, assert_trivial=True)
+    qs_lo = gl.convert_layout(lo, _OPB, assert_trivial=True)
+    return qs_hi, qs_lo, qz
 
 
 @gluon.jit
@@ -264,6 +288,7 @@ def mma_decode_t_kernel(
     S: gl.constexpr,
     MIN_UNITS: gl.constexpr,
     NBUF: gl.constexpr,
+    G: gl.constexpr = 64,
 ):
     """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2)."""
     gl.static_assert(T * GQA <= 8)
@@ -274,7 +299,8 @@ def mma_decode_t_kernel(
     b = bh // num_kv_heads
     h = bh % num_kv_heads
     seq_len = gl.load(seq_ptr + b)
-    n_full = seq_len // 64
+    # splits of whole records (the combine's formula); the loop walks their 64-token halves
+    n_full = seq_len // G
     if n_full == 0:
         return
     n_splits = gl.maximum(gl.minimum(S, (n_full + MIN_UNITS - 1) // MIN_UNITS), 1)
@@ -282,8 +308,8 @@ def mma_decode_t_kernel(
     n_live = (n_full + per - 1) // per
     if split >= n_live:
         return
-    u0 = split * per
-    u1 = gl.minimum(u0 + per, n_full)
+    u0 = split * per * (G // 64)
+    u1 = gl.minimum(split * per + per, n_full) * (G // 64)
 
     # records staged by cp.async NBUF - 1 blocks ahead; the first copies are issued before q
     # is loaded and rotated, which hides their latency
@@ -317,9 +343,14 @@ def mma_decode_t_kernel(
             REC,
             K_OFF,
             KCS_OFF,
+            KZP_OFF,
+            KRS_OFF,
             V_OFF,
             VCS_OFF,
+            VRS_OFF,
+            VZP_OFF,
             VB,
+            G,
             True,
         )
 
@@ -369,9 +400,14 @@ def mma_decode_t_kernel(
             REC,
             K_OFF,
             KCS_OFF,
+            KZP_OFF,
+            KRS_OFF,
             V_OFF,
             VCS_OFF,
+            VRS_OFF,
+            VZP_OFF,
             VB,
+            G,
             True,
         )
         async_copy.wait_group(NBUF - 1)
@@ -381,22 +417,24 @@ def mma_decode_t_kernel(
         kc = skc.index(cst)
         kz = skz.index(cst)
         qz = gl.full([16, 8], 0.0, gl.float32, _MMA)
-        corr = gl.full([16, 8], 0.0, gl.float32, _MMA)
-        qs0, qz, corr = _qs_t(qz, corr, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), QB)
-        qs1, qz, corr = _qs_t(qz, corr, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), QB)
-        qs2, qz, corr = _qs_t(qz, corr, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), QB)
-        qs3, qz, corr = _qs_t(qz, corr, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
-        # the score MMAs start from the zero-point term minus the codes' 1024 offset; odd-
-        # nibble token rows run on 1024 + 16 c, so theirs is 16 qz - corr and their row
-        # scale is divided by 16 (exact)
+        qs0, qt0, qz = _qs_t(qz, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), QB)
+        qs1, qt1, qz = _qs_t(qz, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), QB)
+        qs2, qt2, qz = _qs_t(qz, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), QB)
+        qs3, qt3, qz = _qs_t(qz, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
+        # the score MMAs start from the zero-point term; odd-nibble token rows run on 16 c,
+        # so theirs is 16 qz and their row scale is divided by 16 (exact)
         qzg = _equal_rows(qz)
-        cg = _equal_rows(corr)
         odd = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0)) > 0.5
-        s = gl.where(odd[:, None], _rows_like(16.0 * qzg - cg, 64), _rows_like(qzg - cg, 64))
-        s = mma_v2(_k_operand_a(M._staged_kw(ck, 0)), qs0, s)
-        s = mma_v2(_k_operand_a(M._staged_kw(ck, 1)), qs1, s)
-        s = mma_v2(_k_operand_a(M._staged_kw(ck, 2)), qs2, s)
-        s = mma_v2(_k_operand_a(M._staged_kw(ck, 3)), qs3, s)
+        s = gl.where(odd[:, None], _rows_like(16.0 * qzg, 64), _rows_like(qzg, 64))
+        # each code operand meets both fp16 parts of qs (the low part's MMAs first)
+        ka = _k_operand_a(M._staged_kw(ck, 0))
+        s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
+        ka = _k_operand_a(M._staged_kw(ck, 1))
+        s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
+        ka = _k_operand_a(M._staged_kw(ck, 2))
+        s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
+        ka = _k_operand_a(M._staged_kw(ck, 3))
+        s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
         kf = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 1.0, 0.0625, 1.0, 0.0625))
         krs = _tok_rows(skr.index(cst).load(_RUNG8)) * kf
         s = s * krs[:, None]
