@@ -226,6 +226,43 @@ DECODE_CASES = [
 MMA_DECODE_CASES = {0, 1, 2, 3, 9, 10, 11, 12, 13, 14, 15}
 
 
+ILL_CONDITIONED_CASES = [
+    # (format, D, Hkv, GQA, T): the MMA kernels (8 and 16 rows, 128-token records), the
+    # Triton kernel's pipelined and K-phase loops
+    ("kvarn_k4v2_g64", 128, 2, 4, 1),
+    ("kvarn_k4v4_g64", 128, 1, 4, 4),
+    ("kvarn_k4v2_g128", 128, 1, 4, 1),
+    ("kvarn_k4v2_g64", 64, 1, 4, 1),
+    ("kvarn_k2v2_g64", 64, 1, 2, 2),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ILL_CONDITIONED_CASES)))
+def test_decode_ill_conditioned_keys(request, case):
+    """Records whose zero-point term nearly cancels the code term (the CPU suite's
+    ``make_cache(extreme=True)``), against the fp64 oracle with the yardstick of the
+    kernels' operand roundings and fp32 sums: the score operand ``q * s_col_K`` must keep
+    about 22 bits (a record of this kind, found by this suite, put one output row 2.8x off
+    when the MMA kernels fed it as one fp16 operand)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    os.environ["TRITON_INTERPRET"] = "0"  # the CPU test module defaults it to 1
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_decode as td
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("np_seed", seed))
+    fmt, d, hkv, gqa, t = ILL_CONDITIONED_CASES[case]
+    td.run_and_check(
+        np.random.default_rng(seed), fmt, d, hkv, gqa, t, [130, 200, 4100], torch.bfloat16,
+        device="cuda", operand_precision="fp16_tf32", extreme=True, emu_dtype=torch.float32,
+    )  # fmt: skip
+
+
 def _run_decode(cache, q, scale):
     b, t, hq, d = q.shape
     ws = kernels.decode_workspace(

@@ -3,9 +3,10 @@ the Triton interpreter on CPU.
 
 Tolerances (flash-attention rule): the kernel's max error against the float64 oracle must be
 at most ``ERR_FACTOR`` times the error of the same computation done with the kernel's operand
-roundings (``kvarn_ops.reference.decode(operand_precision="fp16")``: q * scale, q * s_col_K and
-p * s_row_V rounded to float16, fp32 operands whole as in the interpreter; the largest of four
-realizations, ``WEIGHT_SHIFTS``) plus ``ATOL`` times the output's scale.
+roundings (``kvarn_ops.reference.decode(operand_precision="fp16")``: q * scale and p * s_row_V
+rounded to float16, q * s_col_K to two float16 parts, fp32 operands whole as in the
+interpreter; the largest of four realizations, ``WEIGHT_SHIFTS``) plus ``ATOL`` times the
+output's scale.
 """
 
 from __future__ import annotations
@@ -61,9 +62,16 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return (stream.reshape(*codes.shape[:-1], nbytes, 8) << np.arange(8)).sum(-1).astype(np.uint8)
 
 
-def make_cache(rng, fmt: str, d: int, nblocks: int, hkv: int):
+def make_cache(rng, fmt: str, d: int, nblocks: int, hkv: int, extreme: bool = False):
     """Random records (codes and fp16 scales of realistic size) and their fp64 dequantization
-    [nblocks, hkv, G, D] for K and V."""
+    [nblocks, hkv, G, D] for K and V.
+
+    ``extreme``: K records like those of tokens with outsized keys: a quarter of the channels
+    have steps of 15..25 (over 15 codes), codes at the top of the range and zero points that
+    cancel them but for fp16 rounding, the others are small, and row scales are 10..30. The
+    code term and the zero-point term then cancel, and one fp16 rounding of ``q * s_col_K``
+    shifts a block's scores by about a log2 unit, differently per block (measured: outputs
+    30-180x over the tolerance with one fp16 operand, within it with two)."""
     lay = kf.dense_layout(fmt, d)
     f = kf.parse_format(fmt)
     g = lay.block_size
@@ -77,6 +85,15 @@ def make_cache(rng, fmt: str, d: int, nblocks: int, hkv: int):
     kcs = h16(rng.uniform(0.5, 1.5, (nblocks, hkv, d)) * 2.0 / ((1 << f.k_bits) - 1))
     kzp = h16(rng.uniform(-1.2, -0.8, (nblocks, hkv, d)))
     krs = h16(rng.uniform(0.5, 1.5, (nblocks, hkv, g)))
+    if extreme:
+        top = (1 << f.k_bits) - 1
+        big = np.zeros(d, bool)
+        big[rng.permutation(d)[: d // 4]] = True
+        step = rng.uniform(15.0, 25.0, (nblocks, hkv, d)) * 15.0 / top
+        kcs = h16(np.where(big, step, 0.1 * kcs.astype(np.float64)))
+        kzp = h16(np.where(big, -kcs.astype(np.float64) * top, 0.1 * kzp.astype(np.float64)))
+        ck[:, :, big, :] = top
+        krs = h16(rng.uniform(10.0, 30.0, (nblocks, hkv, g)))
     vcs = h16(rng.uniform(0.5, 1.5, (nblocks, hkv, d)))
     vrs = h16(rng.uniform(0.5, 1.5, (nblocks, hkv, g)) * 2.0 / ((1 << f.v_bits) - 1))
     vzp = h16(rng.uniform(-1.2, -0.8, (nblocks, hkv, g)))
@@ -139,9 +156,10 @@ WEIGHT_SHIFTS = (0.0, 0.25, 0.5, 0.75)
 the row max: the same error, other realizations. The yardstick is the largest of four."""
 
 
-def emulated_error(q, args, ref, operand_precision="fp16"):
+def emulated_error(q, args, ref, operand_precision="fp16", compute_dtype=torch.float64):
     """Max |emulation - oracle| over ``WEIGHT_SHIFTS``: the reference with the kernel's fp16
-    operand roundings, in fp64 (stored in fp32, 6e-8). ``"fp16_tf32"`` on a GPU, where the
+    operand roundings, in fp64 (stored in fp32, 6e-8), or with ``compute_dtype=float32`` also
+    with fp32 sums as the kernel's. ``"fp16_tf32"`` on a GPU, where the
     fp32-operand dots (the exact tail, the generic path) run as tf32 products; the
     interpreter computes them in full fp32 (``"fp16"``)."""
     ref_args = {k: v for k, v in args.items() if k != "q"}
@@ -149,19 +167,21 @@ def emulated_error(q, args, ref, operand_precision="fp16"):
     for shift in WEIGHT_SHIFTS:
         low = torch.empty(q.shape, dtype=torch.float32)
         reference.decode(
-            q, **ref_args, out=low, workspace=None, compute_dtype=torch.float64,
+            q, **ref_args, out=low, workspace=None, compute_dtype=compute_dtype,
             operand_precision=operand_precision, weight_shift=shift,
         )  # fmt: skip
         worst = max(worst, (low.double() - ref).abs().max().item())
     return worst
 
 
-def build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype=torch.float32):
+def build_case(
+    rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype=torch.float32, extreme=False
+):
     g = kf.dense_layout(fmt, d).block_size
     b = len(seq_lens)
     nfull = [n // g for n in seq_lens]
     nblocks = sum(nfull) + 3
-    packed, kq, vq, lay = make_cache(rng, fmt, d, nblocks, hkv)
+    packed, kq, vq, lay = make_cache(rng, fmt, d, nblocks, hkv, extreme)
     perm = rng.permutation(nblocks)
     max_blocks = max(nfull) + 2
     bt = np.full((b, max_blocks), -7, np.int32)  # unused entries hold garbage
@@ -214,8 +234,12 @@ def run_and_check(
     device="cpu",
     q_dtype=torch.float32,
     operand_precision="fp16",
+    extreme=False,
+    emu_dtype=torch.float64,
 ):
-    args, (kq, vq, pk, pv) = build_case(rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype)
+    args, (kq, vq, pk, pv) = build_case(
+        rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype, extreme
+    )
     q = args["q"]
     b = q.shape[0]
     g = args["layout"].block_size
@@ -240,7 +264,7 @@ def run_and_check(
         g,
         args["softmax_scale"],
     )
-    base = emulated_error(q, args, ref, operand_precision)
+    base = emulated_error(q, args, ref, operand_precision, emu_dtype)
     err = (out.double() - ref).abs().max().item()
     scale = ref.abs().max().item()
     tol = ERR_FACTOR * base + ATOL[out_dtype] * scale
@@ -275,6 +299,30 @@ def test_decode_matches_oracle(case):
     rng = np.random.default_rng([SEED, CASES.index(case)])
     seqs = [max(s, t) for s in SEQS[:3]] + SEQS[3:] if d <= 64 else [max(3, t), 65, 700]
     run_and_check(rng, fmt, d, hkv, gqa, t, seqs, pool, out_dtype)
+
+
+ILL_CONDITIONED_CASES = [
+    # (format, D, Hkv, GQA, T): the pipelined loop (4-bit K), the K-phase loop (2-bit K), the
+    # generic widths (5-bit K)
+    ("kvarn_k4v2_g64", 128, 1, 4, 1),
+    ("kvarn_k2v2_g64", 64, 1, 2, 2),
+    ("kvarn_k5v3_g64", 64, 1, 2, 1),
+]
+
+
+@pytest.mark.parametrize("case", ILL_CONDITIONED_CASES, ids=lambda c: f"{c[0]}-d{c[1]}")
+def test_ill_conditioned_keys(case):
+    """Records whose zero-point term nearly cancels the code term, with large row scales
+    (``make_cache(extreme=True)``): the kernel must keep ``q * s_col_K`` to about 2^-22, as
+    the emulation's two fp16 parts do. One fp16 operand fails here (a GPU parity run found
+    such a record: one output row 2.8x off)."""
+    fmt, d, hkv, gqa, t = case
+    rng = np.random.default_rng([SEED, 500 + ILL_CONDITIONED_CASES.index(case)])
+    # the yardstick sums in fp32 as the kernel does: these records amplify the fp32 rounding
+    # of the score sums (by the row scale times the cancellation) well above ATOL
+    run_and_check(
+        rng, fmt, d, hkv, gqa, t, [130, 200], torch.bfloat16, extreme=True, emu_dtype=torch.float32
+    )
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 64])

@@ -124,6 +124,16 @@ def _fwht(x, D: tl.constexpr):
 
 
 @triton.jit
+def _qs_parts(q_rot, kcs):
+    """``q_rot * s_col_K`` as two fp16 dot operands ``hi + lo`` (relative error about 2^-22;
+    one fp16 operand's 2^-12 is not enough on records whose zero-point term nearly cancels the
+    code term, see ``decode_mma_t._qs_t``)."""
+    x = q_rot * kcs[None, :]
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _load_codes(base_ptr, idx, BITS: tl.constexpr):
     """Generic unpack: code ``idx`` of a little-endian ``BITS``-bit stream, any width 2..8.
 
@@ -246,13 +256,14 @@ def _words_to_f16(w, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr)
 
 @triton.jit
 def _k_phase_scores(
-    qs, qz, kb, srow_k_ptr, tok, key_pos, q_pos, KB: tl.constexpr, SHIFT: tl.constexpr
+    qs, qt, qz, kb, srow_k_ptr, tok, key_pos, q_pos, KB: tl.constexpr, SHIFT: tl.constexpr
 ):
-    """Scores of one K phase: ``s_row_K[t] * (qs @ cK[:, tok] + qz)`` with the causal mask."""
+    """Scores of one K phase: ``s_row_K[t] * ((qs + qt) @ cK[:, tok] + qz)`` with the causal
+    mask (``qs + qt``: the two fp16 parts of ``q_rot * s_col_K``)."""
     mask: tl.constexpr = (1 << KB) - 1
     ck = ((kb >> SHIFT) & mask).to(tl.float16)
     srow = tl.load(srow_k_ptr + tok).to(tl.float32)
-    s = (tl.dot(qs, ck) + qz[:, None]) * srow[None, :]
+    s = (tl.dot(qs, ck, tl.dot(qt, ck)) + qz[:, None]) * srow[None, :]
     return tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
 
 
@@ -429,7 +440,7 @@ def _decode_split_kernel(
 
             # ---- block u: scores (codes enter the dot as exact fp16; one cross-warp
             # reduction per quantity and block, both K phases together)
-            qs = (q_rot * kcs.to(tl.float32)[None, :]).to(tl.float16)
+            qs, qt = _qs_parts(q_rot, kcs.to(tl.float32))
             qz = tl.sum(q_rot * kzp.to(tl.float32)[None, :], axis=1)
             kpos = u * G + tokA
             if NPK == 2:
@@ -443,14 +454,13 @@ def _decode_split_kernel(
                 )
                 krs = tl.reshape(tl.join(krsA, krsB), [2 * JK]).to(tl.float32)
                 kp2 = tl.reshape(tl.join(kpos, kpos + 1), [2 * JK])
-                s01 = (tl.dot(qs, ck) + qz[:, None]) * krs[None, :]
+                s01 = (tl.dot(qs, ck, tl.dot(qt, ck)) + qz[:, None]) * krs[None, :]
                 s01 = tl.where(kp2[None, :] <= q_pos[:, None], s01, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s01, axis=1))
                 p, p1 = tl.split(tl.reshape(tl.exp2(s01 - m_new[:, None]), [R_PAD, JK, 2]))
             else:
-                s0 = (tl.dot(qs, _words_to_f16(kw, 0, KB, ASM)) + qz[:, None]) * krsA.to(
-                    tl.float32
-                )[None, :]
+                ck = _words_to_f16(kw, 0, KB, ASM)
+                s0 = (tl.dot(qs, ck, tl.dot(qt, ck)) + qz[:, None]) * krsA.to(tl.float32)[None, :]
                 s0 = tl.where(kpos[None, :] <= q_pos[:, None], s0, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s0, axis=1))
                 p = tl.exp2(s0 - m_new[:, None])
@@ -507,7 +517,7 @@ def _decode_split_kernel(
             rec16 = rec16_ptr + (blk * num_kv_heads + h) * (REC // 2)
             kcs = tl.load(rec16 + KCS_OFF // 2 + dcol).to(tl.float32)
             kzp = tl.load(rec16 + KZP_OFF // 2 + dcol).to(tl.float32)
-            qs = (q_rot * kcs[None, :]).to(tl.float16)
+            qs, qt = _qs_parts(q_rot, kcs)
             qz = tl.sum(q_rot * kzp[None, :], axis=1)
             vcs0 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV).to(tl.float32)
             va0 = tl.zeros([R_PAD, DV], dtype=tl.float32)
@@ -523,7 +533,8 @@ def _decode_split_kernel(
                     tok = c0 + jk
                     kcodes = _load_codes(rec + K_OFF, dcol[:, None] * G + tok[None, :], KB)
                     srow = tl.load(rec16 + KRS_OFF // 2 + tok).to(tl.float32)
-                    s0 = (tl.dot(qs, kcodes.to(tl.float16)) + qz[:, None]) * srow[None, :]
+                    kc16 = kcodes.to(tl.float16)
+                    s0 = (tl.dot(qs, kc16, tl.dot(qt, kc16)) + qz[:, None]) * srow[None, :]
                     s0 = tl.where(u * G + tok[None, :] <= q_pos[:, None], s0, float("-inf"))
                     m_new, l, alpha, p0 = _online_update(m_tile, l, s0)
                     va0, va1, va2, va3, pz = _rescale5(va0, va1, va2, va3, pz, alpha)
@@ -556,12 +567,13 @@ def _decode_split_kernel(
                     ).to(tl.int32)
                     tok0 = c0 + jk * NPK
                     s0 = _k_phase_scores(
-                        qs, qz, kb, rec16 + KRS_OFF // 2, tok0, u * G + tok0, q_pos, KB, 0
+                        qs, qt, qz, kb, rec16 + KRS_OFF // 2, tok0, u * G + tok0, q_pos, KB, 0
                     )
                     m_new = tl.maximum(m_tile, tl.max(s0, axis=1))
                     if NPK >= 2:
                         s1 = _k_phase_scores(
                             qs,
+                            qt,
                             qz,
                             kb,
                             rec16 + KRS_OFF // 2,
@@ -575,6 +587,7 @@ def _decode_split_kernel(
                     if NPK >= 4:
                         s2 = _k_phase_scores(
                             qs,
+                            qt,
                             qz,
                             kb,
                             rec16 + KRS_OFF // 2,
@@ -586,6 +599,7 @@ def _decode_split_kernel(
                         )
                         s3 = _k_phase_scores(
                             qs,
+                            qt,
                             qz,
                             kb,
                             rec16 + KRS_OFF // 2,

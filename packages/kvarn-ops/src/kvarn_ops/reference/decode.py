@@ -32,9 +32,11 @@ MAX_QUERY_TOKENS = 8
 OPERAND_PRECISIONS = (None, "fp16", "fp16_tf32")
 """What ``decode(operand_precision=...)`` emulates. ``None``: every operand in the compute
 dtype. ``"fp16"``: the Triton decode's 16-bit operands (q times softmax_scale * log2(e) before
-the rotation, q times the K column scales, the softmax weights times the V row scales; sums
-stay in the compute dtype), with fp32 operands kept whole, as the Triton interpreter computes
-them. ``"fp16_tf32"``: the same on tensor cores, where fp32 dot operands (the exact tail's
+the rotation and the softmax weights times the V row scales rounded to fp16; q times the K
+column scales as two fp16 parts ``hi + lo``, as every decode kernel feeds it since one fp16
+operand proved too coarse on records whose zero-point term nearly cancels the code term;
+sums stay in the compute dtype), with fp32 operands kept whole, as the Triton interpreter
+computes them. ``"fp16_tf32"``: the same on tensor cores, where fp32 dot operands (the exact tail's
 q, K, p and V) keep 10 mantissa bits (truncated)."""
 
 _LOG2E = 1.4426950408889634
@@ -42,6 +44,12 @@ _LOG2E = 1.4426950408889634
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(x.dtype)
+
+
+def _fp16_pair(x: torch.Tensor) -> torch.Tensor:
+    """``hi + lo``: ``x`` rounded to fp16, plus its remainder rounded to fp16."""
+    hi = _fp16(x)
+    return hi + _fp16(x - hi)
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +90,8 @@ def _attend_request(
     f = record_fields(packed[blocks].reshape(n_full * hkv, layout.record_bytes), layout)
     view = {k: v.view(n_full, hkv, *v.shape[1:]).to(cd) for k, v in f.items()}
     # Packed keys, folded: [n, Hkv, D] query-side scales, codes fed raw.
-    q_scaled = r16(torch.einsum("tkgd,nkd->ntkgd", qr, view["k_col_scale"]))
+    r16x2 = _fp16_pair if operands else (lambda x: x)
+    q_scaled = r16x2(torch.einsum("tkgd,nkd->ntkgd", qr, view["k_col_scale"]))
     dots = torch.einsum("ntkgd,nkdj->ntkgj", q_scaled, view["k_codes"])
     bias = torch.einsum("tkgd,nkd->ntkg", qr, view["k_zero_point"])
     s_packed = (dots + bias[..., None]) * view["k_row_scale"][:, None, :, None, :]
