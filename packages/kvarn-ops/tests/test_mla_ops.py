@@ -308,13 +308,17 @@ def fp16_operand_decode(q, packed, bt, seq, bmap, pool, layout, scale):
     """Full-context decode with the Triton kernel's 16-bit operands, fp64 otherwise
     (``[B, H, 512]`` fp64, model frame). Per packed block (x[d, t] = (code * cs[d] + zp[d]) *
     rs[t], centered codes c = code - 2^(b-1), zpc = zp + 2^(b-1) * cs):
-    ``score = rs * (cmax * (fp16(q * cs / cmax) @ c) + q @ zpc) + q_rope @ rope`` (cmax =
+    ``score = rs * (cmax * (fp16x2(q * cs / cmax) @ c) + q @ zpc) + q_rope @ rope`` (cmax =
     max |cs|), and with the block's max score m_b and largest row scale rmax, ``pw =
     fp16(exp(score - m_b) * rs / rmax)`` enters ``out += exp(m_b - M) * rmax * (cs * (pw @ c^T)
     + zpc * sum(pw))``, ``l += exp(m_b - M) * sum(exp(score - m_b))``. Pool blocks: exact."""
 
     def f16(x):
         return x.to(torch.float16).to(torch.float64)
+
+    def f16x2(x):  # two fp16 parts, as the kernel feeds q * cs / cmax
+        hi = f16(x)
+        return hi + f16(x - hi)
 
     f = ref.record_tensors(packed, layout)
     center = 2 ** (layout.field("codes").bits - 1)
@@ -339,7 +343,7 @@ def fp16_operand_decode(q, packed, bt, seq, bmap, pool, layout, scale):
             c = f["codes"][blk, :, :v].to(torch.float64) - center
             rope = f["rope"][blk, :v].to(torch.float64)
             cmax = cs.abs().max()
-            qs = f16(qr * (cs / cmax))
+            qs = f16x2(qr * (cs / cmax))
             s = ((qs @ c) * cmax + (qr @ zpc)[:, None]) * rs + qe @ rope.T
             parts.append((s * scale, c, (cs, zpc, rs)))
         m_all = torch.stack([s.amax(dim=1) for s, _, _ in parts], dim=1).amax(dim=1)
@@ -432,6 +436,65 @@ def assert_near_oracle(o, model, o_ref, top):
     own = float((model - o_ref).abs().max())
     assert own <= YARDSTICK_ORACLE_BOUND * top, f"yardstick vs oracle {own / top:.2e} * max"
     assert float((o - o_ref).abs().max()) <= own + (2e-4 + 2**-10) * top
+
+
+def make_ill_conditioned(gen, packed, layout, blocks):
+    """Rewrite the records ``blocks`` of ``packed`` into ones like those of tokens with
+    outsized latents: a quarter of the channels with steps of 15..25 (over 15 codes), codes
+    at the top of the range and zero points that cancel them but for fp16 rounding, the other
+    channels' scales and zero points divided by 10, row scales 10..30. The code term and the
+    zero-point term then cancel, and one fp16 rounding of ``q * cs / cmax`` shifts a block's
+    scores by about a log2 unit, differently per block."""
+    bits = layout.field("codes").bits
+    top = (1 << bits) - 1
+    per = 64 * bits // 8  # code bytes of one channel (dim-major)
+    co, cso = layout.field("codes").offset, layout.field("col_scale").offset
+    zpo, rso = layout.field("zero_point").offset, layout.field("row_scale").offset
+    for blk in blocks:
+        rec = packed[blk]
+        cs = rec[cso : cso + 1024].view(torch.float16).double()
+        zp = rec[zpo : zpo + 1024].view(torch.float16).double()
+        big = torch.randperm(512, generator=gen)[:128]
+        step = (torch.rand(128, generator=gen, dtype=torch.float64) * 10 + 15) * 15 / top
+        cs, zp = cs / 10, zp / 10
+        cs[big] = step.to(torch.float16).double()
+        zp[big] = -cs[big] * top
+        for d in big.tolist():
+            rec[co + d * per : co + (d + 1) * per] = 255
+        rs = torch.rand(64, generator=gen, dtype=torch.float64) * 20 + 10
+        rec[cso : cso + 1024] = cs.to(torch.float16).view(torch.uint8)
+        rec[zpo : zpo + 1024] = zp.to(torch.float16).view(torch.uint8)
+        rec[rso : rso + 128] = rs.to(torch.float16).view(torch.uint8)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_decode_ill_conditioned_latents(gen, bits):
+    """Latent records whose zero-point term nearly cancels the code term: the kernel keeps
+    ``q * cs / cmax`` to about 2^-22 (two fp16 operands), as its yardstick does; one fp16
+    operand fails this test (measured: far over the yardstick allowance)."""
+    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
+    pool, _ = filled_pool(gen, 3, BF16)
+    packed = torch.zeros(6, layout.record_bytes, dtype=torch.uint8)
+    ref.mla_pack(
+        pool[0], pool[1], pool[2], i32(0, 1, 2, 0, 1, 2), torch.arange(6).int(), packed, layout
+    )
+    make_ill_conditioned(gen, packed, layout, [0, 1, 3, 4, 5])
+    bmap = i32(-1, -1, 2, -1, -1, -1)
+    bt = i32(0, 1, 2, 5, 4, 3, 5, 0).view(2, 4)
+    seq = i32(201, 256)
+    b, h = 2, 18
+    q = torch.randn(b, h, 576, generator=gen)
+    o_ref = torch.empty(b, h, 512)
+    ref.mla_decode(q, packed, bt, seq, bmap, pool[0], pool[1], pool[2], layout, 0.04, o_ref)
+    o = torch.full((b, h, 512), float("nan"))
+    kdec.mla_decode(
+        q, packed, bt, seq, bmap, pool[0], pool[1], pool[2], layout, 0.04, o,
+        ref.mla_decode_workspace(b, h, 2),
+    )  # fmt: skip
+    top = float(o_ref.abs().max())
+    model = fp16_operand_decode(q, packed, bt, seq, bmap, pool, layout, 0.04)
+    assert_near_yardstick(o, model, top)
+    assert_near_oracle(o, model, o_ref, top)
 
 
 @pytest.mark.parametrize(

@@ -393,14 +393,19 @@ def _chunk_scores(
     ASM: tl.constexpr,
 ):
     """Pass 1 of a packed block, one latent chunk ``q [BH, CH]``: the score sums
-    ``sa += (q * cs / cmax) @ codes`` (fp16 operands) and ``qz += q @ zpc``."""
+    ``sa += (q * cs / cmax) @ codes`` (16-bit codes; ``q * cs / cmax`` as two fp16 operands
+    ``hi + lo``, about 2^-22: one fp16 operand, 2^-12, is too coarse on records whose
+    zero-point term nearly cancels the code term, see ``decode_mma_t._qs_t``) and
+    ``qz += q @ zpc``."""
     CH: tl.constexpr = q.shape[1]
     cs = _chunk_scale(rec16_ptr, base, CS_OFF, C, CH)
     zpc = _chunk_scale(rec16_ptr, base, ZP_OFF, C, CH) + cs * (1 << (BITS - 1))
-    qs = (q * (cs / cmax)[None, :]).to(tl.float16)
+    x = q * (cs / cmax)[None, :]
+    qs = x.to(tl.float16)
+    qt = (x - qs.to(tl.float32)).to(tl.float16)
     qz = qz + tl.sum(q * zpc[None, :], axis=1)
     codes = _chunk_codes(w, rec32_ptr, base, C, CH, BITS, FAST, ASM, "evict_last")
-    return tl.dot(qs, codes, sa), qz
+    return tl.dot(qs, codes, tl.dot(qt, codes, sa)), qz
 
 
 @triton.jit
