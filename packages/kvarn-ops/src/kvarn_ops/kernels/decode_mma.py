@@ -783,55 +783,11 @@ def _issue_stage(
     r16 = rec16_ptr + rbase * (REC // 2)
     ok = uu < u1
     if T_LAYOUT:
-        _stage_block_t(
-            sk,
-            sv,
-            skc,
-            skz,
-            skr,
-            svc,
-            svr,
-            svz,
-            r32,
-            r16,
-            ok,
-            half,
-            K_OFF,
-            KCS_OFF,
-            KZP_OFF,
-            KRS_OFF,
-            V_OFF,
-            VCS_OFF,
-            VRS_OFF,
-            VZP_OFF,
-            VB,
-            G,
-        )
+        _stage_block_t(sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, half, K_OFF, KCS_OFF,
+                       KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
     else:
-        _stage_block(
-            sk,
-            sv,
-            skc,
-            skz,
-            skr,
-            svc,
-            svr,
-            svz,
-            r32,
-            r16,
-            ok,
-            half,
-            K_OFF,
-            KCS_OFF,
-            KZP_OFF,
-            KRS_OFF,
-            V_OFF,
-            VCS_OFF,
-            VRS_OFF,
-            VZP_OFF,
-            VB,
-            G,
-        )
+        _stage_block(sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, half, K_OFF, KCS_OFF,
+                     KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
     async_copy.commit_group()
 
 
