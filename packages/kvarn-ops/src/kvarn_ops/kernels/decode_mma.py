@@ -674,70 +674,36 @@ def _stage_block(
     VZP_OFF: gl.constexpr,
     VB: gl.constexpr,
     G: gl.constexpr,
+    T_LAYOUT: gl.constexpr,
 ):
     """Issue the cp.async copies of one 64-token half of a record into a stage (nothing read
     when ``ok`` is false): K words lane-major [chunk, i, lane], V words [i, h, lane], the K
-    scale fields (s_col, zero point, the half's s_row: 320 fp16) and the V ones (s_col, the
-    half's s_row and zero point: 256); field offsets in bytes."""
+    channel vectors (s_col, zero point) as [4, 32], the half's token vectors (K s_row, V s_row
+    and zero point) and the V column scales: [4, 16] and [4, 2, 16] for this file's kernel,
+    with ``T_LAYOUT`` [8, 8] and [8, 16] for ``decode_mma_t``; field offsets in bytes."""
     _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G)
     _stage_kchan(skc, skz, r16, ok, KCS_OFF, KZP_OFF)
-    c16 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP16))
-    j16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP16))
-    o16 = c16[:, None] * 16 + j16[None, :]
-    m16 = (o16 >= 0) & ok
+    if T_LAYOUT:
+        g8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP88))
+        i8 = gl.arange(0, 8, layout=gl.SliceLayout(0, _CP88))
+        ot = g8[:, None] * 8 + i8[None, :]
+        g16 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP816))
+        i16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP816))
+        oc = g16[:, None] * 16 + i16[None, :]
+    else:
+        c16 = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP16))
+        j16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP16))
+        ot = c16[:, None] * 16 + j16[None, :]
+        cv = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CPV16)))
+        xv = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CPV16)))
+        jv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CPV16)))
+        oc = cv[:, None, None] * 32 + xv[None, :, None] * 16 + jv[None, None, :]
+    mt = (ot >= 0) & ok
     r16h = r16 + half * 64
-    async_copy.async_copy_global_to_shared(skr, r16h + KRS_OFF // 2 + o16, mask=m16)
-    async_copy.async_copy_global_to_shared(svr, r16h + VRS_OFF // 2 + o16, mask=m16)
-    async_copy.async_copy_global_to_shared(svz, r16h + VZP_OFF // 2 + o16, mask=m16)
-    cv = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CPV16)))
-    xv = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CPV16)))
-    jv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CPV16)))
-    ov = cv[:, None, None] * 32 + xv[None, :, None] * 16 + jv[None, None, :]
-    async_copy.async_copy_global_to_shared(svc, r16 + VCS_OFF // 2 + ov, mask=(ov >= 0) & ok)
-
-
-@gluon.jit
-def _stage_block_t(
-    sk,
-    sv,
-    skc,
-    skz,
-    skr,
-    svc,
-    svr,
-    svz,
-    r32,
-    r16,
-    ok,
-    half,
-    K_OFF: gl.constexpr,
-    KCS_OFF: gl.constexpr,
-    KZP_OFF: gl.constexpr,
-    KRS_OFF: gl.constexpr,
-    V_OFF: gl.constexpr,
-    VCS_OFF: gl.constexpr,
-    VRS_OFF: gl.constexpr,
-    VZP_OFF: gl.constexpr,
-    VB: gl.constexpr,
-    G: gl.constexpr,
-):
-    """cp.async copies of one 64-token half of a record: the K and V words as in
-    ``decode_mma``, the K channel vectors as [4, 32], the half's token vectors as [8, 8] and
-    the V column scales as [8, 16]."""
-    _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G)
-    _stage_kchan(skc, skz, r16, ok, KCS_OFF, KZP_OFF)
-    g8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP88))
-    i8 = gl.arange(0, 8, layout=gl.SliceLayout(0, _CP88))
-    o8 = g8[:, None] * 8 + i8[None, :]
-    m8 = (o8 >= 0) & ok
-    r16h = r16 + half * 64
-    async_copy.async_copy_global_to_shared(skr, r16h + KRS_OFF // 2 + o8, mask=m8)
-    async_copy.async_copy_global_to_shared(svr, r16h + VRS_OFF // 2 + o8, mask=m8)
-    async_copy.async_copy_global_to_shared(svz, r16h + VZP_OFF // 2 + o8, mask=m8)
-    g16 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP816))
-    i16 = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP816))
-    o16 = g16[:, None] * 16 + i16[None, :]
-    async_copy.async_copy_global_to_shared(svc, r16 + VCS_OFF // 2 + o16, mask=(o16 >= 0) & ok)
+    async_copy.async_copy_global_to_shared(skr, r16h + KRS_OFF // 2 + ot, mask=mt)
+    async_copy.async_copy_global_to_shared(svr, r16h + VRS_OFF // 2 + ot, mask=mt)
+    async_copy.async_copy_global_to_shared(svz, r16h + VZP_OFF // 2 + ot, mask=mt)
+    async_copy.async_copy_global_to_shared(svc, r16 + VCS_OFF // 2 + oc, mask=(oc >= 0) & ok)
 
 
 @gluon.jit
@@ -782,12 +748,8 @@ def _issue_stage(
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
     ok = uu < u1
-    if T_LAYOUT:
-        _stage_block_t(sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, half, K_OFF, KCS_OFF,
-                       KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
-    else:
-        _stage_block(sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, half, K_OFF, KCS_OFF,
-                     KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
+    _stage_block(sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, half, K_OFF, KCS_OFF,
+                 KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G, T_LAYOUT)  # fmt: skip
     async_copy.commit_group()
 
 
