@@ -80,8 +80,8 @@ TARGETS = [GPUTarget("cuda", 90, 32), GPUTarget("cuda", 120, 32)]
 #: with aligned pointers, rounded up to 64 B. The benchmark target (k4v2 g64 d128 GQA 4 T 1) and
 #: the other cases not listed compile without spilling; the listed ones spill a little (T 8 with
 #: an fp8 pool, GQA 8 at g128, the generic widths, d64 GQA 3) or more (d512: 2.9-3.7 KB). The
-#: score operand's second fp16 part (``_qs_parts``) raised them: T 8 fp8 512 -> 576, k4v4 g128
-#: GQA 8 0 -> 104, d64 GQA 3 64 -> 168, d512 1.1-1.6 KB -> 2.9-3.7 KB.
+#: score operand's second fp16 part (``_common.f16_parts``) raised them: T 8 fp8 512 -> 576,
+#: k4v4 g128 GQA 8 0 -> 104, d64 GQA 3 64 -> 168, d512 1.1-1.6 KB -> 2.9-3.7 KB.
 SPILL_ALLOWANCE = {
     ("kvarn_k4v2_g64", 128, 4, 8, "float8_e4m3fn", "bfloat16"): 640,
     ("kvarn_k4v4_g128", 128, 8, 1, "float16", "float16"): 128,

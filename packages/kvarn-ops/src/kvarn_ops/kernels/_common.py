@@ -46,6 +46,7 @@ __all__ = [
     "clip_codes",
     "clip_ratio",
     "exact_in_tf32",
+    "f16_parts",
     "frexp_exponent",
     "gluon_modules",
     "hadamard_signs",
@@ -109,6 +110,16 @@ def pack_geometry(bits: int) -> tuple[int, int, int]:
     group = 8 // math.gcd(bits, 8)
     nb = bits * group // 8
     return group, nb, triton.next_power_of_2(nb)
+
+
+@triton.jit
+def f16_parts(x):
+    """``x`` (fp32) as two fp16 dot operands ``hi + lo``, relative error about 2^-22: the
+    decode kernels' score operand ``q * s_col``, where one fp16 operand's 2^-12 is not enough
+    on records whose zero-point term nearly cancels the code term (see
+    ``decode_mma_t._qs_t``)."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
 
 
 @triton.jit

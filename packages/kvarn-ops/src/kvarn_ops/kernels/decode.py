@@ -71,7 +71,7 @@ import triton.language as tl
 
 import kvarn_formats as kf
 from kvarn_ops import _validate as V
-from kvarn_ops.kernels._common import gluon_modules, mma_sync_device
+from kvarn_ops.kernels._common import f16_parts, gluon_modules, mma_sync_device
 
 __all__ = [
     "DECODE_MAX_QUERY_LEN",
@@ -121,16 +121,6 @@ def _fwht(x, D: tl.constexpr):
         lo, hi = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(lo + hi, lo - hi), [0, 2, 1]), [D])
     return x
-
-
-@triton.jit
-def _qs_parts(q_rot, kcs):
-    """``q_rot * s_col_K`` as two fp16 dot operands ``hi + lo`` (relative error about 2^-22;
-    one fp16 operand's 2^-12 is not enough on records whose zero-point term nearly cancels the
-    code term, see ``decode_mma_t._qs_t``)."""
-    x = q_rot * kcs[None, :]
-    hi = x.to(tl.float16)
-    return hi, (x - hi.to(tl.float32)).to(tl.float16)
 
 
 @triton.jit
@@ -440,7 +430,7 @@ def _decode_split_kernel(
 
             # ---- block u: scores (codes enter the dot as exact fp16; one cross-warp
             # reduction per quantity and block, both K phases together)
-            qs, qt = _qs_parts(q_rot, kcs.to(tl.float32))
+            qs, qt = f16_parts(q_rot * kcs.to(tl.float32)[None, :])
             qz = tl.sum(q_rot * kzp.to(tl.float32)[None, :], axis=1)
             kpos = u * G + tokA
             if NPK == 2:
@@ -517,7 +507,7 @@ def _decode_split_kernel(
             rec16 = rec16_ptr + (blk * num_kv_heads + h) * (REC // 2)
             kcs = tl.load(rec16 + KCS_OFF // 2 + dcol).to(tl.float32)
             kzp = tl.load(rec16 + KZP_OFF // 2 + dcol).to(tl.float32)
-            qs, qt = _qs_parts(q_rot, kcs)
+            qs, qt = f16_parts(q_rot * kcs[None, :])
             qz = tl.sum(q_rot * kzp[None, :], axis=1)
             vcs0 = tl.load(rec16 + VCS_OFF // 2 + iv * NPV).to(tl.float32)
             va0 = tl.zeros([R_PAD, DV], dtype=tl.float32)

@@ -76,6 +76,7 @@ from kvarn_ops.kernels._common import (
     INTERPRET,
     cast_rne,
     check_device,
+    f16_parts,
     gluon_modules,
     mma_sync_device,
     rotate_rows,
@@ -400,9 +401,7 @@ def _chunk_scores(
     CH: tl.constexpr = q.shape[1]
     cs = _chunk_scale(rec16_ptr, base, CS_OFF, C, CH)
     zpc = _chunk_scale(rec16_ptr, base, ZP_OFF, C, CH) + cs * (1 << (BITS - 1))
-    x = q * (cs / cmax)[None, :]
-    qs = x.to(tl.float16)
-    qt = (x - qs.to(tl.float32)).to(tl.float16)
+    qs, qt = f16_parts(q * (cs / cmax)[None, :])
     qz = qz + tl.sum(q * zpc[None, :], axis=1)
     codes = _chunk_codes(w, rec32_ptr, base, C, CH, BITS, FAST, ASM, "evict_last")
     return tl.dot(qs, codes, tl.dot(qt, codes, sa)), qz
