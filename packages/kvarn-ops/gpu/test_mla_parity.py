@@ -268,6 +268,43 @@ def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
     assert err <= 2 * 2**-10 + 2**-8, f"MLA decode error {err:.2e}"
 
 
+@pytest.mark.parametrize("kernel", ["default", "triton"])
+def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
+    """4-bit full context over latent records whose zero-point term nearly cancels the code
+    term (the CPU suite's ``make_ill_conditioned``): both kernels must keep ``q * cs / cmax``
+    to about 2^-22 (two fp16 operands; one fp16 operand fails the CPU version of this test
+    65-120x over its allowance)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    os.environ["TRITON_INTERPRET"] = "0"  # the CPU test module defaults it to 1
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_mla_ops as tm
+
+    if kernel == "triton":
+        monkeypatch.setattr(kdec, "MMA_KERNEL", False)
+    lens = [3000, 8192 + 17, 640]
+    layout, pool, packed, table, block_pool_map = _decode_cache(gen, 4, BF16, lens)
+    host = packed.cpu()
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=gen, device=DEVICE))
+    tm.make_ill_conditioned(torch.Generator().manual_seed(seed), host, layout, range(len(host)))
+    packed.copy_(host)
+    b, heads = len(lens), 16
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(b, heads, 576, generator=gen, device=DEVICE).to(BF16)
+    scale = 1 / math.sqrt(576)
+    args = (packed, table, seq, block_pool_map, *pool, layout, scale)
+    out = poison_(torch.empty(b, heads, 512, dtype=BF16, device=DEVICE))
+    ws = kdec.mla_decode_workspace(b, heads, device=DEVICE)
+    assert kdec._use_mma_kernel(4, q, False) == (kernel == "default")
+    kdec.mla_decode(q, *args, out, ws, None)
+    oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
+    ref.mla_decode(q, *args, oracle, None, None)
+    err = rel_err(out, oracle)
+    assert err <= 2 * 2**-10 + 2**-8, f"MLA decode error {err:.2e}"
+
+
 def test_decode_cuda_graph_replay(gen):
     """The 4-bit full-context decode (the Gluon kernel) captured once and replayed with new
     queries and longer contexts (one crossing into a spare packed block): no host sync inside,

@@ -391,9 +391,11 @@ def test_mla_mma_decode_compiles(target, pool):
     # per stage the whole record (codes 16 KB, channel scales and zero points 2 KB, row scales,
     # RoPE 8 KB); the score reduction 16 KB; within sm_120's 99 KB
     assert k.metadata.shared == nbuf * 26752 + 16384
-    # packed-block loop, per warp: 4 x (16 score + 2 offset) + 2 x 8 RoPE + 4 for the sum of
-    # the weights + 4 x 16 value MMAs = 156; the exact-pool loop 144
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 156 + 144
+    # packed-block loop, per warp: 4 x 2 x 16 score MMAs (the two fp16 parts of q * cs / cmax
+    # on exact codes, no offset column) + 2 x 8 RoPE + 4 for the sum of the weights + 4 x 16
+    # value MMAs = 212; the exact-pool loop 144
+    print(f"mla {pool} sm{target.arch}: {regs} registers, {frame} B spill frame")
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 212 + 144
     # codes unpacked two per prmt: 32 words x 8 codes per lane, twice (scores, values)
     assert ptx.count("prmt.b32") >= 256
     # the only shared-memory stores: the partial scores summed over the warps, in each loop

@@ -423,11 +423,11 @@ def _stack4(c0, c1, c2, c3):
 
 @gluon.jit
 def _k_nib(ka, kb, ka4, kb4, J: gl.constexpr):
-    # fp16 1024 + code (0x6400 | code): the 1024 leaves with the zero-point term
+    # fp16 code, exact: masked into the mantissa of 1024.0 (0x6400 | code), 1024 subtracted
     if J % 2 == 0:
-        r = _pair_bits(ka, kb, J // 2, 0x000F000F, 0x64006400)
+        r = _pair_bits(ka, kb, J // 2, 0x000F000F, 0x64006400, 0x64006400)
     else:
-        r = _pair_bits(ka4, kb4, J // 2, 0x000F000F, 0x64006400)
+        r = _pair_bits(ka4, kb4, J // 2, 0x000F000F, 0x64006400, 0x64006400)
     return r
 
 

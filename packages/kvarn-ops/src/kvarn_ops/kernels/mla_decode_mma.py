@@ -14,10 +14,11 @@ channel ``d``'s 64 codes are 8 consecutive 32-bit words, word ``j`` holding toke
 8 j + 7``, LSB first):
 
 - scores: the dense kernel's K path on the warp's 128 channels (a batched, 3-D ``mma_v2`` with
-  the warp index as batch), ``S_w = fp16(q_rot * cs / cmax_w) @ (1024 + code)``, the 1024
-  offset taken out by one extra MMA column of 1024s, plus the zero-point row term ``q_rot @ zp``
-  and 16 of the 64 RoPE dims (bf16 MMAs, the query's RoPE part split into two bf16 terms, so
-  fp16 and bf16 queries stay exact to 16 bits); the four warps' partial scores are summed
+  the warp index as batch), ``S_w = (q_rot * cs / cmax_w) @ code`` (exact codes; the
+  operand ``q_rot * cs / cmax_w`` as two fp16 parts ``hi + lo``, two MMAs per code operand),
+  plus the zero-point row term ``q_rot @ zp`` and 16 of the 64 RoPE dims (bf16 MMAs, the
+  query's RoPE part split into two bf16 terms, so fp16 and bf16 queries stay exact to 16
+  bits); the four warps' partial scores are summed
   through shared memory (``gl.sum`` over the warp axis), then every warp runs the same online
   softmax on the 16 x 64 block;
 - values: ``out[:, d] += rmax * (cs[d] * (pw @ code^T)[d] + zp[d] * sum(pw))`` with ``pw =
@@ -40,8 +41,8 @@ fp16 MMAs on the pool rows (fp8 pools exact, bf16 pools rounded to fp16), scaled
 fp8 pools. Their code is register hungry (gathered operands); in the packed loop it made ptxas
 spill there too.
 
-Numerics: the score operand is ``fp16(q_rot * qk_scale * cs / cmax_w)`` (``cmax_w`` the
-largest channel scale of the warp's 128 channels, ``qk_scale`` the softmax scale in base 2),
+Numerics: the score operand is ``q_rot * qk_scale * cs / cmax_w`` as two fp16 parts (``cmax_w``
+the largest channel scale of the warp's 128 channels, ``qk_scale`` the softmax scale in base 2),
 the value operand ``fp16(p * rs / rmax)``; zero-point terms, softmax and the running
 accumulators are fp32. Partial rows and natural-log log-sum-exps go to the same workspace as
 the Triton kernel's, merged by its combine kernel.
@@ -335,33 +336,38 @@ def _packed_scores(sk, scs, szp, q0, q1, q2, q3, rs):
     cmax = gl.where(cmax > 0.0, cmax, 1.0)
     inv = gl.expand_dims(1.0 / cmax, 1)  # [W, 1]
     s = gl.full([4, 16, 64], 0.0, gl.float32, _M3)
-    corr = gl.full([4, 16, 8], 0.0, gl.float32, _M3)
     qz = gl.full([4, 16], 0.0, gl.float32, _ROWS3)
-    s, qz, corr = _scores_chunk(s, qz, corr, q0, inv, scs, szp, sk, 0)
-    s, qz, corr = _scores_chunk(s, qz, corr, q1, inv, scs, szp, sk, 1)
-    s, qz, corr = _scores_chunk(s, qz, corr, q2, inv, scs, szp, sk, 2)
-    s, qz, corr = _scores_chunk(s, qz, corr, q3, inv, scs, szp, sk, 3)
-    # (cmax * (s - corr) + qz) * rs, as s * (cmax * rs) + (qz - cmax * corr) * rs
+    s, qz = _scores_chunk(s, qz, q0, inv, scs, szp, sk, 0)
+    s, qz = _scores_chunk(s, qz, q1, inv, scs, szp, sk, 1)
+    s, qz = _scores_chunk(s, qz, q2, inv, scs, szp, sk, 2)
+    s, qz = _scores_chunk(s, qz, q3, inv, scs, szp, sk, 3)
+    # (cmax * s + qz) * rs
     cm3 = _warp_vec(cmax)
     rs3 = gl.expand_dims(gl.expand_dims(rs, 0), 0)
-    base = gl.expand_dims(qz, 2) - cm3 * gl.expand_dims(gl.max(corr, axis=2), 2)
-    return s * (cm3 * rs3) + base * rs3
+    return s * (cm3 * rs3) + gl.expand_dims(qz, 2) * rs3
 
 
 @gluon.jit
-def _scores_chunk(s, qz, corr, q, inv, scs, szp, sk, CQ: gl.constexpr):
+def _scores_chunk(s, qz, q, inv, scs, szp, sk, CQ: gl.constexpr):
+    """Scores of chunk ``CQ`` (32 of each warp's 128 channels): ``q * cs / cmax`` as two fp16
+    operands ``hi + lo``
+    (about 2^-22; one fp16 operand is too coarse on records whose zero-point term nearly
+    cancels the code term, see ``decode_mma_t._qs_t``) on exact codes (``_k_codes``)."""
     kcs = _chan_from_run(scs.slice(8 * CQ, 8, dim=2).load(_RUN8)) * inv
     kzp = _chan_from_run(szp.slice(8 * CQ, 8, dim=2).load(_RUN8))
-    qs = gl.convert_layout((q * gl.expand_dims(kcs, 1)).to(gl.float16), _A3, assert_trivial=True)
+    x = q * gl.expand_dims(kcs, 1)
+    hi = x.to(gl.float16)
+    qs = gl.convert_layout(hi, _A3, assert_trivial=True)
+    qt = gl.convert_layout((x - hi.to(gl.float32)).to(gl.float16), _A3, assert_trivial=True)
     qz = qz + gl.sum(q * gl.expand_dims(kzp, 1), axis=2)
-    corr = mma_v2(qs, gl.full([4, 32, 8], 1024.0, gl.float16, _B3), corr)
     t = sk.slice(8 * CQ, 8, dim=1).load(_RDK3)  # [W, 8 i, 32 lanes]
     kw = gl.convert_layout(
         gl.reshape(gl.permute(gl.reshape(t, [4, 8, 8, 4]), [0, 3, 1, 2]), [4, 32, 8]),
         _KW3,
         assert_trivial=True,
     )
-    return mma_v2(qs, gl.convert_layout(_k_codes(kw), _B3, assert_trivial=True), s), qz, corr
+    kop = gl.convert_layout(_k_codes(kw), _B3, assert_trivial=True)
+    return mma_v2(qs, kop, mma_v2(qt, kop, s)), qz
 
 
 @gluon.jit
