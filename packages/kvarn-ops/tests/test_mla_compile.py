@@ -120,9 +120,13 @@ def _compile_all(arch: int) -> dict:
                     num_warps=4,
                 )
             # the full-context path at both widths kinds (word unpack k4, window unpack k5)
-            for sparse in (False,) if pname == "bf16" else (False, True):
+            for sparse, warps in (
+                ((False, mla_decode.NUM_WARPS), (False, mla_decode.NUM_WARPS_MANY))
+                if pname == "bf16"
+                else ((False, mla_decode.NUM_WARPS), (True, mla_decode.NUM_WARPS))
+            ):
                 build(
-                    f"decode-sparse{int(sparse)}-k{bits}-{pname}",
+                    f"decode-sparse{int(sparse)}-w{warps}-k{bits}-{pname}",
                     mla_decode._mla_decode_kernel,
                     {
                         **common,
@@ -152,7 +156,7 @@ def _compile_all(arch: int) -> dict:
                         "NC": 512 // mla_decode.CHUNK,
                         **offs,
                     },
-                    num_warps=mla_decode.NUM_WARPS,
+                    num_warps=warps,
                     maxnreg=mla_decode.MAXNREG,
                 )
     # The widest codes (the pack kernel's byte loop is longest), bf16 pool.
@@ -221,7 +225,7 @@ def test_every_mla_kernel_compiles(arch):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 16
+    assert len(results) == 17
     assert all(r["ptx"] for r in results.values()), results
     over = {n: r["shared"] for n, r in results.items() if r["shared"] > SHARED_LIMIT[arch]}
     assert not over, f"shared memory over the sm_{arch} limit {SHARED_LIMIT[arch]}: {over}"

@@ -17,7 +17,13 @@ Two launches per call:
    (every partial row and the exact tail read in one memory round trip after ``seq_len``'s,
    up to 16,384 fp32 of partial rows; tiles of ``SC`` splits beyond) and rotates the result
    back to the model frame by a fast Walsh-Hadamard transform (:func:`_fwht`; the exact
-   tail's q, when the combine computes it, the same way).
+   tail's q, when the combine computes it, the same way). On sm_90+ it is launched as the
+   main kernel's programmatic dependent: every main program signals it at its start, so the
+   combine's programs are placed as the main grid's last wave runs and its launch gap, the
+   tail's loads and the tail's attention overlap the main kernel; ``griddepcontrol.wait``
+   then orders its workspace reads after the main grid's writes (H200, graph replay: batch
+   1 at 32K 24.9 -> 22.1 us, batch 64 at 32K 764 -> 732 us). ``KVARN_DECODE_PDL=0`` turns it
+   off. A stream captured into a CUDA graph keeps the dependency.
 
 The split count follows the live context length read on the device: with ``n`` work units
 (full blocks, plus one for a non-empty tail), ``per = cdiv(n, min(S, cdiv(n, MIN_UNITS)))``
@@ -88,8 +94,6 @@ DECODE_MAX_GQA = 8
 DECODE_MIN_UNITS_PER_SPLIT = 2
 """A split gets at least this many work units (blocks) when the context allows: below that the
 fixed per-program cost (rotating q, writing a partial row) outweighs the blocks it reads."""
-DECODE_FAST_MAXNREG = 168
-"""Register cap of the pipelined loop when batch * KV heads >= 64 (see kernel_config)."""
 DECODE_MAX_SPLITS = 128
 """Upper bound on the split count a workspace is sized for."""
 _CODE_REG_BUDGET = 8192
@@ -303,7 +307,10 @@ def _decode_split_kernel(
     FAST: tl.constexpr,
     ASM: tl.constexpr,
     TAIL_IN_COMBINE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # the combine may launch now (it waits for this grid before reading its output)
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // num_kv_heads
@@ -754,6 +761,27 @@ def _rescale5(va0, va1, va2, va3, pz, alpha):
 # combine kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _tail_attention(q_row, kx, vx, k_sc, v_sc, t_ok, D: tl.constexpr, POOL_FP8: tl.constexpr):
+    """Attention of one query row (fp32, model frame, times ``qk_scale``) over the exact tail
+    tokens ``t_ok`` of ``kx`` / ``vx`` in fp32: the unnormalized output row, the weights' sum
+    and the base-2 log-sum-exp."""
+    # q_rot[j] = sum_i q[i] H[i, j] by a fast Walsh-Hadamard transform
+    q_rot = _fwht(q_row, D) * (1.0 / tl.sqrt(D * 1.0))
+    kx = kx.to(tl.float32)
+    if POOL_FP8:
+        kx = kx * k_sc[:, None]
+    st = tl.where(t_ok, tl.sum(kx * q_rot[None, :], axis=1), float("-inf"))
+    m_t = tl.max(st, axis=0)
+    p_t = tl.where(t_ok, tl.exp2(st - m_t), 0.0)
+    l_t = tl.sum(p_t, axis=0)
+    if POOL_FP8:
+        p_t = p_t * v_sc
+    o_t = tl.sum(p_t[:, None] * vx.to(tl.float32), axis=0)
+    lse_t = tl.where(l_t > 0.0, m_t + tl.log2(tl.where(l_t > 0.0, l_t, 1.0)), float("-inf"))
+    return o_t, l_t, lse_t
+
+
+@triton.jit
 def _decode_combine_kernel(
     ws_ptr,
     seq_ptr,
@@ -779,6 +807,7 @@ def _decode_combine_kernel(
     T: tl.constexpr,
     GQA: tl.constexpr,
     POOL_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per query row: merge the live splits' partial rows (and, with ``TAIL``, the
     exact tail's attention, computed here in fp32) and rotate back to the model frame.
@@ -786,7 +815,10 @@ def _decode_combine_kernel(
     Global reads come in two dependent rounds: the row's ``seq_len`` (with the query row and
     the tail's pool block, which do not depend on it), then every log-sum-exp, partial row
     and tail token at once when ``SC >= S_P2`` (one tile of all splits); a smaller ``SC``
-    adds one round per further tile of ``SC`` splits."""
+    adds one round per further tile of ``SC`` splits. With ``PDL`` (launched as the main
+    kernel's programmatic dependent, sm_90+) the program may start while the main kernel
+    runs: the tail's loads and its attention come first, then ``griddepcontrol.wait`` (the
+    main kernel's writes become visible), then the workspace reads."""
     row = tl.program_id(0).to(tl.int64)
     b = row // rows_per_request
     d = tl.arange(0, D)
@@ -804,15 +836,9 @@ def _decode_combine_kernel(
     n_splits = tl.maximum(tl.minimum(S, tl.cdiv(n_units, MIN_UNITS)), 1)
     per = tl.maximum(tl.cdiv(n_units, n_splits), 1)
     n_live = tl.cdiv(n_units, per)
-    # round 2: everything the row needs, issued before any of it is used
+    # round 2: everything the row needs, issued before any of it is used (with PDL: the
+    # tail's part first, the workspace's after the wait)
     sp = tl.arange(0, S_P2)
-    lse = tl.load(ws_ptr + row * S + sp, mask=sp < n_live, other=float("-inf"))
-    if SC >= S_P2:
-        part0 = tl.load(
-            ws_ptr + lse_numel + (row * S + sp)[:, None] * D + d[None, :],
-            mask=(sp < n_live)[:, None],
-            other=0.0,
-        )
     if TAIL:
         # the exact tail (seq_len % G newest tokens of pool block tail_pool_block[b]) in fp32
         h = (row % num_q_heads) // GQA
@@ -825,21 +851,24 @@ def _decode_combine_kernel(
         if POOL_FP8:
             k_sc = tl.load(ks_ptr + slot, mask=t_ok, other=0.0)
             v_sc = tl.load(vs_ptr + slot, mask=t_ok, other=0.0)
+        else:
+            k_sc = None
+            v_sc = None
+        if PDL:
+            o_t, l_t, lse_t = _tail_attention(qv, kx, vx, k_sc, v_sc, t_ok, D, POOL_FP8)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    lse = tl.load(ws_ptr + row * S + sp, mask=sp < n_live, other=float("-inf"))
+    if SC >= S_P2:
+        part0 = tl.load(
+            ws_ptr + lse_numel + (row * S + sp)[:, None] * D + d[None, :],
+            mask=(sp < n_live)[:, None],
+            other=0.0,
+        )
     lse_max = tl.max(lse, axis=0)
     if TAIL:
-        # q_rot[j] = sum_i q[i] H[i, j] by a fast Walsh-Hadamard transform
-        q_rot = _fwht(qv, D) * (1.0 / tl.sqrt(D * 1.0))
-        kx = kx.to(tl.float32)
-        if POOL_FP8:
-            kx = kx * k_sc[:, None]
-        st = tl.where(t_ok, tl.sum(kx * q_rot[None, :], axis=1), float("-inf"))
-        m_t = tl.max(st, axis=0)
-        p_t = tl.where(t_ok, tl.exp2(st - m_t), 0.0)
-        l_t = tl.sum(p_t, axis=0)
-        if POOL_FP8:
-            p_t = p_t * v_sc
-        o_t = tl.sum(p_t[:, None] * vx.to(tl.float32), axis=0)
-        lse_t = tl.where(l_t > 0.0, m_t + tl.log2(tl.where(l_t > 0.0, l_t, 1.0)), float("-inf"))
+        if not PDL:
+            o_t, l_t, lse_t = _tail_attention(qv, kx, vx, k_sc, v_sc, t_ok, D, POOL_FP8)
         top = tl.maximum(lse_max, lse_t)
         w_t = tl.where(l_t > 0.0, tl.exp2(lse_t - top), 0.0)
         o = o_t * tl.where(l_t > 0.0, w_t / tl.where(l_t > 0.0, l_t, 1.0), 0.0)
@@ -910,10 +939,9 @@ def kernel_config(
     query_len: int,
     num_splits: int,
     pool_fp8: bool,
-    kv_rows: int | None = None,
 ) -> tuple[dict, dict]:
     """Constexprs and launch options of the split kernel for one geometry (also used by the
-    offline compile tests). ``kv_rows`` is batch * KV heads (programs per split), when known."""
+    offline compile tests)."""
     c = _layout_consts(format_name, head_dim)
     kb, g, d = c["KB"], c["G"], head_dim
     npk = 8 // kb if 8 % kb == 0 else 1
@@ -949,19 +977,18 @@ def kernel_config(
         TAIL_IN_COMBINE=False,
         **c,
     )
-    opts = dict(num_warps=4 if d <= 128 else 8, num_stages=1)
-    if (
-        fast
-        and opts["num_warps"] == 4
-        and kv_rows is not None
-        and kv_rows >= 64
-        and not _interpreting()
-    ):
-        # 168 registers (from ~210): 3 programs per SM instead of 2, at 16 B of spill. H200,
-        # k4v2 g64 d128: B=64 32K 17.5 -> 18.8% of copy BW, B=32 16K 16.9 -> 18.6%, B=8 32K
-        # 12.7 -> 15.8%; but batch 1 (8 KV heads) lost 4.0 -> 3.7% at 32K, 13.5 -> 11.9% at
-        # 128K, hence the row-count gate
-        opts["maxnreg"] = DECODE_FAST_MAXNREG
+    # warps per program, measured on the H200 (CUDA-graph replay, 12 geometries of at most 16
+    # query rows per KV head: d64/d128/d256, 2- to 8-bit codes, batch 1-32;
+    # benchmarks/results/decode_h200_2026-12-02_triton_warps.json): 2 warps for d <= 128 were
+    # 1.0-2.7x faster than 4 (d64 k4v2 B=32 16K 1,697 -> 614 us; k5v5 d128 2,395 -> 1,757 us;
+    # k8v8 1,043 -> 757 us) although they spill (offline: up to ~0.9 KB of stack), 4 warps for
+    # d256 1.1-1.3x faster than 8; the former register cap of 168 at batch * KV heads >= 64 was
+    # slower everywhere once the score operand took two fp16 parts. More than 16 rows (T > 1
+    # verification) and d512 keep 4 / 8 warps: not measured.
+    if consts["R_PAD"] == 16 and d <= 256:
+        opts = dict(num_warps=2 if d <= 128 else 4, num_stages=1)
+    else:
+        opts = dict(num_warps=4 if d <= 128 else 8, num_stages=1)
     return consts, opts
 
 
@@ -1101,6 +1128,10 @@ _MMA_TRANSPOSED = True
 (``decode_mma_t.py``)."""
 _MMA_MAXNREG: int | None = None
 """Register cap of the MMA kernel (None: the compiler's choice, 253 at k4v2)."""
+_PDL_TRIGGER = True
+"""With programmatic dependent launch: the main kernel's programs signal the combine at their
+start (``griddepcontrol.launch_dependents``), so its programs can be resident once the main
+grid's last wave is; False leaves the signal to each program's exit."""
 _TAIL_IN_COMBINE = False
 """Triton split kernel only: leave the exact tail to the combine kernel, as the MMA kernel
 always does (tests set it to check that combine path under the interpreter)."""
@@ -1117,6 +1148,14 @@ def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
     return mods is not None and mods[0].mma_decode_supported(
         c["KB"], c["VB"], c["G"], q.shape[3], rows
     )
+
+
+def _use_pdl(q: torch.Tensor) -> bool:
+    """Whether the combine launches as the main kernel's programmatic dependent (sm_90+, CUDA,
+    compiled; ``KVARN_DECODE_PDL=0`` turns it off)."""
+    if os.environ.get("KVARN_DECODE_PDL") == "0" or _interpreting() or q.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(q.device) >= (9, 0)
 
 
 @functools.cache
@@ -1143,14 +1182,13 @@ def _launch(
     b, t, hq, d = q.shape
     hkv = packed.shape[1]
     pool_fp8 = exact_k.dtype == torch.float8_e4m3fn
-    consts, opts = kernel_config(
-        format_name, d, hq // hkv, t, num_splits, pool_fp8, kv_rows=b * hkv
-    )
+    consts, opts = kernel_config(format_name, d, hq // hkv, t, num_splits, pool_fp8)
     lse_numel = num_splits * b * t * hq
     ks = k_scale if pool_fp8 else exact_k
     vs = v_scale if pool_fp8 else exact_v
     qk_scale = float(softmax_scale) * math.log2(math.e)
     mma = _use_mma_kernel(format_name, q, hkv)
+    pdl = _use_pdl(q)
     if mma:
         c = _layout_consts(format_name, d)
         mod, mod_t = _mma_module()
@@ -1185,6 +1223,7 @@ def _launch(
             MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
             NBUF=_MMA_STAGES,
             G=c["G"],
+            PDL=pdl and _PDL_TRIGGER,
             num_warps=1,
             **({} if _MMA_MAXNREG is None else {"maxnreg": _MMA_MAXNREG}),
         )
@@ -1210,6 +1249,7 @@ def _launch(
             hkv,
             hq,
             lse_numel,
+            PDL=pdl and _PDL_TRIGGER,
             **consts,
             **opts,
         )
@@ -1238,6 +1278,8 @@ def _launch(
         T=t,
         GQA=hq // hkv,
         POOL_FP8=pool_fp8,
+        PDL=pdl,
+        launch_pdl=pdl,
         **cc,
         **copts,
     )

@@ -160,6 +160,22 @@ def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: in
 
 
 @gluon.jit
+def launch_dependents():
+    """``griddepcontrol.launch_dependents`` (sm_90+): the combine kernel, launched as this grid's
+    programmatic dependent, may start once every program of this grid has executed it; the
+    combine still waits (``griddepcontrol.wait``) for this grid's memory before it reads the
+    partial rows."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; mov.b32 $0, 0;",
+        "=r",
+        [],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _chan_from_run(v):
     """[4, 8] run tile (channel 32 c + 8 CQ + i at [c, i]) -> logical chunk order [32]."""
     v = gl.permute(gl.reshape(v.to(gl.float32), [2, 2, 2, 2, 2]), [2, 3, 0, 1, 4])
@@ -845,10 +861,13 @@ def mma_decode_kernel(
     MIN_UNITS: gl.constexpr,
     NBUF: gl.constexpr,
     G: gl.constexpr = 64,
+    PDL: gl.constexpr = False,
 ):
     """Grid ``(S, B * Hkv)``, one warp: split ``program_id(0)`` of request ``b``'s full blocks
     for KV head ``h``; writes the normalized partial rows and their base-2 log-sum-exp to the
     workspace exactly as the Triton split kernel does (the tail is left to the combine)."""
+    if PDL:
+        launch_dependents()
     split = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_kv_heads

@@ -289,8 +289,11 @@ def mma_decode_t_kernel(
     MIN_UNITS: gl.constexpr,
     NBUF: gl.constexpr,
     G: gl.constexpr = 64,
+    PDL: gl.constexpr = False,
 ):
     """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2)."""
+    if PDL:
+        M.launch_dependents()
     gl.static_assert(T * GQA <= 8)
     gl.static_assert(NBUF >= 2)
     QB: gl.constexpr = _as_linear(gl.to_linear_layout(_OPB, [32, 8]))

@@ -103,7 +103,13 @@ BLOCK_H = 16
 BLOCK_N = 16
 """Tokens per step of the sparse gather."""
 NUM_WARPS = 8
-"""Warps of the decode kernel."""
+"""Warps of the Triton decode kernel when there is at most one program per SM (and always for
+sparse decode)."""
+NUM_WARPS_MANY = 4
+"""Warps of the Triton full-context decode kernel when there are more programs than SMs. On the
+H200 (CUDA-graph replay, k5, 16 heads) 4 warps instead of 8: batch 64 at 16K 1.34 -> 1.26 ms,
+batch 8 at 32K 364 -> 352 us, 32 requests x 128 heads at 8K (k4) unchanged; batch 1 (132
+programs) 74 -> 113 us, hence the gate (benchmarks/results/mla_h200_2026-12-02_warps_graph.json)."""
 MAXNREG = 255
 """Register cap passed to ptxas. Without it ptxas 12.8 compiled the full-context loop at 32
 registers (kilobytes of spills) for sm_90a; with it (CHUNK 128), 255 registers and no spill
@@ -889,7 +895,9 @@ def _decode_op(
             **({} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}),
         )
     else:
-        _mla_decode_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
+        grid = (bsz, ns, triton.cdiv(heads, BLOCK_H))
+        many = not sparse and grid[0] * grid[1] * grid[2] > _sm_count(q.device)
+        _mla_decode_kernel[grid](
             q,
             ws_q_rot,
             packed,
@@ -917,7 +925,7 @@ def _decode_op(
             FP8=fp8,
             ASM=not INTERPRET,
             NC=512 // CHUNK,
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS_MANY if many else NUM_WARPS,
             maxnreg=MAXNREG,
             **offs,
         )
