@@ -200,6 +200,7 @@ def test_programmatic_dependent_launch_compiles(target):
                 # the tail's pool loads are issued before the wait, the workspace's after it
                 wait = ptx.index("griddepcontrol.wait")
                 assert ptx[:wait].count("ld.global") >= 3
+                assert "ld.global" in ptx[wait:]  # the workspace, not hoisted above the wait
                 assert "ex2.approx" in ptx[:wait]  # the tail's softmax before the wait
 
 
