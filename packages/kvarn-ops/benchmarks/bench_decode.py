@@ -11,7 +11,7 @@ short) or, with ``--graph``, of CUDA-graph replay (GPU time). Results written be
 docstring said "medians" were means (do_bench's default).
 
     python bench_decode.py --out results/decode.json [--check] [--quick | --grid | --geoms 0,2]
-        [--variants fast=0,asm=0,maxnreg=168,splits=128] [--graph]
+        [--variants fast=0,asm=0,maxnreg=168,splits=128,pdl=0] [--graph]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -218,7 +219,9 @@ def main() -> None:
         default="",
         help="comma list of num_warps=N, rpad=N, stages=N, maxnreg=N, fast=0 (the "
         "byte-load loop), asm=0 (plain-Triton unpack on the GPU), splits=N "
-        "(workspace split count; batch-1 geometries only)",
+        "(workspace split count; batch-1 geometries only), pdl=0 (the combine launched "
+        "after the main kernel, not as its programmatic dependent), pdl_trigger=0 (the main "
+        "kernel's programs signal the combine at their exit, not their start)",
     )
     which.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
     which.add_argument(
@@ -274,6 +277,10 @@ def main() -> None:
                 vargs = args[:12] + (ws,)
 
             kd._MMA_STAGES, kd._MMA_MAXNREG, kd._MMA_TRANSPOSED = 2, None, True
+            kd._PDL_TRIGGER = v != "pdl_trigger=0"
+            os.environ.pop("KVARN_DECODE_PDL", None)
+            if v == "pdl=0":
+                os.environ["KVARN_DECODE_PDL"] = "0"
             if v == "mma_t=0":
                 kd._MMA_TRANSPOSED = False
             if v and v.startswith("mma_stages="):
@@ -311,6 +318,8 @@ def main() -> None:
                 continue
             finally:
                 kd.kernel_config = base_cfg
+                kd._PDL_TRIGGER = True
+                os.environ.pop("KVARN_DECODE_PDL", None)
             rows.append(
                 dict(
                     batch=b,
