@@ -45,12 +45,12 @@ __all__ = [
     "check_device",
     "clip_codes",
     "clip_ratio",
+    "cuda_feature",
     "exact_in_tf32",
     "f16_parts",
     "frexp_exponent",
     "gluon_modules",
     "hadamard_signs",
-    "mma_sync_device",
     "pack_codes_store",
     "pack_geometry",
     "pow2",
@@ -65,15 +65,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton runs kernels on the CPU interpreter (set before triton is imported)."""
 
 
-def mma_sync_device(t: torch.Tensor, env_off: str) -> bool:
-    """Whether a Gluon ``mma.sync`` kernel may serve tensors on ``t``'s device: a CUDA device of
-    compute capability 8.0 or newer, not under the Triton interpreter (Gluon kernels do not run
-    there), and the environment variable ``env_off`` not set to ``0``."""
+def cuda_feature(t: torch.Tensor, env_off: str, capability: tuple[int, int]) -> bool:
+    """Whether a compiled-only GPU feature may serve tensors on ``t``'s device: a CUDA device of
+    compute capability ``capability`` or newer (``(8, 0)`` for the Gluon ``mma.sync`` kernels,
+    ``(9, 0)`` for programmatic dependent launch), not under the Triton interpreter (inline PTX
+    and Gluon do not run there), and the environment variable ``env_off`` not set to ``0``."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or t.device.type != "cuda":
         return False
     if os.environ.get(env_off) == "0":
         return False
-    return torch.cuda.get_device_capability(t.device) >= (8, 0)
+    return torch.cuda.get_device_capability(t.device) >= capability
 
 
 def gluon_modules(*names: str) -> tuple | None:

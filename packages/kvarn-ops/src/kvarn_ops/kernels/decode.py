@@ -77,7 +77,7 @@ import triton.language as tl
 
 import kvarn_formats as kf
 from kvarn_ops import _validate as V
-from kvarn_ops.kernels._common import f16_parts, gluon_modules, mma_sync_device
+from kvarn_ops.kernels._common import cuda_feature, f16_parts, gluon_modules
 
 __all__ = [
     "DECODE_MAX_QUERY_LEN",
@@ -1140,7 +1140,7 @@ always does (tests set it to check that combine path under the interpreter)."""
 def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
     """The Gluon kernel (``decode_mma.py``) serves 4-bit K, 2/4-bit V, G 64 or 128, d128 on
     sm_80+."""
-    if not mma_sync_device(q, "KVARN_DECODE_MMA"):
+    if not cuda_feature(q, "KVARN_DECODE_MMA", (8, 0)):
         return False
     c = _layout_consts(format_name, q.shape[3])
     rows = q.shape[1] * (q.shape[2] // hkv)
@@ -1148,14 +1148,6 @@ def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
     return mods is not None and mods[0].mma_decode_supported(
         c["KB"], c["VB"], c["G"], q.shape[3], rows
     )
-
-
-def _use_pdl(q: torch.Tensor) -> bool:
-    """Whether the combine launches as the main kernel's programmatic dependent (sm_90+, CUDA,
-    compiled; ``KVARN_DECODE_PDL=0`` turns it off)."""
-    if os.environ.get("KVARN_DECODE_PDL") == "0" or _interpreting() or q.device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(q.device) >= (9, 0)
 
 
 @functools.cache
@@ -1188,7 +1180,7 @@ def _launch(
     vs = v_scale if pool_fp8 else exact_v
     qk_scale = float(softmax_scale) * math.log2(math.e)
     mma = _use_mma_kernel(format_name, q, hkv)
-    pdl = _use_pdl(q)
+    pdl = cuda_feature(q, "KVARN_DECODE_PDL", (9, 0))  # combine as programmatic dependent
     if mma:
         c = _layout_consts(format_name, d)
         mod, mod_t = _mma_module()

@@ -76,9 +76,9 @@ from kvarn_ops.kernels._common import (
     INTERPRET,
     cast_rne,
     check_device,
+    cuda_feature,
     f16_parts,
     gluon_modules,
-    mma_sync_device,
     rotate_rows,
 )
 from kvarn_ops.kernels.mla_common import (
@@ -777,7 +777,7 @@ def _mma_module():
 
 
 def _use_mma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
-    if not MMA_KERNEL or sparse or not mma_sync_device(q, "KVARN_MLA_MMA"):
+    if not MMA_KERNEL or sparse or not cuda_feature(q, "KVARN_MLA_MMA", (8, 0)):
         return False
     mod = _mma_module()
     return mod is not None and mod.mla_mma_supported(bits)
