@@ -48,6 +48,12 @@ GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     (32, 16384, 32, 8, 128, "kvarn_k5v5_g64"),
     (32, 16384, 16, 8, 64, "kvarn_k4v2_g64"),
     (32, 16384, 32, 8, 256, "kvarn_k4v2_g64"),
+    # more than 8 query heads per KV head: GQA 16 (Llama-3.1-405B on 8 GPUs: 16 query heads
+    # and one KV head per GPU; the 16-row MMA kernel), GQA 32 (32 rows: the Triton kernel)
+    (32, 16384, 16, 1, 128, "kvarn_k4v2_g64"),
+    (8, 32768, 16, 1, 128, "kvarn_k4v2_g64"),
+    (1, 32768, 16, 1, 128, "kvarn_k4v2_g64"),
+    (32, 16384, 64, 2, 128, "kvarn_k4v2_g64"),
 ]
 QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
 #: ``--grid``: the issue's sweep. Llama-3.1-8B geometry, k4v2 g64, every context x batch; the

@@ -105,6 +105,16 @@ def expected_xor(packed, bt, n_blk, splits) -> torch.Tensor:
     return res
 
 
+def stream_read(bw: float) -> dict:
+    """A plain streaming read of 2 GiB (the same XOR), for scale."""
+    x = torch.randint(0, 256, (1 << 31,), dtype=torch.uint8, device="cuda").view(torch.int32)
+    ch, iters = 4096, 16
+    grid = -(-x.numel() // (ch * iters))
+    out = torch.empty(grid, dtype=torch.int32, device="cuda")
+    ms = bd.bench(lambda: _probe_stream[(grid,)](x, out, x.numel(), ch, iters, num_warps=8), True)
+    return dict(case="stream 2 GiB", ms=ms, pct=100 * x.numel() * 4 / (ms * 1e-3) / bw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON report path")
@@ -125,14 +135,8 @@ def main() -> None:
         if not torch.equal(out, expected_xor(packed, bt, 18, 4)):
             sys.exit(f"probe_read: probe kernel wrong (warps {warps}, stages {stages})")
 
-    x = torch.randint(0, 256, (1 << 31,), dtype=torch.uint8, device="cuda").view(torch.int32)
-    ch, iters = 4096, 16
-    grid = -(-x.numel() // (ch * iters))
-    sout = torch.empty(grid, dtype=torch.int32, device="cuda")
-    ms = bd.bench(lambda: _probe_stream[(grid,)](x, sout, x.numel(), ch, iters, num_warps=8), True)
-    rows.append(dict(case="stream 2 GiB", ms=ms, pct=100 * x.numel() * 4 / (ms * 1e-3) / bw))
-    print(f"{'stream 2 GiB':>40} {ms * 1e3:9.1f} us {rows[-1]['pct']:6.1f}%", flush=True)
-    del x
+    rows.append(stream_read(bw))
+    print(f"{'stream 2 GiB':>40} {rows[-1]['ms'] * 1e3:9.1f} us {rows[-1]['pct']:6.1f}%")
 
     for b, ctx, hkv, fmt in (
         (64, 32768, 8, "kvarn_k4v2_g64"),

@@ -198,6 +198,8 @@ DECODE_GEOMETRIES = [  # (Hq, Hkv, D): Llama-3.1-8B, Qwen-style GQA 8, small d64
     (9, 3, 64),
     (16, 4, 256),
     (8, 8, 64),
+    (16, 1, 128),  # GQA 16: Llama-3.1-405B on 8 GPUs (one KV head each), GLM-4
+    (64, 2, 128),  # GQA 32
 ]
 DECODE_CASES = [
     # (format, geometry index, seq_lens, T, q dtype, pool dtype)
@@ -221,9 +223,16 @@ DECODE_CASES = [
     ("kvarn_k4v2_g128", 0, [32768 + 77], 1, torch.bfloat16, torch.float8_e4m3fn),
     ("kvarn_k4v4_g128", 0, [4, 130, 3000], 4, torch.float16, torch.float8_e4m3fn),
     ("kvarn_k4v2_g128", 1, [2, 128, 257, 5000], 2, torch.bfloat16, torch.bfloat16),
+    # more than 8 query heads per KV head: GQA 16 at T 1 (16 rows, the 16-row MMA kernel),
+    # GQA 16 at T 2 and GQA 32 at T 1 (32 rows, the Triton kernel; 64-row tiles computed
+    # wrong results and are refused), 2-bit K at 32 rows
+    ("kvarn_k4v2_g64", 5, [1, 65, 4113, 32768], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v2_g64", 5, [700, 5000], 2, torch.bfloat16, torch.float8_e4m3fn),
+    ("kvarn_k4v4_g64", 6, [130, 3000], 1, torch.float16, torch.float16),
+    ("kvarn_k2v2_g64", 5, [200, 2000], 2, torch.bfloat16, torch.bfloat16),
 ]
 #: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, d128, <= 16 rows)
-MMA_DECODE_CASES = {0, 1, 2, 3, 9, 10, 11, 12, 13, 14, 15}
+MMA_DECODE_CASES = {0, 1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16}
 
 
 ILL_CONDITIONED_CASES = [

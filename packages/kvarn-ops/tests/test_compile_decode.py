@@ -74,6 +74,7 @@ CASES = [
     ("kvarn_k4v4_g64", 256, 4, 1, "bfloat16", "bfloat16"),
     ("kvarn_k4v2_g64", 512, 8, 1, "bfloat16", "bfloat16"),
     ("kvarn_k2v2_g128", 512, 1, 1, "float16", "float16"),
+    ("kvarn_k4v2_g64", 128, 16, 2, "bfloat16", "bfloat16"),  # 32 rows: GQA 16, T 2
 ]
 TARGETS = [GPUTarget("cuda", 90, 32), GPUTarget("cuda", 120, 32)]
 #: Case -> stack frame (spill) bytes allowed: the larger of sm_90a and sm_120a measured offline
@@ -95,6 +96,7 @@ SPILL_ALLOWANCE = {
     ("kvarn_k4v4_g64", 256, 4, 1, "bfloat16", "bfloat16"): 192,
     ("kvarn_k4v2_g64", 512, 8, 1, "bfloat16", "bfloat16"): 3648,
     ("kvarn_k2v2_g128", 512, 1, 1, "float16", "float16"): 3712,
+    ("kvarn_k4v2_g64", 128, 16, 2, "bfloat16", "bfloat16"): 832,
 }
 
 
@@ -260,6 +262,7 @@ MMA_CASES = [
     ("kvarn_k4v4_g64", 8, 1, "*fp16"),
     ("kvarn_k4v2_g64", 4, 4, "*fp32"),
     ("kvarn_k4v2_g128", 4, 4, "*bf16"),  # 128-token records, two 64-token halves
+    ("kvarn_k4v2_g64", 16, 1, "*bf16"),  # GQA 16 (Llama-3.1-405B, GLM-4): 16 rows
 ]
 #: spill frame allowed (bytes, the larger of sm_90a / sm_120a measured offline, rounded up):
 #: the benchmark target spills nothing on sm_90a (32 B on sm_120a), 4-bit V 32 B, T > 1 with

@@ -286,6 +286,10 @@ CASES = [
     ("kvarn_k8v8_g64", 64, 1, 1, 1, torch.float16, torch.float32),
     ("kvarn_k4v4_g128", 128, 1, 2, 1, torch.float16, torch.float32),
     ("kvarn_k6v7_g64", 64, 1, 2, 2, torch.bfloat16, torch.float32),
+    # more than 8 query heads per KV head (Llama-3.1-405B and GLM-4 have 16): 16, 32 rows
+    ("kvarn_k4v2_g64", 64, 1, 16, 1, torch.bfloat16, torch.float32),
+    ("kvarn_k4v2_g64", 64, 2, 16, 2, torch.float8_e4m3fn, torch.bfloat16),
+    ("kvarn_k2v4_g64", 64, 1, 32, 1, torch.float16, torch.float32),
 ]
 
 
@@ -402,6 +406,8 @@ BAD = [
     ("q", lambda a: a.update(q=a["q"].to(torch.int32))),
     ("q", lambda a: a.update(q=a["q"][:, :, :3])),
     ("q", lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3))),
+    # 33 query heads per KV head at T = 1: more rows than a program holds
+    ("q", lambda a: a.update(q=torch.randn(2, 1, 66, 64), out=torch.empty(2, 1, 66, 64))),
     ("packed", lambda a: a.update(packed=a["packed"][..., :-16].contiguous())),
     ("packed", lambda a: a.update(packed=a["packed"].to(torch.int16))),
     ("block_table", lambda a: a.update(block_table=a["block_table"].long())),
@@ -427,3 +433,18 @@ def test_bad_input_raises_value_error_naming_argument(name, mutate):
     mutate(args)
     with pytest.raises(ValueError, match=name):
         kd.decode(**args)
+
+
+def test_query_rows_limit_is_the_references():
+    """Both implementations accept up to ``MAX_QUERY_ROWS`` query rows per KV head (32) and
+    refuse more the same way (here 2 tokens of 17 heads per KV head)."""
+    from kvarn_ops import reference
+
+    assert kd.DECODE_MAX_ROWS == reference.MAX_QUERY_ROWS == 32
+    args = _good_args()
+    args["q"] = torch.randn(2, 2, 34, 64)
+    args["out"] = torch.empty(2, 2, 34, 64)
+    with pytest.raises(ValueError, match="q: T"):
+        kd.decode(**args)
+    with pytest.raises(ValueError, match="q: T"):
+        reference.decode(**{k: v for k, v in args.items() if k != "workspace"}, workspace=None)

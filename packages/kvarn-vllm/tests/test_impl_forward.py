@@ -213,3 +213,16 @@ def test_speculative_verify_runs_match_oracle(make_impl):
     kd, _ = ref.decode_records(rec, impl.layout)
     want = ref.hadamard(cur[0][0][:G].transpose(0, 1).float())
     assert (kd - want).abs().max() < 0.25 * want.abs().max()
+
+
+def test_model_gqa_from_the_model_config():
+    """The builder's decode limit follows the model's query heads per KV head on this worker
+    (Llama-3.1-405B on 8 GPUs: 16 query heads, one KV head)."""
+    import kvarn_vllm.impl as impl_mod
+
+    mc = NS(
+        get_num_attention_heads=lambda pc: 128 // pc.tensor_parallel_size,
+        get_num_kv_heads=lambda pc: max(1, 8 // pc.tensor_parallel_size),
+    )
+    assert impl_mod.model_gqa(NS(model_config=mc, parallel_config=NS(tensor_parallel_size=8))) == 16
+    assert impl_mod.model_gqa(NS(model_config=NS(), parallel_config=NS())) == 1

@@ -27,7 +27,7 @@ from kvarn_vllm import gates
 from kvarn_vllm import settings as kv_settings
 from kvarn_vllm.exact_pool import ExactPoolAllocator, pool_blocks_needed
 from kvarn_vllm.kernel_choice import DecodeGeometry, OpSet, choose_kernel, log_choice_once
-from kvarn_vllm.metadata import DecodeBatch, KvarnMetadata, plan_step
+from kvarn_vllm.metadata import DecodeBatch, KvarnMetadata, decode_token_limit, plan_step
 
 POOL_TORCH_DTYPES = {
     "float16": torch.float16,
@@ -42,6 +42,17 @@ def max_query_len(vllm_config: Any) -> int:
     spec = getattr(vllm_config, "speculative_config", None)
     drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
     return min(1 + drafts, MAX_QUERY_TOKENS)
+
+
+def model_gqa(vllm_config: Any) -> int:
+    """Query heads per KV head of the model on this worker (vLLM's ``ModelConfig`` with the
+    parallel config); 1 for a config without those methods (hand-made test configs)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    heads = getattr(mc, "get_num_attention_heads", None)
+    kv_heads = getattr(mc, "get_num_kv_heads", None)
+    if heads is None or kv_heads is None:
+        return 1
+    return max(1, int(heads(pc)) // max(1, int(kv_heads(pc))))
 
 
 def pool_size(vllm_config: Any, group: int) -> int:
@@ -72,6 +83,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         # exact rows for the continuation (kvarn_vllm.exact_pool).
         speculative = getattr(vllm_config, "speculative_config", None) is not None
         self.allocator = ExactPoolAllocator(pool_size(vllm_config, group), keep_packed=speculative)
+        # runs with more query rows per KV head than a decode program holds take the prefill
+        # path (GQA 8: T <= 4, GQA 16: T <= 2)
+        self.max_decode_tokens = decode_token_limit(model_gqa(vllm_config))
 
     def build(
         self,
@@ -91,6 +105,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             cam.block_table_tensor[: cam.num_reqs],
             cam.num_actual_tokens,
             self.device,
+            self.max_decode_tokens,
         )
 
 

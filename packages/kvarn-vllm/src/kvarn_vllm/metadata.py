@@ -8,7 +8,8 @@ from ``decode`` (full blocks packed, ``seq_len % G`` newest exact); prefill buil
 ``materialize`` (full blocks, and the first G - 1 exact rows of each block the step touches)
 with a boolean mask.
 
-Requests whose T new tokens (T <= ``MAX_QUERY_TOKENS``: a decode, T = 1, or a speculative
+Requests whose T new tokens (T <= ``max_decode_tokens``, at most ``MAX_QUERY_TOKENS`` and
+``MAX_QUERY_ROWS // GQA``, see :func:`decode_token_limit`: a decode, T = 1, or a speculative
 verify run, T = 1 + drafts) all see the same packed blocks (``(L0 + 1) // G == L1 // G``: the
 run does not fill a block before its last token) go through ``decode`` with T queries, grouped
 by T; the others (a run that crosses a block boundary, longer chunks, prompts) through the
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvarn_ops.reference.decode import MAX_QUERY_TOKENS
+from kvarn_ops.reference.decode import MAX_QUERY_ROWS, MAX_QUERY_TOKENS
 from kvarn_vllm.exact_pool import NULL_BLOCK, ExactPoolAllocator, StepPlan
 
 
@@ -89,6 +90,16 @@ def _decode_batch(
     )
 
 
+def decode_token_limit(gqa: int) -> int:
+    """Longest run (query tokens) that goes through ``decode`` for a model with ``gqa`` query
+    heads per KV head: ``MAX_QUERY_TOKENS``, and ``T * gqa <= MAX_QUERY_ROWS`` (32, what one
+    decode program holds): 8 up to GQA 4, 4 at GQA 8, 2 at GQA 16, 1 at GQA 32, 0 beyond
+    (every run then takes the prefill path, which gives the same attention)."""
+    if gqa < 1:
+        raise ValueError(f"gqa: must be >= 1, got {gqa}")
+    return min(MAX_QUERY_TOKENS, MAX_QUERY_ROWS // gqa)
+
+
 def plan_step(
     allocator: ExactPoolAllocator,
     group: int,
@@ -97,6 +108,7 @@ def plan_step(
     block_table: torch.Tensor,
     num_actual_tokens: int,
     device: torch.device,
+    max_decode_tokens: int = MAX_QUERY_TOKENS,
 ) -> KvarnMetadata:
     """Build the step's metadata from host-side lists (the testable core of the builder).
 
@@ -108,7 +120,13 @@ def plan_step(
     seq_lens : [B] tokens cached after the step, per request.
     block_table : int32 [B, max_blocks] physical block ids (any device).
     num_actual_tokens : rows of the step (>= query_start_loc[B]; extra rows are padding).
+    max_decode_tokens : longest run that goes through ``decode`` (:func:`decode_token_limit`
+        of the model's GQA); longer runs take the prefill path.
     """
+    if not 0 <= max_decode_tokens <= MAX_QUERY_TOKENS:
+        raise ValueError(
+            f"max_decode_tokens: must be 0 to {MAX_QUERY_TOKENS}, got {max_decode_tokens}"
+        )
     g = group
     bt_host = block_table.to("cpu", torch.int32)
     b = len(seq_lens)
@@ -135,7 +153,7 @@ def plan_step(
         if total % g:
             tail_pool = plan.pool_of[blocks[total // g]]
         t = total - computed
-        if 1 <= t <= MAX_QUERY_TOKENS and (computed + 1) // g == total // g:
+        if 1 <= t <= max_decode_tokens and (computed + 1) // g == total // g:
             dec.setdefault(t, []).append((start, r, total, tail_pool))
             continue
         if total <= computed:

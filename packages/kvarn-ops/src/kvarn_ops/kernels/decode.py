@@ -78,9 +78,11 @@ import triton.language as tl
 import kvarn_formats as kf
 from kvarn_ops import _validate as V
 from kvarn_ops.kernels._common import cuda_feature, f16_parts, gluon_modules
+from kvarn_ops.reference.decode import MAX_QUERY_ROWS
 
 __all__ = [
     "DECODE_MAX_QUERY_LEN",
+    "DECODE_MAX_ROWS",
     "DECODE_MIN_UNITS_PER_SPLIT",
     "decode",
     "decode_workspace",
@@ -89,8 +91,11 @@ __all__ = [
 
 DECODE_MAX_QUERY_LEN = 8
 """Largest T (speculative verify) the kernel serves."""
-DECODE_MAX_GQA = 8
-"""Largest number of query heads per KV head."""
+DECODE_MAX_ROWS = MAX_QUERY_ROWS
+"""Largest ``T * GQA`` (query rows per KV head) a program serves: 32 (GQA 16 up to T = 2, GQA
+32 at T = 1), the reference's limit. 64-row tiles (T 8 at GQA 8, accepted before the limit
+was written as rows) computed wrong results on the H200 (k4v2, GQA 16, T 4: relative error
+1.46; k4v4, GQA 32, T 2: an illegal memory access) and are refused."""
 DECODE_MIN_UNITS_PER_SPLIT = 2
 """A split gets at least this many work units (blocks) when the context allows: below that the
 fixed per-program cost (rotating q, writing a partial row) outweighs the blocks it reads."""
@@ -1077,10 +1082,12 @@ def _check_decode_args(
             f"packed: last dim must be record_bytes={layout.record_bytes} of "
             f"{layout.format_name!r} at head_dim {d}, got {rb}"
         )
-    if hkv < 1 or hq % hkv != 0 or not 1 <= hq // hkv <= DECODE_MAX_GQA:
+    if hkv < 1 or hq % hkv != 0 or hq < hkv:
+        raise ValueError(f"q: {hq} query heads for {hkv} KV heads (packed dim 1); need a multiple")
+    if t * (hq // hkv) > DECODE_MAX_ROWS:
         raise ValueError(
-            f"q: {hq} query heads for {hkv} KV heads (packed dim 1); need a "
-            f"multiple with 1 to {DECODE_MAX_GQA} query heads per KV head"
+            f"q: T * (query heads per KV head) = {t} * {hq // hkv} exceeds {DECODE_MAX_ROWS} "
+            "query rows per KV head"
         )
     V.check_tensor("block_table", block_table, dtypes=torch.int32, ndim=2, device=dev)
     if block_table.shape[0] != b:

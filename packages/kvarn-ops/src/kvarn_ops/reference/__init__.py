@@ -19,6 +19,7 @@ from kvarn_ops.reference.cache import (
     store,
 )
 from kvarn_ops.reference.decode import (
+    MAX_QUERY_ROWS,
     MAX_QUERY_TOKENS,
     OPERAND_PRECISIONS,
     attention_oracle,
@@ -52,6 +53,7 @@ from kvarn_ops.reference.records import (
 __all__ = [
     "DEFAULT_CONFIG",
     "FIELD_NAMES",
+    "MAX_QUERY_ROWS",
     "MAX_QUERY_TOKENS",
     "OPERAND_PRECISIONS",
     "PUBLISHED_CONFIG",

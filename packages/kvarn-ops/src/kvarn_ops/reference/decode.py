@@ -24,10 +24,15 @@ from kvarn_ops.reference.cache import check_context_args, read_pool_blocks
 from kvarn_ops.reference.hadamard import hadamard
 from kvarn_ops.reference.records import record_fields
 
-__all__ = ["MAX_QUERY_TOKENS", "OPERAND_PRECISIONS", "attention_oracle", "decode"]
+__all__ = ["MAX_QUERY_ROWS", "MAX_QUERY_TOKENS", "OPERAND_PRECISIONS", "attention_oracle", "decode"]
 
 MAX_QUERY_TOKENS = 8
 """Largest T (query tokens per request: 1 for decode, up to 8 for speculative verify)."""
+MAX_QUERY_ROWS = 32
+"""Largest ``T * GQA`` (query rows per KV head: query tokens times query heads per KV head)
+the decode kernels serve: GQA 16 (Llama-3.1-405B, GLM-4) up to T = 2, GQA 32 at T = 1.
+Every implementation refuses more, the same way. (The Triton kernel's 64-row tile computed
+wrong results on an H200: BENCHMARKS.md, "2026-12-02, night".)"""
 
 OPERAND_PRECISIONS = (None, "fp16", "fp16_tf32")
 """What ``decode(operand_precision=...)`` emulates. ``None``: every operand in the compute
@@ -174,6 +179,11 @@ def decode(
         raise ValueError(f"q: T (dim 1) must be 1 to {MAX_QUERY_TOKENS}, got {t_q}")
     if hq % hkv:
         raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
+    if t_q * (hq // hkv) > MAX_QUERY_ROWS:
+        raise ValueError(
+            f"q: T * (query heads per KV head) = {t_q} * {hq // hkv} exceeds {MAX_QUERY_ROWS} "
+            "query rows per KV head"
+        )
     check_tensor("out", out, dtypes=MODEL_DTYPES, shape=tuple(q.shape), device=dev)
     if (
         not isinstance(softmax_scale, (int, float))

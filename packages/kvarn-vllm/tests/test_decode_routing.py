@@ -1,0 +1,54 @@
+"""Which runs go through ``decode``: at most ``MAX_QUERY_TOKENS`` query tokens and at most
+``MAX_QUERY_ROWS`` query rows per KV head (T * GQA), the limit kvarn_ops' decode enforces;
+longer runs take the prefill path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvarn_ops.reference import MAX_QUERY_ROWS, MAX_QUERY_TOKENS
+from kvarn_vllm.exact_pool import ExactPoolAllocator
+from kvarn_vllm.metadata import decode_token_limit, plan_step
+
+G = 64
+
+
+@pytest.mark.parametrize(
+    ("gqa", "tokens"), [(1, 8), (4, 8), (5, 6), (8, 4), (16, 2), (32, 1), (33, 0), (71, 0)]
+)
+def test_decode_token_limit(gqa, tokens):
+    assert decode_token_limit(gqa) == tokens
+    assert tokens <= MAX_QUERY_TOKENS and tokens * gqa <= MAX_QUERY_ROWS
+
+
+def test_decode_token_limit_rejects_nonpositive_gqa():
+    with pytest.raises(ValueError, match="gqa"):
+        decode_token_limit(0)
+
+
+def _plan(runs, limit):
+    """runs: (tokens cached before, after) per request, each in its own blocks."""
+    alloc = ExactPoolAllocator(64)
+    qsl = [0]
+    for c, t in runs:
+        qsl.append(qsl[-1] + t - c)
+    bt = torch.tensor([[10 * i + j for j in range(4)] for i in range(len(runs))], dtype=torch.int32)
+    return plan_step(alloc, G, qsl, [t for _, t in runs], bt, qsl[-1], torch.device("cpu"), limit)
+
+
+def test_runs_longer_than_the_limit_take_the_prefill_path():
+    # fresh requests of T = 4, 5, 1, 8 tokens, inside one block each
+    runs = [(0, 4), (0, 5), (0, 1), (0, 8)]
+    md = _plan(runs, 8)
+    assert sorted(b.t for b in md.decodes) == [1, 4, 5, 8] and not md.prefills
+    md = _plan(runs, decode_token_limit(8))  # GQA 8: T <= 4
+    assert sorted(b.t for b in md.decodes) == [1, 4]
+    assert [(p.computed, p.total) for p in md.prefills] == [(0, 5), (0, 8)]
+    md = _plan(runs, 0)  # more than 32 query heads per KV head: no decode at all
+    assert not md.decodes and len(md.prefills) == 4
+
+
+def test_plan_step_rejects_a_limit_beyond_the_ops():
+    with pytest.raises(ValueError, match="max_decode_tokens"):
+        _plan([(0, 1)], MAX_QUERY_TOKENS + 1)
