@@ -272,6 +272,41 @@ def test_decode_ill_conditioned_keys(request, case):
     )  # fmt: skip
 
 
+MANY_ROWS_CASES = [
+    # (format, D, Hkv, GQA, T): 32 query rows per KV head (the most a program serves) through
+    # the Triton kernel's generic, byte-load and word-load paths, every head_dim
+    ("kvarn_k5v5_g64", 128, 1, 16, 2),
+    ("kvarn_k3v6_g64", 64, 2, 8, 4),
+    ("kvarn_k8v8_g32", 128, 1, 32, 1),
+    ("kvarn_k2v4_g64", 256, 1, 16, 2),
+    ("kvarn_k4v2_g128", 512, 1, 4, 8),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MANY_ROWS_CASES)))
+def test_decode_many_query_rows(request, case):
+    """32 query rows per KV head with the CPU suite's cases and yardstick: 64-row tiles
+    computed wrong results on the H200 and are refused, so the largest accepted tile is
+    checked across the kernel's code paths."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    os.environ["TRITON_INTERPRET"] = "0"  # the CPU test module defaults it to 1
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_decode as td
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("np_seed", seed))
+    fmt, d, hkv, gqa, t = MANY_ROWS_CASES[case]
+    td.run_and_check(
+        np.random.default_rng(seed), fmt, d, hkv, gqa, t, [t, 130, 2100], torch.bfloat16,
+        device="cuda", operand_precision="fp16_tf32",
+    )  # fmt: skip
+
+
 def _run_decode(cache, q, scale):
     b, t, hq, d = q.shape
     ws = kernels.decode_workspace(
