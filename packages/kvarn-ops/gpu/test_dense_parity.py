@@ -246,13 +246,9 @@ ILL_CONDITIONED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(ILL_CONDITIONED_CASES)))
-def test_decode_ill_conditioned_keys(request, case):
-    """Records whose zero-point term nearly cancels the code term (the CPU suite's
-    ``make_cache(extreme=True)``), against the fp64 oracle with the yardstick of the
-    kernels' operand roundings and fp32 sums: the score operand ``q * s_col_K`` must keep
-    about 22 bits (a record of this kind, found by this suite, put one output row 2.8x off
-    when the MMA kernels fed it as one fp16 operand)."""
+def _cpu_suite_case(request, case, seqs, **kwargs):
+    """One case of the CPU decode suite (``tests/test_decode.py``: its records, fp64 oracle
+    and emulated yardstick) on this GPU, with a fresh seed recorded in the report."""
     import os
     import sys
     from pathlib import Path
@@ -265,10 +261,23 @@ def test_decode_ill_conditioned_keys(request, case):
 
     seed = int.from_bytes(os.urandom(4), "little")
     request.node.user_properties.append(("np_seed", seed))
-    fmt, d, hkv, gqa, t = ILL_CONDITIONED_CASES[case]
+    fmt, d, hkv, gqa, t = case
     td.run_and_check(
-        np.random.default_rng(seed), fmt, d, hkv, gqa, t, [130, 200, 4100], torch.bfloat16,
-        device="cuda", operand_precision="fp16_tf32", extreme=True, emu_dtype=torch.float32,
+        np.random.default_rng(seed), fmt, d, hkv, gqa, t, seqs, torch.bfloat16,
+        device="cuda", operand_precision="fp16_tf32", **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(len(ILL_CONDITIONED_CASES)))
+def test_decode_ill_conditioned_keys(request, case):
+    """Records whose zero-point term nearly cancels the code term (the CPU suite's
+    ``make_cache(extreme=True)``), against the fp64 oracle with the yardstick of the
+    kernels' operand roundings and fp32 sums: the score operand ``q * s_col_K`` must keep
+    about 22 bits (a record of this kind, found by this suite, put one output row 2.8x off
+    when the MMA kernels fed it as one fp16 operand)."""
+    _cpu_suite_case(
+        request, ILL_CONDITIONED_CASES[case], [130, 200, 4100], extreme=True,
+        emu_dtype=torch.float32,
     )  # fmt: skip
 
 
@@ -288,23 +297,8 @@ def test_decode_many_query_rows(request, case):
     """32 query rows per KV head with the CPU suite's cases and yardstick: 64-row tiles
     computed wrong results on the H200 and are refused, so the largest accepted tile is
     checked across the kernel's code paths."""
-    import os
-    import sys
-    from pathlib import Path
-
-    import numpy as np
-
-    os.environ["TRITON_INTERPRET"] = "0"  # the CPU test module defaults it to 1
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_decode as td
-
-    seed = int.from_bytes(os.urandom(4), "little")
-    request.node.user_properties.append(("np_seed", seed))
-    fmt, d, hkv, gqa, t = MANY_ROWS_CASES[case]
-    td.run_and_check(
-        np.random.default_rng(seed), fmt, d, hkv, gqa, t, [t, 130, 2100], torch.bfloat16,
-        device="cuda", operand_precision="fp16_tf32",
-    )  # fmt: skip
+    t = MANY_ROWS_CASES[case][4]
+    _cpu_suite_case(request, MANY_ROWS_CASES[case], [t, 130, 2100])
 
 
 def _run_decode(cache, q, scale):

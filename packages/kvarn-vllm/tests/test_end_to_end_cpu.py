@@ -290,3 +290,26 @@ def test_speculative_ngram_equals_plain_decoding(tiny_llama, k4v4, tmp_path):
     assert max(diffs) <= SPEC_LOGPROB_BOUND
     assert m["vllm:spec_decode_num_drafts"] >= 20  # verify runs happened
     assert m["vllm:spec_decode_num_accepted_tokens"] >= 5
+
+
+def test_gqa16_speculative_ngram_equals_plain_decoding(tmp_path_factory):
+    """16 query heads per KV head (Llama-3.1-405B's ratio): single-token steps go through
+    ``decode`` (16 query rows), verify runs of 4 tokens (64 rows, over kvarn_ops' 32) through
+    the prefill path, chosen by the builder from vLLM's model config; the reference ops refuse
+    a 64-row decode, so a wrong route fails the run. Greedy tokens equal plain decoding."""
+    from tiny_model import write_tiny_llama
+
+    model = str(
+        write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-gqa16"), num_heads=16, num_kv_heads=1)
+    )
+    job = {"prompts": DRIFT_PROMPTS, "max_tokens": 64}
+    plain = run_engine(
+        {"model": model, "mode": "kvarn_k4v4_g64", "jobs": [job]},
+        tmp_path_factory.mktemp("gqa16-plain"),
+    )
+    spec = run_engine(
+        {"model": model, "mode": "kvarn_k4v4_g64", "speculative_config": NGRAM, "jobs": [job]},
+        tmp_path_factory.mktemp("gqa16-spec"),
+    )
+    assert _tokens(spec["jobs"][0]) == _tokens(plain["jobs"][0])
+    assert spec["spec_metrics"]["vllm:spec_decode_num_drafts"] >= 10  # verify runs happened
