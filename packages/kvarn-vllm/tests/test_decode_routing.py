@@ -9,7 +9,7 @@ import torch
 
 from kvarn_ops.reference import MAX_QUERY_ROWS, MAX_QUERY_TOKENS
 from kvarn_vllm.exact_pool import ExactPoolAllocator
-from kvarn_vllm.metadata import decode_token_limit, plan_step
+from kvarn_vllm.metadata import decode_route_note, decode_token_limit, plan_step
 
 G = 64
 
@@ -52,3 +52,12 @@ def test_runs_longer_than_the_limit_take_the_prefill_path():
 def test_plan_step_rejects_a_limit_beyond_the_ops():
     with pytest.raises(ValueError, match="max_decode_tokens"):
         _plan([(0, 1)], MAX_QUERY_TOKENS + 1)
+
+
+def test_route_note_says_when_decode_steps_take_the_prefill_path():
+    assert decode_route_note(8) is None and decode_route_note(8, drafts=3) is None
+    assert decode_route_note(16, drafts=1) is None
+    note = decode_route_note(16, drafts=3)
+    assert note is not None and "more than 2 tokens" in note and "up to 4" in note
+    note = decode_route_note(71)
+    assert note is not None and "every step takes the prefill path" in note

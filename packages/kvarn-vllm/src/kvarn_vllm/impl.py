@@ -8,6 +8,7 @@ ops come from kvarn_ops, chosen by kvarn_vllm.kernel_choice; nothing here is a k
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 import torch
@@ -27,7 +28,15 @@ from kvarn_vllm import gates
 from kvarn_vllm import settings as kv_settings
 from kvarn_vllm.exact_pool import ExactPoolAllocator, pool_blocks_needed
 from kvarn_vllm.kernel_choice import DecodeGeometry, OpSet, choose_kernel, log_choice_once
-from kvarn_vllm.metadata import DecodeBatch, KvarnMetadata, decode_token_limit, plan_step
+from kvarn_vllm.metadata import (
+    DecodeBatch,
+    KvarnMetadata,
+    decode_route_note,
+    decode_token_limit,
+    plan_step,
+)
+
+logger = logging.getLogger("vllm.kvarn")
 
 POOL_TORCH_DTYPES = {
     "float16": torch.float16,
@@ -85,7 +94,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.allocator = ExactPoolAllocator(pool_size(vllm_config, group), keep_packed=speculative)
         # runs with more query rows per KV head than a decode program holds take the prefill
         # path (GQA 8: T <= 4, GQA 16: T <= 2)
-        self.max_decode_tokens = decode_token_limit(model_gqa(vllm_config))
+        gqa = model_gqa(vllm_config)
+        self.max_decode_tokens = decode_token_limit(gqa)
+        note = decode_route_note(gqa, max_query_len(vllm_config) - 1)
+        if note is not None:
+            logger.warning("kvarn: %s", note)
 
     def build(
         self,

@@ -100,6 +100,26 @@ def decode_token_limit(gqa: int) -> int:
     return min(MAX_QUERY_TOKENS, MAX_QUERY_ROWS // gqa)
 
 
+def decode_route_note(gqa: int, drafts: int = 0) -> str | None:
+    """A one-line note when some decode steps will take the prefill path because of the
+    query-row limit (None when every single-token step and every verify run of ``1 + drafts``
+    tokens fits ``decode``)."""
+    limit = decode_token_limit(gqa)
+    if limit == 0:
+        return (
+            f"{gqa} query heads per KV head exceed kvarn_ops' decode limit of {MAX_QUERY_ROWS} "
+            "query rows: every step takes the prefill path (materialize + attention, the same "
+            "result, much slower per generated token)"
+        )
+    if 1 + drafts > limit:
+        return (
+            f"{gqa} query heads per KV head: verify runs of more than {limit} tokens (here up to "
+            f"{1 + drafts}) exceed kvarn_ops' decode limit of {MAX_QUERY_ROWS} query rows and "
+            "take the prefill path"
+        )
+    return None
+
+
 def plan_step(
     allocator: ExactPoolAllocator,
     group: int,
