@@ -11,7 +11,7 @@ short) or, with ``--graph``, of CUDA-graph replay (GPU time). Results written be
 docstring said "medians" were means (do_bench's default).
 
     python bench_decode.py --out results/decode.json [--check] [--quick | --grid | --geoms 0,2]
-        [--variants fast=0,asm=0,maxnreg=168,splits=128,pdl=0] [--graph]
+        [--variants fast=0,asm=0,maxnreg=168,splits=128,pdl=0] [--graph] [--query-len T]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / (ms * 1e-3)
 
 
-def make_inputs(b, ctx, hq, hkv, d, fmt, pool_dtype=torch.bfloat16, tail=0):
+def make_inputs(b, ctx, hq, hkv, d, fmt, pool_dtype=torch.bfloat16, tail=0, t=1):
     lay = kf.dense_layout(fmt, d)
     g = lay.block_size
     seq = ctx + tail
@@ -109,9 +109,9 @@ def make_inputs(b, ctx, hq, hkv, d, fmt, pool_dtype=torch.bfloat16, tail=0):
     ek = torch.randn(b + 1, g, hkv, d, device="cuda").to(pool_dtype)
     ev = torch.randn(b + 1, g, hkv, d, device="cuda").to(pool_dtype)
     tailb = torch.arange(b, dtype=torch.int32, device="cuda")
-    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    ws = kd.decode_workspace(b, 1, hq, hkv, d, seq, g, device="cuda")
+    ws = kd.decode_workspace(b, t, hq, hkv, d, seq, g, device="cuda")
     args = (q, packed, bt, seq_lens, ek, ev, None, None, tailb, lay, 1 / math.sqrt(d), out, ws)
     nbytes = (
         b * hkv * (nfull * lay.record_bytes + (seq % g) * d * 2 * ek.element_size())
@@ -128,10 +128,13 @@ def bench(fn, graph: bool) -> float:
     return triton.testing.do_bench(fn, return_mode="median")
 
 
-def sdpa_time(b, ctx, hq, hkv, d, graph=False):
+def sdpa_time(b, ctx, hq, hkv, d, graph=False, t=1):
+    """bf16 SDPA of ``t`` query tokens over ``ctx`` keys (for ``t > 1`` without the causal mask
+    among the new tokens: torch's ``is_causal`` aligns it top-left, and the mask moves at most
+    ``t - 1`` of ``ctx`` keys)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     f = torch.nn.functional.scaled_dot_product_attention
@@ -236,6 +239,12 @@ def main() -> None:
         help="the full sweep (GRID: contexts 1K-128K x batch 1-64, formats, geometries)",
     )
     ap.add_argument(
+        "--query-len",
+        type=int,
+        default=1,
+        help="query tokens per request (T > 1: a speculative verify run), every geometry",
+    )
+    ap.add_argument(
         "--graph",
         action="store_true",
         help="time CUDA-graph replay (GPU time) instead of back-to-back calls",
@@ -259,19 +268,19 @@ def main() -> None:
         todo = [GEOMS[int(i)] for i in a.geoms.split(",")]
     # One untimed measurement first: the first timing of a run read up to 2x slow on the H200
     # (B=8 32K 0.293 ms, 0.147 ms re-timed in the same run; tune_launch.py does the same).
-    warm_args, _ = make_inputs(*todo[0])
+    warm_args, _ = make_inputs(*todo[0], t=a.query_len)
     bench(lambda: kd.decode(*warm_args), False)
     warm_args = None
     for geom in todo:
         b, ctx, hq, hkv, d, fmt = geom
-        args, nbytes = make_inputs(*geom)
-        sd_ms, sd_bytes, backend = sdpa_time(b, ctx, hq, hkv, d, a.graph)
+        args, nbytes = make_inputs(*geom, t=a.query_len)
+        sd_ms, sd_bytes, backend = sdpa_time(b, ctx, hq, hkv, d, a.graph, a.query_len)
         for vname, v in variants:
             vargs = args
             if v and v.startswith("splits="):
                 ws = kd.decode_workspace(
                     b,
-                    1,
+                    a.query_len,
                     hq,
                     hkv,
                     d,
@@ -333,6 +342,7 @@ def main() -> None:
                     hq=hq,
                     hkv=hkv,
                     head_dim=d,
+                    query_len=a.query_len,
                     format=fmt,
                     variant=vname,
                     ms=ms,
@@ -343,7 +353,7 @@ def main() -> None:
                     sdpa_backend=backend,
                     sdpa_frac_copy=sd_bytes / (sd_ms * 1e-3) / bw,
                     speedup_vs_sdpa=sd_ms / ms,
-                    splits=vargs[12].numel() // (b * hq * (d + 1)),
+                    splits=vargs[12].numel() // (b * a.query_len * hq * (d + 1)),
                 )
             )
             print("row", rows[-1], flush=True)
@@ -355,10 +365,13 @@ def main() -> None:
         )
     print(f"{info}  copy BW {bw / 1e12:.2f} TB/s")
     print(f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} ok")
-    print("B     ctx  Hq Hkv   D format           variant      ms   %copy  sdpa_ms sdpa% x_sdpa S")
+    print(
+        "B     ctx  Hq Hkv   D T format           variant      ms   %copy  sdpa_ms sdpa% x_sdpa S"
+    )
     for r in rows:
         print(
             f"{r['batch']:<3} {r['context']:>6} {r['hq']:>3} {r['hkv']:>3} {r['head_dim']:>3} "
+            f"{r['query_len']} "
             f"{r['format']:<16} {r['variant']:<10} {r['ms']:7.3f} {100 * r['frac_copy']:6.1f} "
             f"{r['sdpa_ms']:7.3f} {100 * r['sdpa_frac_copy']:5.1f} {r['speedup_vs_sdpa']:5.2f} "
             f"{r['splits']}"
