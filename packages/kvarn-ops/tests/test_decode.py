@@ -30,6 +30,14 @@ kd = importlib.import_module("kvarn_ops.kernels.decode")
 
 ERR_FACTOR = 2.0
 """Kernel error vs fp64 may be at most twice the error of the emulation of its operands."""
+ERR_FACTOR_ILL_CONDITIONED = 4.0
+"""The same on records whose zero-point term nearly cancels the code term (``make_cache(
+extreme=True)``): there the kernel's own roundings (fp32 score sums in its order, softmax
+weights rounded against its running maximum) are realizations of the emulation's error
+amplified about 2,000-fold, and one realization spreads more. Measured under the
+interpreter, k4v2 d128, 60 seeds: kernel error over the emulation's at most 1.53 for 59 of
+them and 2.91 for one (the test failed at factor 2 about once in 60 runs). The defect the
+test guards against, one fp16 score operand, is 30-180x over."""
 _ACC = 2e-5
 """fp32 accumulation (sum order differs from the emulation's; measured <= 3e-6)."""
 ATOL = {torch.float32: _ACC, torch.float16: 2.0**-11 + _ACC, torch.bfloat16: 2.0**-7 + _ACC}
@@ -236,6 +244,7 @@ def run_and_check(
     operand_precision="fp16",
     extreme=False,
     emu_dtype=torch.float64,
+    err_factor=ERR_FACTOR,
 ):
     args, (kq, vq, pk, pv) = build_case(
         rng, fmt, d, hkv, gqa, t, seq_lens, pool_dtype, q_dtype, extreme
@@ -267,7 +276,7 @@ def run_and_check(
     base = emulated_error(q, args, ref, operand_precision, emu_dtype)
     err = (out.double() - ref).abs().max().item()
     scale = ref.abs().max().item()
-    tol = ERR_FACTOR * base + ATOL[out_dtype] * scale
+    tol = err_factor * base + ATOL[out_dtype] * scale
     assert err <= tol, f"{fmt} d{d} gqa{gqa} T{t} {pool_dtype}: err {err:.3e} > tol {tol:.3e}"
     return out, args
 
@@ -325,8 +334,9 @@ def test_ill_conditioned_keys(case):
     # the yardstick sums in fp32 as the kernel does: these records amplify the fp32 rounding
     # of the score sums (by the row scale times the cancellation) well above ATOL
     run_and_check(
-        rng, fmt, d, hkv, gqa, t, [130, 200], torch.bfloat16, extreme=True, emu_dtype=torch.float32
-    )
+        rng, fmt, d, hkv, gqa, t, [130, 200], torch.bfloat16, extreme=True,
+        emu_dtype=torch.float32, err_factor=ERR_FACTOR_ILL_CONDITIONED,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
