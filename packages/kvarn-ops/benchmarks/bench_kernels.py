@@ -20,6 +20,7 @@ Writes JSON (and a PNG bar chart when matplotlib is installed); prints a short t
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import sys
@@ -152,9 +153,11 @@ def bench_materialize(fmt: str, d: int, hkv: int, batch: int, context: int, pool
         + 4 * sum(n_full)
         + 2 * total * hkv * d * 2
     )
+    mat = importlib.import_module("kvarn_ops.kernels.materialize")
     return dict(
         op="materialize",
-        shape=f"{fmt} B={batch} L~{context} Hkv={hkv} D={d}",
+        kernel="mma" if mat._use_mma_kernel(lay, packed) else "triton",
+        shape=f"{fmt} B={batch} L~{context} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]}",
         ms=ms,
         bytes=nbytes,
         formula="read full*Hkv*R + tail*2*Hkv*(D*E + s) + table; write 2*L*Hkv*D*2",
@@ -208,7 +211,13 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="smaller sizes, one pool dtype")
+    ap.add_argument(
+        "--ops",
+        default="rotate,store,flush,materialize",
+        help="comma-separated subset of rotate, store, flush, materialize",
+    )
     args = ap.parse_args(argv)
+    ops = set(args.ops.split(","))
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device; this benchmark needs a GPU", file=sys.stderr)
         return 2
@@ -218,11 +227,15 @@ def main(argv=None) -> int:
     pools = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float8_e4m3fn]
     bw = copy_bandwidth()
     rows = []
-    rows.append(bench_rotate(d, 65536 * scale))
+    if "rotate" in ops:
+        rows.append(bench_rotate(d, 65536 * scale))
     for pdt in pools:
-        rows.append(bench_store(d, hkv, 8192 * scale, g, pdt))
-        rows.append(bench_flush(fmt, d, hkv, 1024 * scale, pdt))
-        rows.append(bench_materialize(fmt, d, hkv, 16, 2048 * scale, pdt))
+        if "store" in ops:
+            rows.append(bench_store(d, hkv, 8192 * scale, g, pdt))
+        if "flush" in ops:
+            rows.append(bench_flush(fmt, d, hkv, 1024 * scale, pdt))
+        if "materialize" in ops:
+            rows.append(bench_materialize(fmt, d, hkv, 16, 2048 * scale, pdt))
     for r in rows:
         r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
         r["fraction_of_copy"] = r["bytes"] / (r["ms"] * 1e-3) / bw

@@ -395,6 +395,10 @@ def test_decode_cuda_graph_replay(gen):
         ("kvarn_k4v2_g64", 0, [1, 64, 65, 5000, 0, 777], torch.bfloat16, torch.bfloat16),
         ("kvarn_k4v4_g128", 3, [129, 3000], torch.float16, torch.float8_e4m3fn),
         ("kvarn_k5v3_g64", 2, [2049, 63], torch.bfloat16, torch.float16),
+        # the Gluon kernel's formats (full blocks; tails through the Triton kernel)
+        ("kvarn_k4v4_g64", 0, [64, 127, 4096, 3, 0], torch.bfloat16, torch.bfloat16),
+        ("kvarn_k4v2_g128", 1, [128, 1000, 129, 7], torch.float16, torch.float8_e4m3fn),
+        ("kvarn_k4v4_g128", 5, [256, 2000, 1], torch.bfloat16, torch.float16),
     ],
 )
 def test_materialize(gen, fmt, geo, lens, out_dtype, pool_dtype):

@@ -27,6 +27,8 @@ which sets the tokens per chunk, see :func:`tokens_per_chunk`) and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +39,8 @@ from kvarn_ops.kernels._common import (
     INTERPRET,
     cast_rne,
     check_device,
+    cuda_feature,
+    gluon_modules,
     hadamard_signs,
     pack_geometry,
     rotate_rows,
@@ -305,15 +309,22 @@ def _materialize_kernel(
     VR_OFF: tl.constexpr,
     VZ_OFF: tl.constexpr,
     NATIVE_TAIL: tl.constexpr,
+    TAILS_ONLY: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     is_k = tl.program_id(2) == 0
-    req = pid // cols
-    blk = pid % cols
+    if TAILS_ONLY:  # grid (B, Hkv, 2): the full blocks are another kernel's
+        req = pid
+    else:
+        req = pid // cols
     seq_len = tl.load(seq_lens_ptr + req)
     n_full = seq_len // G
     rem = seq_len % G
+    if TAILS_ONLY:
+        blk = n_full
+    else:
+        blk = pid % cols
     start = tl.load(cu_ptr + req).to(tl.int64) + blk * G
     dim = tl.arange(0, D)
     if (blk < n_full) & (blk < max_blocks):
@@ -462,7 +473,13 @@ def _launch(
     vs = v_scale if fp8 else exact_v
     consts, opts = launch_config(layout, exact_k.dtype, _arch(packed.device))
     table = _sign_table(packed.device)
-    _materialize_kernel[(b * cols, hkv, 2)](
+    mma = _mma_module() if _use_mma_kernel(layout, packed) else None
+    if mma is not None:
+        if max_blocks:
+            _launch_mma(mma, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, layout)
+        consts["TAILS_ONLY"] = True
+    grid = (b, hkv, 2) if mma is not None else (b * cols, hkv, 2)
+    _materialize_kernel[grid](
         packed,
         block_table,
         seq_lens,
@@ -483,6 +500,46 @@ def _launch(
         H=hkv,
         **consts,
         **opts,
+    )
+
+
+def _use_mma_kernel(layout, packed: torch.Tensor) -> bool:
+    """Full blocks of 4-bit K, 2/4-bit V, G 64/128, D 128 on sm_80+ take the Gluon kernel
+    (``materialize_mma.py``); ``KVARN_MATERIALIZE_MMA=0`` turns it off."""
+    if not cuda_feature(packed, "KVARN_MATERIALIZE_MMA", (8, 0)) or _mma_module() is None:
+        return False
+    kb = layout.field("k_codes").bits
+    vb = layout.field("v_codes").bits
+    return _mma_module().mma_materialize_supported(kb, vb, layout.block_size, layout.head_dim)
+
+
+@functools.cache
+def _mma_module():
+    mods = gluon_modules("materialize_mma")
+    return None if mods is None else mods[0]
+
+
+def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, layout) -> None:
+    b, max_blocks = block_table.shape
+    hkv = packed.shape[1]
+    offs = record_offsets(layout)
+    mod.mma_materialize_kernel[(b * max_blocks, hkv, 2)](
+        packed.view(torch.float16),
+        packed.view(torch.int32),
+        block_table,
+        seq_lens,
+        cu_seqlens,
+        k_out,
+        v_out,
+        packed.shape[0],
+        k_out.shape[0],
+        max_blocks,
+        hkv,
+        G=layout.block_size,
+        REC=layout.record_bytes,
+        VB=offs["V_BITS"],
+        **{f"{k}_OFF": offs[f"{k}_OFF"] for k in ("KC", "KS", "KZ", "KR", "VC", "VS", "VR", "VZ")},
+        num_warps=1,
     )
 
 

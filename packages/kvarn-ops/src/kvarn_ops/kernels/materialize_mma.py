@@ -1,0 +1,617 @@
+"""Materialize of full blocks with codes unpacked straight into tensor-core registers (Gluon).
+
+The Triton kernel (``materialize.py``) builds the ``[128, 128]`` operand ``S P`` (column scales
+times Sylvester signs) per tile and moves it, the code tile and the output through shared
+memory: about 130 KB of shared-memory traffic per 16 KB of output (34% of copy bandwidth on an
+H200). This kernel moves nothing through shared memory. Two facts make that possible:
+
+- **The rotation factors.** The Sylvester matrix is ``P[i, j] = (-1)^popc(i & j)``, so for any
+  split of the seven index bits into a set ``S_in`` (4 bits) and ``S_out`` (3 bits) it is the
+  Kronecker product ``P_in (x) P_out``. ``x P`` is then eight ``[16 tokens, 16] x [16, 16]``
+  products (one per value of the ``S_out`` bits of the input channel, contracting its
+  ``S_in`` bits; ``mma.sync.m16n8k16``, two per product) followed by an 8-point Walsh-Hadamard
+  transform across the eight results, in fp32 registers (3 add/sub stages). That is 1/8 of
+  the tensor-core work of the dense product, and the B operands ``diag(s_col) P_in`` are eight
+  ``[16, 16]`` tiles that one ``xor`` of the scale bits with a sign mask builds in registers.
+- **Free renaming.** A contraction does not care about the order of its channels and the
+  output rows and columns can be stored anywhere, so the MMA's positions are mapped to
+  channels and tokens such that each lane's operand registers come from the code words it
+  loads, and each lane's results are 8 contiguous output channels (16-byte stores that fill
+  32-byte sectors with the neighbouring lane).
+
+Index maps (lane ``4 g + c``; ``c0, c1`` the bits of ``c``; MMA k position ``e + 2 c + 8 h``;
+MMA output column ``n = 2 cc + e'`` of n-tile ``nt``; ``o`` the product (group), ``o'`` the
+transform's output group): input channel ``i = e | o0 << 1 | o1 << 2 | h << 3 | c0 << 4 |
+o2 << 5 | c1 << 6`` and output channel ``j = e' | o0' << 1 | o1' << 2 | cc << 3 | o2' << 5 |
+nt << 6``; ``S_in`` = bits {0, 3, 4, 6}. Token ``t = 8 g + 2 mt + r8`` of a 64-token half is
+row ``g + 8 r8`` of m-tile ``mt``: lane ``g`` holds tokens ``8 g .. 8 g + 7``, so for K (a word
+holds 8 consecutive tokens of one channel) each lane reads word ``g`` of its channels and one
+``prmt`` of two channels' words gives both nibbles of a byte as two operand registers
+(tokens ``8 g + 2 mt`` and ``+ 1``). For V a lane reads the words of its channels in its token
+rows, and one ``prmt`` (a byte copied to both halves) plus one ``lop3`` gives an operand
+register of two adjacent channels. Codes are exact fp16: a field masked into the mantissa
+of a power of two whose last place weighs 1 at that field (1024.0 for bits 0-1 or 0-3, 256.0 at
+bits 2-3, 64.0 at bits 4-7, 16.0 at bits 6-7), then that power subtracted (exact).
+
+Per tile the zero-point part is one more product per group: K ``zp^T P`` (the zero points
+times the signs, all rows alike), V ``s_col^T P`` (a ones row times ``S P``); both transformed
+the same way and reduced to a per-column vector once per tile. Epilogue:
+``K: s_row (x + zp^T P) / sqrt(D)``, ``V: (s_row x + zp s_col^T P) / sqrt(D)``, rounded once to
+the output dtype. Products of fp16 codes and fp16 scales are exact and summed in fp32, the
+transform adds in fp32: the reference's result up to fp32 summation order.
+
+Scope: full blocks of 4-bit K and 2/4-bit V, G 64 or 128 (two 64-token halves), head_dim 128,
+one warp per (block, KV head, K or V). The exact tail (the newest partial block of a request)
+is left to the Triton kernel (``materialize.py``, tails only). Gluon does not run under the
+Triton interpreter: the CPU tests compile this kernel for sm_90a and sm_120a and check its
+instruction mix, ``gpu/parity.py`` compares it with the reference on a GPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+__all__ = ["MMA_MATERIALIZE_D", "mma_materialize_kernel", "mma_materialize_supported"]
+
+MMA_MATERIALIZE_D = 128
+
+_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+    version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+)
+_OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2)
+_OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2)
+_ROWS: gl.constexpr = gl.SliceLayout(1, _MMA)
+_COLS: gl.constexpr = gl.SliceLayout(0, _MMA)
+
+# K words [channel i, word w] of a 64-token half: lane 4 g + c holds word g of the 32 channels
+# whose bits 4 and 6 are c0, c1
+_KW: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [32, 0]],
+    lane_bases=[[16, 0], [64, 0], [0, 1], [0, 2], [0, 4]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[128, 8],
+)
+# 4-bit V words [row g + 8 r8 of an m-tile, word wd] (wd = h | c0 << 1 | o2 << 2 | c1 << 3)
+_VW4: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 4], [8, 0]],
+    lane_bases=[[0, 2], [0, 8], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[16, 16],
+)
+# 2-bit V words [row, wd] (wd = c0 | o2 << 1 | c1 << 2)
+_VW2: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 2], [8, 0]],
+    lane_bases=[[0, 1], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[16, 8],
+)
+# channel pairs as int32 [k pair kp = c0 | c1 << 1 | h << 2, column n]: the B operand's pairs
+_BP: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[4, 0]],
+    lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[8, 8],
+)
+# channel pairs as int32 [row, kp]: the A operand's pairs
+_AP: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[8, 0], [0, 4]],
+    lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[16, 8],
+)
+# output [row, local channel e' | o0' << 1 | o1' << 2 | cc << 3 | o2' << 5]: 8 contiguous
+# channels per lane and register run
+_OUT: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [8, 0]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[16, 64],
+)
+
+_INV_SQRT_D: gl.constexpr = gl.constexpr(0.08838834764831845)  # fp32(1 / sqrt(128))
+
+
+def mma_materialize_supported(k_bits: int, v_bits: int, block_size: int, head_dim: int) -> bool:
+    """Whether a geometry takes this kernel (on a GPU with mma.sync, i.e. sm_80 and newer)."""
+    return k_bits == 4 and v_bits in (2, 4) and block_size in (64, 128) and head_dim == 128
+
+
+@gluon.jit
+def _pair_last(x):
+    """``x`` [..., 2] with its last axis moved to register bit 0 (a renaming of registers)."""
+    return gl.convert_layout(
+        x, _last_dim_first(gl.to_linear_layout(x.type.layout, x.shape)), assert_trivial=True
+    )
+
+
+@gluon.constexpr_function
+def _last_dim_first(ll):
+    unit = [0] * (len(ll.shape) - 1) + [1]
+    regs = [list(b) for b in ll.reg_bases]
+    regs.remove(unit)
+    return gl.DistributedLinearLayout(
+        reg_bases=[unit] + regs,
+        lane_bases=ll.lane_bases,
+        warp_bases=ll.warp_bases,
+        block_bases=ll.block_bases,
+        shape=ll.shape,
+    )
+
+
+@gluon.jit
+def _k_nibbles(ka, kb, BYTE: gl.constexpr):
+    """Byte ``BYTE`` of K words ``ka`` (channel i, low halves) and ``kb`` (channel i + 1, high
+    halves) as two operand registers of exact fp16 codes: the low nibbles (token 2 BYTE of the
+    word) and the high nibbles (token 2 BYTE + 1): one ``prmt``, then per register one
+    ``lop3`` into the mantissa of 1024.0 (low) or 64.0 (high) and one ``sub.f16x2``."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t, x, y, o; prmt.b32 t, $2, $3, {SEL}; "
+        "lop3.b32 x, t, 983055, 1677747200, 0xea; "  # & 0x000F000F | 0x64006400
+        "lop3.b32 y, t, 15728880, 1409307648, 0xea; "  # & 0x00F000F0 | 0x54005400
+        "mov.b32 o, 1677747200; sub.f16x2 $0, x, o; mov.b32 o, 1409307648; sub.f16x2 $1, y, o; }",
+        "=r,=r,r,r",
+        [_pair_last(gl.join(ka, kb))],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _v4_bytes(w):
+    """The four bytes of 4-bit V words ``w`` as operand registers (low nibble, high nibble):
+    fp16 ``[..., 2]`` each, exact."""
+    asm: gl.constexpr = (
+        "{ .reg .b32 t, o; mov.b32 o, 1409311744; "  # 0x54006400
+        "prmt.b32 t, $4, $4, 0; lop3.b32 t, t, 15728655, 1409311744, 0xea; "  # 0x00F0000F
+        "sub.f16x2 $0, t, o; "
+        "prmt.b32 t, $4, $4, 4369; lop3.b32 t, t, 15728655, 1409311744, 0xea; "
+        "sub.f16x2 $1, t, o; "
+        "prmt.b32 t, $4, $4, 8738; lop3.b32 t, t, 15728655, 1409311744, 0xea; "
+        "sub.f16x2 $2, t, o; "
+        "prmt.b32 t, $4, $4, 13107; lop3.b32 t, t, 15728655, 1409311744, 0xea; "
+        "sub.f16x2 $3, t, o; }"
+    )
+    return gl.inline_asm_elementwise(
+        asm,
+        "=r,=r,=r,=r,r,r",
+        [_pair_last(gl.join(w, w))],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _v2_byte(w, BYTE: gl.constexpr):
+    """Byte ``BYTE`` of 2-bit V words ``w`` as two operand registers: fields (0, 1) and
+    (2, 3) of the byte, exact fp16 ``[..., 2]`` each (bases 1024 / 256 and 64 / 16)."""
+    SEL: gl.constexpr = BYTE * 0x1111
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t, x, y, o; prmt.b32 t, $2, $2, {SEL}; "
+        "lop3.b32 x, t, 786435, 1543529472, 0xea; "  # & 0x000C0003 | 0x5C006400
+        "lop3.b32 y, t, 12582960, 1275089920, 0xea; "  # & 0x00C00030 | 0x4C005400
+        "mov.b32 o, 1543529472; sub.f16x2 $0, x, o; "
+        "mov.b32 o, 1275089920; sub.f16x2 $1, y, o; }",
+        "=r,=r,r,r",
+        [_pair_last(gl.join(w, w))],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _halves(w, mask):
+    """int32 pairs ``w ^ mask`` as two fp16 values ``[..., 2]`` (low half first)."""
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b32 t; xor.b32 t, $2, $3; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r",
+        [w, mask],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _split8(x):
+    """[..., 2 o2, 2 o1, 2 o0] -> the eight [...] tensors, index o = o0 + 2 o1 + 4 o2."""
+    a, b = gl.split(x)  # o0
+    a0, a1 = gl.split(a)  # o1
+    b0, b1 = gl.split(b)
+    x0, x4 = gl.split(a0)  # o2
+    x2, x6 = gl.split(a1)
+    x1, x5 = gl.split(b0)
+    x3, x7 = gl.split(b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@gluon.jit
+def _a_operands(x):
+    """Codes [r8, g, h, c1, c0, e, o2, o1, o0] -> eight A operands [16 rows, 16 k]."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x)
+    return (
+        _as_opa(x0),
+        _as_opa(x1),
+        _as_opa(x2),
+        _as_opa(x3),
+        _as_opa(x4),
+        _as_opa(x5),
+        _as_opa(x6),
+        _as_opa(x7),
+    )
+
+
+@gluon.jit
+def _as_opa(x):
+    return gl.convert_layout(gl.reshape(x, [16, 16]), _OPA, assert_trivial=True)
+
+
+@gluon.jit
+def _stack4(c0, c1, c2, c3):
+    x = gl.join(gl.join(c0, c2), gl.join(c1, c3))
+    return gl.reshape(x, x.shape[:-2] + [4])
+
+
+@gluon.jit
+def _stack8(c0, c1, c2, c3, c4, c5, c6, c7):
+    x = gl.join(
+        gl.join(gl.join(c0, c4), gl.join(c2, c6)), gl.join(gl.join(c1, c5), gl.join(c3, c7))
+    )
+    return gl.reshape(x, x.shape[:-3] + [8])
+
+
+@gluon.jit
+def _k_codes(ka, kb, MT: gl.constexpr):
+    """A operands of m-tile ``MT`` from the K channel pairs ``ka``, ``kb`` [64 pairs, 8 words]."""
+    lo, hi = _k_nibbles(ka, kb, MT)  # [p, w, e]: tokens 8 w + 2 MT (lo), + 1 (hi)
+    x = gl.join(lo, hi)  # [p, w, e, r8]
+    # p = o0 | o1 << 1 | h << 2 | c0 << 3 | o2 << 4 | c1 << 5
+    x = gl.reshape(x, [2, 2, 2, 2, 2, 2, 8, 2, 2])  # c1 o2 c0 h o1 o0 w e r8
+    return _a_operands(gl.permute(x, [8, 6, 3, 0, 2, 7, 1, 4, 5]))
+
+
+@gluon.jit
+def _v4_codes(vw):
+    """A operands of an m-tile from its 4-bit V words [16 rows, 16 wd]."""
+    f0, f1, f2, f3 = _v4_bytes(vw)  # [row, wd, e] for byte m = o0 | o1 << 1
+    x = _stack4(f0, f1, f2, f3)  # [row, wd, e, m]
+    x = gl.reshape(x, [2, 8, 2, 2, 2, 2, 2, 2, 2])  # r8 g c1 o2 c0 h e o1 o0
+    return _a_operands(gl.permute(x, [0, 1, 5, 2, 4, 6, 3, 7, 8]))
+
+
+@gluon.jit
+def _v2_codes(vw):
+    """A operands of an m-tile from its 2-bit V words [16 rows, 8 wd]."""
+    a0, a1 = _v2_byte(vw, 0)  # byte m = o1 | h << 1; field pair o0
+    b0, b1 = _v2_byte(vw, 1)
+    c0, c1 = _v2_byte(vw, 2)
+    d0, d1 = _v2_byte(vw, 3)
+    x = _stack8(a0, a1, b0, b1, c0, c1, d0, d1)  # [row, wd, e, (h, o1, o0)]
+    x = gl.reshape(x, [2, 8, 2, 2, 2, 2, 2, 2, 2])  # r8 g c1 o2 c0 e h o1 o0
+    return _a_operands(gl.permute(x, [0, 1, 6, 2, 4, 5, 3, 7, 8]))
+
+
+@gluon.jit
+def _pairs_b(r32, OFF: gl.constexpr, O: gl.constexpr):
+    """int32 channel pairs of group ``O`` at field offset ``OFF`` (bytes) as [kp, n] in
+    ``_BP`` (the same pair for every column n)."""
+    kp = gl.arange(0, 8, layout=gl.SliceLayout(1, _BP))
+    p = (O & 1) | (O & 2) | ((kp >> 2) << 2) | ((kp & 1) << 3) | ((O >> 2) << 4) | ((kp >> 1 & 1) << 5)
+    w = gl.load(r32 + OFF // 4 + p)
+    return gl.full([8, 8], 0, gl.int32, _BP) + w[:, None]
+
+
+@gluon.jit
+def _pairs_a(r32, OFF: gl.constexpr, O: gl.constexpr):
+    """As :func:`_pairs_b`, as [row, kp] in ``_AP`` (the same pair for every row)."""
+    kp = gl.arange(0, 8, layout=gl.SliceLayout(0, _AP))
+    p = (O & 1) | (O & 2) | ((kp >> 2) << 2) | ((kp & 1) << 3) | ((O >> 2) << 4) | ((kp >> 1 & 1) << 5)
+    w = gl.load(r32 + OFF // 4 + p)
+    return gl.full([16, 8], 0, gl.int32, _AP) + w[None, :]
+
+
+@gluon.jit
+def _sign_mask(NT: gl.constexpr):
+    """int32 [kp, n] in ``_BP``: the fp16 sign bits of ``P_in`` for k positions ``2 kp + e``
+    (e = 0 in bit 15, e = 1 in bit 31) and column n of n-tile ``NT``."""
+    kp = gl.arange(0, 8, layout=gl.SliceLayout(1, _BP))[:, None]
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, _BP))[None, :]
+    # i_in bits: e -> 0, h -> 3, c0 -> 4, c1 -> 6; j_in bits: n & 1 -> 0, n >> 1 -> 3, 4, NT -> 6
+    s0 = ((kp >> 2) & (n >> 1)) ^ ((kp & 1) & (n >> 2)) ^ ((kp >> 1 & 1) & NT)
+    s0 = s0 & 1
+    s1 = s0 ^ (n & 1)
+    return (s0 << 15) | (s1 << 31)
+
+
+@gluon.jit
+def _as_opb(w, mask):
+    x = gl.permute(_halves(w, mask), [0, 2, 1])  # [kp, e, n]
+    return gl.convert_layout(gl.reshape(x, [16, 8]), _OPB, assert_trivial=True)
+
+
+@gluon.jit
+def _wht8(z0, z1, z2, z3, z4, z5, z6, z7):
+    """8-point Walsh-Hadamard transform (Sylvester order) of eight tensors."""
+    a0 = z0 + z1
+    a1 = z0 - z1
+    a2 = z2 + z3
+    a3 = z2 - z3
+    a4 = z4 + z5
+    a5 = z4 - z5
+    a6 = z6 + z7
+    a7 = z6 - z7
+    b0 = a0 + a2
+    b1 = a1 + a3
+    b2 = a0 - a2
+    b3 = a1 - a3
+    b4 = a4 + a6
+    b5 = a5 + a7
+    b6 = a4 - a6
+    b7 = a5 - a7
+    return b0 + b4, b1 + b5, b2 + b6, b3 + b7, b0 - b4, b1 - b5, b2 - b6, b3 - b7
+
+
+@gluon.jit
+def _mma8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """The eight group products, transformed: eight [16, 8] fp32 in ``_MMA``."""
+    z = gl.full([16, 8], 0.0, gl.float32, _MMA)
+    return _wht8(
+        mma_v2(a0, b0, z),
+        mma_v2(a1, b1, z),
+        mma_v2(a2, b2, z),
+        mma_v2(a3, b3, z),
+        mma_v2(a4, b4, z),
+        mma_v2(a5, b5, z),
+        mma_v2(a6, b6, z),
+        mma_v2(a7, b7, z),
+    )
+
+
+@gluon.jit
+def _row_vec(y):
+    """A [16, 8] tensor whose rows are all equal -> its row as [8] in ``_COLS``."""
+    return gl.max(y, axis=0)
+
+
+@gluon.jit
+def _vecs(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
+        a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
+    )
+    return (
+        _row_vec(y0),
+        _row_vec(y1),
+        _row_vec(y2),
+        _row_vec(y3),
+        _row_vec(y4),
+        _row_vec(y5),
+        _row_vec(y6),
+        _row_vec(y7),
+    )
+
+
+@gluon.jit
+def _store_tile(y0, y1, y2, y3, y4, y5, y6, y7, out_ptr, orow, ok, NT: gl.constexpr):
+    """Store eight transformed [16, 8] results (already scaled) of n-tile ``NT``: column
+    ``n = 2 cc + e'`` of group ``o'`` is channel ``64 NT + e' + 2 o0' + 4 o1' + 8 cc + 32 o2'``."""
+    x = _stack8(y0, y1, y2, y3, y4, y5, y6, y7)  # [row, n, o'] with o' = o0 | o1 << 1 | o2 << 2
+    x = gl.reshape(x, [16, 4, 2, 2, 2, 2])  # row cc e' o2 o1 o0
+    x = gl.reshape(gl.permute(x, [0, 3, 1, 4, 5, 2]), [16, 64])
+    x = gl.convert_layout(x.to(out_ptr.dtype.element_ty), _OUT, assert_trivial=True)
+    ch = gl.arange(0, 64, layout=gl.SliceLayout(0, _OUT))
+    gl.store(out_ptr + orow[:, None] + (64 * NT + ch)[None, :], x, mask=ok[:, None])
+
+
+@gluon.jit
+def _out_rows(start, total_rows, H, head, MT: gl.constexpr):
+    """Element offsets of the rows (and their validity) of m-tile ``MT``, in ``_OUT``'s rows and
+    in ``_ROWS`` (row g + 8 r8 is token 8 g + 2 MT + r8 of the half)."""
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, _OUT))
+    row = start + (r & 7) * 8 + 2 * MT + (r >> 3)
+    ok = (row >= 0) & (row < total_rows)
+    row = gl.where(ok, row, 0)
+    return (row * H + head) * 128, ok
+
+
+@gluon.jit
+def _tok_vec(r16, OFF: gl.constexpr, t0, MT: gl.constexpr):
+    """fp16 field at ``OFF`` (bytes) of the m-tile's tokens, fp32 [16] in ``_ROWS``."""
+    r = gl.arange(0, 16, layout=_ROWS)
+    t = t0 + (r & 7) * 8 + 2 * MT + (r >> 3)
+    return gl.load(r16 + OFF // 2 + t).to(gl.float32)
+
+
+@gluon.jit
+def _as_opa_pairs(w, mask):
+    x = _halves(w, mask)  # [row, kp, e]
+    return gl.convert_layout(gl.reshape(x, [16, 16]), _OPA, assert_trivial=True)
+
+
+@gluon.jit
+def _epilogue(y, vec, srow, zrow, IS_K: gl.constexpr):
+    """K: ``s_row (y + zp^T P)``; V: ``s_row y + zp s_col^T P`` (both already over sqrt(D))."""
+    if IS_K:
+        r = (y + vec[None, :]) * srow[:, None]
+    else:
+        r = y * srow[:, None] + zrow[:, None] * vec[None, :]
+    return r
+
+
+@gluon.jit
+def _ntile(
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+    v0, v1, v2, v3, v4, v5, v6, v7, srow, zrow, out_ptr, orow, ok,
+    IS_K: gl.constexpr, NT: gl.constexpr,
+):  # fmt: skip
+    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(a0, a1, a2, a3, a4, a5, a6, a7,
+                                           b0, b1, b2, b3, b4, b5, b6, b7)  # fmt: skip
+    _store_tile(
+        _epilogue(y0, v0, srow, zrow, IS_K),
+        _epilogue(y1, v1, srow, zrow, IS_K),
+        _epilogue(y2, v2, srow, zrow, IS_K),
+        _epilogue(y3, v3, srow, zrow, IS_K),
+        _epilogue(y4, v4, srow, zrow, IS_K),
+        _epilogue(y5, v5, srow, zrow, IS_K),
+        _epilogue(y6, v6, srow, zrow, IS_K),
+        _epilogue(y7, v7, srow, zrow, IS_K),
+        out_ptr,
+        orow,
+        ok,
+        NT,
+    )
+
+
+@gluon.jit
+def _tile(
+    r32, r16, out_ptr, start, total_rows, H, head,
+    IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
+    COL_OFF: gl.constexpr, ZP_OFF: gl.constexpr, ROW_OFF: gl.constexpr,
+):  # fmt: skip
+    """Dequantize one record's K or V tile, rotate it back, store it (rows from ``start``)."""
+    m0 = _sign_mask(0)
+    m1 = _sign_mask(1)
+    s0 = _pairs_b(r32, COL_OFF, 0)
+    s1 = _pairs_b(r32, COL_OFF, 1)
+    s2 = _pairs_b(r32, COL_OFF, 2)
+    s3 = _pairs_b(r32, COL_OFF, 3)
+    s4 = _pairs_b(r32, COL_OFF, 4)
+    s5 = _pairs_b(r32, COL_OFF, 5)
+    s6 = _pairs_b(r32, COL_OFF, 6)
+    s7 = _pairs_b(r32, COL_OFF, 7)
+    b00 = _as_opb(s0, m0)
+    b01 = _as_opb(s1, m0)
+    b02 = _as_opb(s2, m0)
+    b03 = _as_opb(s3, m0)
+    b04 = _as_opb(s4, m0)
+    b05 = _as_opb(s5, m0)
+    b06 = _as_opb(s6, m0)
+    b07 = _as_opb(s7, m0)
+    b10 = _as_opb(s0, m1)
+    b11 = _as_opb(s1, m1)
+    b12 = _as_opb(s2, m1)
+    b13 = _as_opb(s3, m1)
+    b14 = _as_opb(s4, m1)
+    b15 = _as_opb(s5, m1)
+    b16 = _as_opb(s6, m1)
+    b17 = _as_opb(s7, m1)
+    if IS_K:
+        # zp^T P: the zero points (every row alike) times the signs
+        one = gl.full([8, 8], 0x3C003C00, gl.int32, _BP)
+        g0 = _as_opb(one, m0)
+        g1 = _as_opb(one, m1)
+        zm = gl.full([16, 8], 0, gl.int32, _AP)
+        z0 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 0), zm)
+        z1 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 1), zm)
+        z2 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 2), zm)
+        z3 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 3), zm)
+        z4 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 4), zm)
+        z5 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 5), zm)
+        z6 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 6), zm)
+        z7 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 7), zm)
+        v00, v01, v02, v03, v04, v05, v06, v07 = _vecs(z0, z1, z2, z3, z4, z5, z6, z7,
+                                                       g0, g0, g0, g0, g0, g0, g0, g0)  # fmt: skip
+        v10, v11, v12, v13, v14, v15, v16, v17 = _vecs(z0, z1, z2, z3, z4, z5, z6, z7,
+                                                       g1, g1, g1, g1, g1, g1, g1, g1)  # fmt: skip
+    else:
+        # s_col^T P: a ones row times diag(s_col) P_in, transformed
+        e = gl.full([16, 16], 1.0, gl.float16, _OPA)
+        v00, v01, v02, v03, v04, v05, v06, v07 = _vecs(e, e, e, e, e, e, e, e,
+                                                       b00, b01, b02, b03, b04, b05, b06, b07)  # fmt: skip
+        v10, v11, v12, v13, v14, v15, v16, v17 = _vecs(e, e, e, e, e, e, e, e,
+                                                       b10, b11, b12, b13, b14, b15, b16, b17)  # fmt: skip
+    for half in gl.static_range(G // 64):
+        if IS_K:
+            ci = gl.arange(0, 128, layout=gl.SliceLayout(1, _KW))
+            wi = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
+            kw = gl.load(r32 + CODES_OFF // 4 + ci[:, None] * (G // 8) + (8 * half + wi)[None, :])
+            ka, kb = gl.split(gl.permute(gl.reshape(kw, [64, 2, 8]), [0, 2, 1]))
+        for mt in gl.static_range(4):
+            srow = _tok_vec(r16, ROW_OFF, 64 * half, mt) * _INV_SQRT_D
+            if IS_K:
+                zrow = srow
+                a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes(ka, kb, mt)
+            else:
+                zrow = _tok_vec(r16, ZP_OFF, 64 * half, mt) * _INV_SQRT_D
+                if BITS == 4:
+                    r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW4))
+                    wd = gl.arange(0, 16, layout=gl.SliceLayout(0, _VW4))
+                    t = 64 * half + (r & 7) * 8 + 2 * mt + (r >> 3)
+                    vw = gl.load(r32 + CODES_OFF // 4 + t[:, None] * (4 * BITS) + wd[None, :])
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _v4_codes(vw)
+                else:
+                    r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW2))
+                    wd = gl.arange(0, 8, layout=gl.SliceLayout(0, _VW2))
+                    t = 64 * half + (r & 7) * 8 + 2 * mt + (r >> 3)
+                    vw = gl.load(r32 + CODES_OFF // 4 + t[:, None] * (4 * BITS) + wd[None, :])
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _v2_codes(vw)
+            orow, ok = _out_rows(start + 64 * half, total_rows, H, head, mt)
+            _ntile(a0, a1, a2, a3, a4, a5, a6, a7, b00, b01, b02, b03, b04, b05, b06, b07,
+                   v00, v01, v02, v03, v04, v05, v06, v07, srow, zrow, out_ptr, orow, ok,
+                   IS_K, 0)  # fmt: skip
+            _ntile(a0, a1, a2, a3, a4, a5, a6, a7, b10, b11, b12, b13, b14, b15, b16, b17,
+                   v10, v11, v12, v13, v14, v15, v16, v17, srow, zrow, out_ptr, orow, ok,
+                   IS_K, 1)  # fmt: skip
+
+
+@gluon.jit
+def mma_materialize_kernel(
+    rec16_ptr,
+    rec32_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    cu_ptr,
+    k_out_ptr,
+    v_out_ptr,
+    num_blocks,
+    total_rows,
+    max_blocks,
+    H,
+    G: gl.constexpr,
+    REC: gl.constexpr,
+    VB: gl.constexpr,
+    KC_OFF: gl.constexpr,
+    KS_OFF: gl.constexpr,
+    KZ_OFF: gl.constexpr,
+    KR_OFF: gl.constexpr,
+    VC_OFF: gl.constexpr,
+    VS_OFF: gl.constexpr,
+    VR_OFF: gl.constexpr,
+    VZ_OFF: gl.constexpr,
+):
+    """Grid ``(B * max_blocks, Hkv, 2)``, one warp: full block ``program_id(0) % max_blocks`` of
+    request ``program_id(0) // max_blocks``, KV head ``program_id(1)``, K (0) or V (1). Programs
+    past a request's full blocks, and those whose block-table entry is out of range, write
+    nothing."""
+    pid = gl.program_id(0)
+    head = gl.program_id(1)
+    kv = gl.program_id(2)
+    req = pid // max_blocks
+    blk = pid % max_blocks
+    seq_len = gl.load(seq_lens_ptr + req)
+    if blk >= seq_len // G:
+        return
+    phys = gl.load(block_table_ptr + req.to(gl.int64) * max_blocks + blk).to(gl.int64)
+    if (phys < 0) | (phys >= num_blocks):
+        return
+    rbase = phys * H + head
+    r32 = rec32_ptr + rbase * (REC // 4)
+    r16 = rec16_ptr + rbase * (REC // 2)
+    start = gl.load(cu_ptr + req).to(gl.int64) + blk * G
+    if kv == 0:
+        _tile(r32, r16, k_out_ptr, start, total_rows, H, head,
+              True, 4, G, KC_OFF, KS_OFF, KZ_OFF, KR_OFF)  # fmt: skip
+    else:
+        _tile(r32, r16, v_out_ptr, start, total_rows, H, head,
+              False, VB, G, VC_OFF, VS_OFF, VZ_OFF, VR_OFF)  # fmt: skip
