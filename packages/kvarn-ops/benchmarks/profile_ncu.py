@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import tarfile
@@ -41,6 +42,10 @@ OPS = {
     "combine_b64": ("_decode_combine_kernel", "k4v2 g64, B=64, 32K, 32/8/128"),
     "store": ("_store_kernel", "T=32768, Hkv 8, D 128, bf16 pool"),
     "materialize": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128"),
+    # the Gluon full-block kernel (materialize_mma.py)
+    "materialize_mma": ("mma_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128"),
+    # the Triton kernel's launch for the exact tails beside it
+    "materialize_tails": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128: tails"),
     "flush": ("_flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool"),
     "mla_decode_b64": ("_mla_decode_kernel", "k4, B=64, 16 heads, 16K"),
     # the Gluon MLA decode kernel (mla_decode_mma.py)
@@ -112,7 +117,9 @@ def run(op: str) -> None:
         _fake_do_bench(lambda: bench_decode.kd.decode(*args))
     elif op == "store":
         bench_kernels.bench_store(128, 8, 32768, 64, torch.bfloat16)
-    elif op == "materialize":
+    elif op in ("materialize", "materialize_mma", "materialize_tails"):
+        if op == "materialize":  # the Triton kernel for every block
+            os.environ["KVARN_MATERIALIZE_MMA"] = "0"
         bench_kernels.bench_materialize("kvarn_k4v2_g64", 128, 8, 16, 8192, torch.bfloat16)
     elif op == "flush":
         bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 512, torch.bfloat16)

@@ -63,6 +63,17 @@ SWEEPS = {
             "materialize.materialize_maxnreg": [None, 0],
         },
     ),
+    "materialize_mma": (
+        lambda: bench_kernels.bench_materialize("kvarn_k4v2_g64", 128, 8, 16, 8192, torch.bfloat16),
+        {"materialize.MMA_MAXNREG": [None, 184, 168]},
+    ),
+    **{
+        f"materialize_mma_{fmt[6:]}": (
+            lambda fmt=fmt: bench_kernels.bench_materialize(fmt, 128, 8, 16, 8192, torch.bfloat16),
+            {"materialize.MMA_MAXNREG": [None, 184, 168]},
+        )
+        for fmt in ("kvarn_k4v4_g64", "kvarn_k4v2_g128", "kvarn_k4v4_g128")
+    },
     "flush": (
         lambda: bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 4096, torch.bfloat16),
         {"flush.warps_for": [None, 8, 16]},

@@ -425,6 +425,38 @@ def test_materialize(gen, fmt, geo, lens, out_dtype, pool_dtype):
         _assert_within_ulp(got[:n].float(), want[:n].float(), out_dtype, "materialize")
 
 
+@pytest.mark.parametrize(
+    ("fmt", "pool_dtype"),
+    [("kvarn_k4v2_g64", torch.bfloat16), ("kvarn_k4v4_g128", torch.float8_e4m3fn)],
+)
+def test_materialize_signed_scales(gen, fmt, pool_dtype):
+    """Column scales and zero points of both signs over 2^-20 .. 2^4 (fp16 subnormals and
+    exact zeros included): both kernels fold the column scales into sign-flipped operands
+    (the Gluon kernel by xor-ing sign bits), which the quantizer's positive scales alone would
+    not exercise."""
+    _, hkv, d = DECODE_GEOMETRIES[0]
+    lens = [700, 64, 3000, 5]
+    cache = build_cache(gen, fmt, d, hkv, lens, pool_dtype)
+    lay = kf.dense_layout(fmt, d)
+    nb = cache.packed.shape[0]
+    for name in ("k_col_scale", "k_zero_point", "v_col_scale", "v_zero_point"):
+        f = lay.field(name)
+        shape = (nb, hkv, f.size // 2)
+        mag = torch.exp2(torch.rand(shape, generator=gen, device=DEVICE) * 24 - 20)
+        sign = torch.where(torch.rand(shape, generator=gen, device=DEVICE) < 0.5, -1.0, 1.0)
+        zero = torch.rand(shape, generator=gen, device=DEVICE) < 0.05
+        vals = torch.where(zero, 0.0, mag * sign).to(torch.float16)
+        cache.packed[:, :, f.offset : f.end] = vals.view(torch.uint8)
+    total = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    got = [poison_(torch.empty(total, hkv, d, dtype=torch.bfloat16, device=DEVICE)) for _ in "kv"]
+    want = [poison_(torch.empty_like(got[0])) for _ in "kv"]
+    kernels.materialize(*cache.args(), got[0], got[1], cu)
+    reference.materialize(*cache.args(), want[0], want[1], cu)
+    for x, r in zip(got, want, strict=True):
+        _assert_within_ulp(x.float(), r.float(), torch.bfloat16, "materialize")
+
+
 def test_materialize_cuda_graph_replay(gen, monkeypatch):
     """After a first eager call on the device (which uploads the sign table), materialize is
     captured once and replayed with longer contexts: equal to eager calls. A first call inside

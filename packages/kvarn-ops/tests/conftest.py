@@ -27,7 +27,11 @@ torch.set_num_threads(int(os.environ.get("KVARN_TEST_THREADS", "1")))
 # and the other mode then fails ("Cannot call @triton.jit'd outside of the scope of a
 # kernel"). So those files run in their own process (test_compile_offline.py), and are
 # collected directly only there.
-OFFLINE_COMPILE_FILES = ("test_compile_decode.py", "test_compile_kernels.py")
+OFFLINE_COMPILE_FILES = (
+    "test_compile_decode.py",
+    "test_compile_kernels.py",
+    "test_compile_materialize.py",
+)
 
 
 # Tests of the repository's benchmark tools (benchmarks/ beside tests/): collected where the

@@ -13,7 +13,11 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 # Keep equal to OFFLINE_COMPILE_FILES in conftest.py (conftest is not importable by name).
-OFFLINE_COMPILE_FILES = ("test_compile_decode.py", "test_compile_kernels.py")
+OFFLINE_COMPILE_FILES = (
+    "test_compile_decode.py",
+    "test_compile_kernels.py",
+    "test_compile_materialize.py",
+)
 
 
 @pytest.mark.slow

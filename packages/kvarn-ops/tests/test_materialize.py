@@ -14,6 +14,7 @@ and nothing else (NaN poison in the gaps between requests and after the last one
 
 from __future__ import annotations
 
+import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -195,3 +196,44 @@ def test_materialize_rejects_bad_input(case):
     name, over = BAD[case]
     with pytest.raises(ValueError, match=f"^{name}"):
         materialize(**_args(**over))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "seq_lens"), [("kvarn_k4v2_g64", [70, 64, 5, 0]), ("kvarn_k4v4_g128", [300, 127])]
+)
+def test_tails_only_launch_writes_only_the_tails(fmt, seq_lens, make_cache, monkeypatch):
+    """Where the Gluon kernel takes the full blocks (on a GPU), the Triton kernel is launched
+    for the exact tails only: here the full-block launch is left out, so the full blocks' rows
+    must stay untouched (NaN) while every tail row matches the oracle."""
+    mod = importlib.import_module("kvarn_ops.kernels.materialize")
+    launched = []
+    monkeypatch.setattr(mod, "_use_mma_kernel", lambda layout, packed: True)
+    monkeypatch.setattr(mod, "_mma_module", lambda: object())
+    monkeypatch.setattr(mod, "_launch_mma", lambda *a, **k: launched.append(a))
+    d, hkv = 128, 2
+    cache = make_cache(fmt, d, seq_lens, hkv, torch.bfloat16)
+    g = cache.layout.block_size
+    total = sum(seq_lens) + 4
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    cu = torch.tensor(starts, dtype=torch.int32)
+    k_out = torch.full((total, hkv, d), float("nan"), dtype=torch.bfloat16)
+    v_out = torch.full_like(k_out, float("nan"))
+    materialize(*cache.context_args(), k_out, v_out, cu)
+    assert len(launched) == 1
+    written = torch.zeros(total, dtype=torch.bool)
+    for r, n in enumerate(seq_lens):
+        full = (n // g) * g
+        s = starts[r]
+        written[s + full : s + n] = True
+        if n == full:
+            continue
+        k64, v64 = oracle(cache, r)
+        tails = ((k_out[s + full : s + n], k64[full:]), (v_out[s + full : s + n], v64[full:]))
+        for got, want in tails:
+            tol = EPS[torch.bfloat16] * want.abs() + ATOL_REL * want.abs().max()
+            assert bool(((got.double() - want).abs() <= tol).all()), f"request {r}: tail rows"
+    for out in (k_out, v_out):
+        assert not bool(out[written].isnan().any()), "a tail row was not written"
+        assert bool(out[~written].isnan().all()), "a full-block row was written by the tail launch"

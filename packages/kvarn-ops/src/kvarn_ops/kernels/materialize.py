@@ -503,6 +503,10 @@ def _launch(
     )
 
 
+MMA_MAXNREG: int | None = None
+"""Register cap of the Gluon full-block kernel (None: the compiler's choice)."""
+
+
 def _use_mma_kernel(layout, packed: torch.Tensor) -> bool:
     """Full blocks of 4-bit K, 2/4-bit V, G 64/128, D 128 on sm_80+ take the Gluon kernel
     (``materialize_mma.py``); ``KVARN_MATERIALIZE_MMA=0`` turns it off."""
@@ -523,7 +527,7 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
     b, max_blocks = block_table.shape
     hkv = packed.shape[1]
     offs = record_offsets(layout)
-    mod.mma_materialize_kernel[(b * max_blocks, hkv, 2)](
+    mod.mma_materialize_kernel[(b * max_blocks * (layout.block_size // 64), hkv, 2)](
         packed.view(torch.float16),
         packed.view(torch.int32),
         block_table,
@@ -540,6 +544,7 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
         VB=offs["V_BITS"],
         **{f"{k}_OFF": offs[f"{k}_OFF"] for k in ("KC", "KS", "KZ", "KR", "VC", "VS", "VR", "VZ")},
         num_warps=1,
+        **({} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}),
     )
 
 

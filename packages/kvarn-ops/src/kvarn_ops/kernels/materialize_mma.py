@@ -116,6 +116,16 @@ _OUT: gl.constexpr = gl.DistributedLinearLayout(
     shape=[16, 64],
 )
 
+_VSM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+# the eight per-tile vectors of an n-tile [o', column]: each lane its two columns of all eight
+_VEC8: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0]],
+    lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[8, 8],
+)
+
 _INV_SQRT_D: gl.constexpr = gl.constexpr(0.08838834764831845)  # fp32(1 / sqrt(128))
 
 
@@ -304,11 +314,18 @@ def _v2_codes(vw):
 
 
 @gluon.jit
+def _pair_index(kp, O: gl.constexpr):
+    """Pair ``i >> 1`` of group ``O`` at k pair ``kp = c0 | c1 << 1 | h << 2``: bits o0, o1, h,
+    c0, o2, c1 from the lowest."""
+    return (O & 3) | ((kp >> 2) << 2) | ((kp & 1) << 3) | ((O >> 2) << 4) | ((kp >> 1 & 1) << 5)
+
+
+@gluon.jit
 def _pairs_b(r32, OFF: gl.constexpr, O: gl.constexpr):
     """int32 channel pairs of group ``O`` at field offset ``OFF`` (bytes) as [kp, n] in
     ``_BP`` (the same pair for every column n)."""
     kp = gl.arange(0, 8, layout=gl.SliceLayout(1, _BP))
-    p = (O & 1) | (O & 2) | ((kp >> 2) << 2) | ((kp & 1) << 3) | ((O >> 2) << 4) | ((kp >> 1 & 1) << 5)
+    p = _pair_index(kp, O)
     w = gl.load(r32 + OFF // 4 + p)
     return gl.full([8, 8], 0, gl.int32, _BP) + w[:, None]
 
@@ -317,7 +334,7 @@ def _pairs_b(r32, OFF: gl.constexpr, O: gl.constexpr):
 def _pairs_a(r32, OFF: gl.constexpr, O: gl.constexpr):
     """As :func:`_pairs_b`, as [row, kp] in ``_AP`` (the same pair for every row)."""
     kp = gl.arange(0, 8, layout=gl.SliceLayout(0, _AP))
-    p = (O & 1) | (O & 2) | ((kp >> 2) << 2) | ((kp & 1) << 3) | ((O >> 2) << 4) | ((kp >> 1 & 1) << 5)
+    p = _pair_index(kp, O)
     w = gl.load(r32 + OFF // 4 + p)
     return gl.full([16, 8], 0, gl.int32, _AP) + w[None, :]
 
@@ -386,23 +403,6 @@ def _row_vec(y):
 
 
 @gluon.jit
-def _vecs(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
-    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
-        a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
-    )
-    return (
-        _row_vec(y0),
-        _row_vec(y1),
-        _row_vec(y2),
-        _row_vec(y3),
-        _row_vec(y4),
-        _row_vec(y5),
-        _row_vec(y6),
-        _row_vec(y7),
-    )
-
-
-@gluon.jit
 def _store_tile(y0, y1, y2, y3, y4, y5, y6, y7, out_ptr, orow, ok, NT: gl.constexpr):
     """Store eight transformed [16, 8] results (already scaled) of n-tile ``NT``: column
     ``n = 2 cc + e'`` of group ``o'`` is channel ``64 NT + e' + 2 o0' + 4 o1' + 8 cc + 32 o2'``."""
@@ -425,12 +425,47 @@ def _out_rows(start, total_rows, H, head, MT: gl.constexpr):
     return (row * H + head) * 128, ok
 
 
+# a lane's 8 tokens of a 64-token half ([g, token 8 g + j]): one 16-byte load per field
+_TOK: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4]],
+    lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[8, 8],
+)
+
+
 @gluon.jit
-def _tok_vec(r16, OFF: gl.constexpr, t0, MT: gl.constexpr):
-    """fp16 field at ``OFF`` (bytes) of the m-tile's tokens, fp32 [16] in ``_ROWS``."""
-    r = gl.arange(0, 16, layout=_ROWS)
+def _tok_rows(x):
+    """[g, r8] -> [16] in ``_ROWS`` (row g + 8 r8)."""
+    return gl.convert_layout(gl.reshape(gl.permute(x, [1, 0]), [16]), _ROWS, assert_trivial=True)
+
+
+@gluon.jit
+def _tok4(r16, OFF: gl.constexpr, t0, scale):
+    """fp16 field at ``OFF`` (bytes) of the half's tokens from ``t0``, times ``scale``, as the
+    four m-tiles' fp32 [16] in ``_ROWS`` (row g + 8 r8 of m-tile mt: token 8 g + 2 mt + r8)."""
+    g = gl.arange(0, 8, layout=gl.SliceLayout(1, _TOK))
+    j = gl.arange(0, 8, layout=gl.SliceLayout(0, _TOK))
+    x = gl.load(r16 + OFF // 2 + t0 + g[:, None] * 8 + j[None, :]).to(gl.float32) * scale
+    x = gl.reshape(x, [8, 2, 2, 2])  # g mt1 mt0 r8
+    a, b = gl.split(gl.permute(x, [0, 3, 1, 2]))  # mt0
+    x0, x2 = gl.split(a)  # mt1
+    x1, x3 = gl.split(b)
+    return _tok_rows(x0), _tok_rows(x1), _tok_rows(x2), _tok_rows(x3)
+
+
+@gluon.jit
+def _v_words(r32, CODES_OFF: gl.constexpr, t0, MT: gl.constexpr, BITS: gl.constexpr):
+    """The V code words of m-tile ``MT`` of the half from token ``t0``: [16 rows, 16 or 8]."""
+    if BITS == 4:
+        r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW4))
+        wd = gl.arange(0, 16, layout=gl.SliceLayout(0, _VW4))
+    else:
+        r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW2))
+        wd = gl.arange(0, 8, layout=gl.SliceLayout(0, _VW2))
     t = t0 + (r & 7) * 8 + 2 * MT + (r >> 3)
-    return gl.load(r16 + OFF // 2 + t).to(gl.float32)
+    return gl.load(r32 + CODES_OFF // 4 + t[:, None] * (4 * BITS) + wd[None, :])
 
 
 @gluon.jit
@@ -451,12 +486,18 @@ def _epilogue(y, vec, srow, zrow, IS_K: gl.constexpr):
 
 @gluon.jit
 def _ntile(
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-    v0, v1, v2, v3, v4, v5, v6, v7, srow, zrow, out_ptr, orow, ok,
-    IS_K: gl.constexpr, NT: gl.constexpr,
+    a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, mask, vsm,
+    srow, zrow, out_ptr, orow, ok, IS_K: gl.constexpr, NT: gl.constexpr,
 ):  # fmt: skip
-    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(a0, a1, a2, a3, a4, a5, a6, a7,
-                                           b0, b1, b2, b3, b4, b5, b6, b7)  # fmt: skip
+    """n-tile ``NT`` of an m-tile: B operands ``diag(s_col) P_in`` built from the scale pairs
+    ``s_o`` and the n-tile's sign mask (one ``xor`` per register), the eight products, the
+    transform, the epilogue with the tile's vectors (``vsm``, shared memory), the stores."""
+    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
+        a0, a1, a2, a3, a4, a5, a6, a7,
+        _as_opb(s0, mask), _as_opb(s1, mask), _as_opb(s2, mask), _as_opb(s3, mask),
+        _as_opb(s4, mask), _as_opb(s5, mask), _as_opb(s6, mask), _as_opb(s7, mask),
+    )  # fmt: skip
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load_vecs(vsm, NT)
     _store_tile(
         _epilogue(y0, v0, srow, zrow, IS_K),
         _epilogue(y1, v1, srow, zrow, IS_K),
@@ -474,12 +515,47 @@ def _ntile(
 
 
 @gluon.jit
+def _store_vecs(vsm, NT: gl.constexpr, y0, y1, y2, y3, y4, y5, y6, y7):
+    """Rows of eight transformed [16, 8] results whose rows are all equal, into ``vsm``
+    [n-tile, o', column] (one store)."""
+    v = _stack8(_row_vec(y0), _row_vec(y1), _row_vec(y2), _row_vec(y3),
+                _row_vec(y4), _row_vec(y5), _row_vec(y6), _row_vec(y7))  # fmt: skip
+    vsm.index(NT).store(gl.convert_layout(gl.permute(v, [1, 0]), _VEC8, assert_trivial=True))
+
+
+@gluon.jit
+def _load_vecs(vsm, NT: gl.constexpr):
+    v = gl.reshape(gl.permute(vsm.index(NT).load(_VEC8), [1, 0]), [8, 2, 2, 2])
+    v0, v1, v2, v3, v4, v5, v6, v7 = _split8(v)
+    return (
+        gl.convert_layout(v0, _COLS, assert_trivial=True),
+        gl.convert_layout(v1, _COLS, assert_trivial=True),
+        gl.convert_layout(v2, _COLS, assert_trivial=True),
+        gl.convert_layout(v3, _COLS, assert_trivial=True),
+        gl.convert_layout(v4, _COLS, assert_trivial=True),
+        gl.convert_layout(v5, _COLS, assert_trivial=True),
+        gl.convert_layout(v6, _COLS, assert_trivial=True),
+        gl.convert_layout(v7, _COLS, assert_trivial=True),
+    )
+
+
+@gluon.jit
+def _k_words(r32, CODES_OFF: gl.constexpr, G: gl.constexpr, half):
+    """K words of a 64-token half as channel pairs (ka: even channel, kb: odd) [64, 8]."""
+    ci = gl.arange(0, 128, layout=gl.SliceLayout(1, _KW))
+    wi = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
+    kw = gl.load(r32 + CODES_OFF // 4 + ci[:, None] * (G // 8) + (8 * half + wi)[None, :])
+    return gl.split(gl.permute(gl.reshape(kw, [64, 2, 8]), [0, 2, 1]))
+
+
+@gluon.jit
 def _tile(
-    r32, r16, out_ptr, start, total_rows, H, head,
+    r32, r16, out_ptr, start, half, total_rows, H, head,
     IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
     COL_OFF: gl.constexpr, ZP_OFF: gl.constexpr, ROW_OFF: gl.constexpr,
 ):  # fmt: skip
-    """Dequantize one record's K or V tile, rotate it back, store it (rows from ``start``)."""
+    """Dequantize the 64-token half ``half`` of one record's K or V tile, rotate it back,
+    store it (rows from ``start``)."""
     m0 = _sign_mask(0)
     m1 = _sign_mask(1)
     s0 = _pairs_b(r32, COL_OFF, 0)
@@ -490,22 +566,20 @@ def _tile(
     s5 = _pairs_b(r32, COL_OFF, 5)
     s6 = _pairs_b(r32, COL_OFF, 6)
     s7 = _pairs_b(r32, COL_OFF, 7)
-    b00 = _as_opb(s0, m0)
-    b01 = _as_opb(s1, m0)
-    b02 = _as_opb(s2, m0)
-    b03 = _as_opb(s3, m0)
-    b04 = _as_opb(s4, m0)
-    b05 = _as_opb(s5, m0)
-    b06 = _as_opb(s6, m0)
-    b07 = _as_opb(s7, m0)
-    b10 = _as_opb(s0, m1)
-    b11 = _as_opb(s1, m1)
-    b12 = _as_opb(s2, m1)
-    b13 = _as_opb(s3, m1)
-    b14 = _as_opb(s4, m1)
-    b15 = _as_opb(s5, m1)
-    b16 = _as_opb(s6, m1)
-    b17 = _as_opb(s7, m1)
+    # every load is issued before the first store (the compiler does not move loads across
+    # stores through another pointer) and before the per-tile vectors are computed
+    t0 = 64 * half
+    sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, _INV_SQRT_D)
+    if IS_K:
+        ka, kb = _k_words(r32, CODES_OFF, G, half)
+    else:
+        zr0, zr1, zr2, zr3 = _tok4(r16, ZP_OFF, t0, _INV_SQRT_D)
+        vw0 = _v_words(r32, CODES_OFF, t0, 0, BITS)
+        vw1 = _v_words(r32, CODES_OFF, t0, 1, BITS)
+        vw2 = _v_words(r32, CODES_OFF, t0, 2, BITS)
+        vw3 = _v_words(r32, CODES_OFF, t0, 3, BITS)
+    # per-tile vectors by column, [n-tile * 8 + o', 8 columns] fp32 in shared memory
+    vsm = gl.allocate_shared_memory(gl.float32, [2, 8, 8], _VSM)
     if IS_K:
         # zp^T P: the zero points (every row alike) times the signs
         one = gl.full([8, 8], 0x3C003C00, gl.int32, _BP)
@@ -520,49 +594,62 @@ def _tile(
         z5 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 5), zm)
         z6 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 6), zm)
         z7 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 7), zm)
-        v00, v01, v02, v03, v04, v05, v06, v07 = _vecs(z0, z1, z2, z3, z4, z5, z6, z7,
-                                                       g0, g0, g0, g0, g0, g0, g0, g0)  # fmt: skip
-        v10, v11, v12, v13, v14, v15, v16, v17 = _vecs(z0, z1, z2, z3, z4, z5, z6, z7,
-                                                       g1, g1, g1, g1, g1, g1, g1, g1)  # fmt: skip
+        y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(z0, z1, z2, z3, z4, z5, z6, z7,
+                                               g0, g0, g0, g0, g0, g0, g0, g0)  # fmt: skip
+        _store_vecs(vsm, 0, y0, y1, y2, y3, y4, y5, y6, y7)
+        y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(z0, z1, z2, z3, z4, z5, z6, z7,
+                                               g1, g1, g1, g1, g1, g1, g1, g1)  # fmt: skip
+        _store_vecs(vsm, 1, y0, y1, y2, y3, y4, y5, y6, y7)
     else:
         # s_col^T P: a ones row times diag(s_col) P_in, transformed
         e = gl.full([16, 16], 1.0, gl.float16, _OPA)
-        v00, v01, v02, v03, v04, v05, v06, v07 = _vecs(e, e, e, e, e, e, e, e,
-                                                       b00, b01, b02, b03, b04, b05, b06, b07)  # fmt: skip
-        v10, v11, v12, v13, v14, v15, v16, v17 = _vecs(e, e, e, e, e, e, e, e,
-                                                       b10, b11, b12, b13, b14, b15, b16, b17)  # fmt: skip
-    for half in gl.static_range(G // 64):
+        y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
+            e, e, e, e, e, e, e, e,
+            _as_opb(s0, m0), _as_opb(s1, m0), _as_opb(s2, m0), _as_opb(s3, m0),
+            _as_opb(s4, m0), _as_opb(s5, m0), _as_opb(s6, m0), _as_opb(s7, m0),
+        )  # fmt: skip
+        _store_vecs(vsm, 0, y0, y1, y2, y3, y4, y5, y6, y7)
+        y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
+            e, e, e, e, e, e, e, e,
+            _as_opb(s0, m1), _as_opb(s1, m1), _as_opb(s2, m1), _as_opb(s3, m1),
+            _as_opb(s4, m1), _as_opb(s5, m1), _as_opb(s6, m1), _as_opb(s7, m1),
+        )  # fmt: skip
+        _store_vecs(vsm, 1, y0, y1, y2, y3, y4, y5, y6, y7)
+    gl.thread_barrier()
+    for mt in gl.static_range(4):
+        if mt == 0:
+            srow = sr0
+        elif mt == 1:
+            srow = sr1
+        elif mt == 2:
+            srow = sr2
+        else:
+            srow = sr3
         if IS_K:
-            ci = gl.arange(0, 128, layout=gl.SliceLayout(1, _KW))
-            wi = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
-            kw = gl.load(r32 + CODES_OFF // 4 + ci[:, None] * (G // 8) + (8 * half + wi)[None, :])
-            ka, kb = gl.split(gl.permute(gl.reshape(kw, [64, 2, 8]), [0, 2, 1]))
-        for mt in gl.static_range(4):
-            srow = _tok_vec(r16, ROW_OFF, 64 * half, mt) * _INV_SQRT_D
-            if IS_K:
-                zrow = srow
-                a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes(ka, kb, mt)
+            zrow = srow
+            a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes(ka, kb, mt)
+        else:
+            if mt == 0:
+                zrow = zr0
+                vw = vw0
+            elif mt == 1:
+                zrow = zr1
+                vw = vw1
+            elif mt == 2:
+                zrow = zr2
+                vw = vw2
             else:
-                zrow = _tok_vec(r16, ZP_OFF, 64 * half, mt) * _INV_SQRT_D
-                if BITS == 4:
-                    r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW4))
-                    wd = gl.arange(0, 16, layout=gl.SliceLayout(0, _VW4))
-                    t = 64 * half + (r & 7) * 8 + 2 * mt + (r >> 3)
-                    vw = gl.load(r32 + CODES_OFF // 4 + t[:, None] * (4 * BITS) + wd[None, :])
-                    a0, a1, a2, a3, a4, a5, a6, a7 = _v4_codes(vw)
-                else:
-                    r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW2))
-                    wd = gl.arange(0, 8, layout=gl.SliceLayout(0, _VW2))
-                    t = 64 * half + (r & 7) * 8 + 2 * mt + (r >> 3)
-                    vw = gl.load(r32 + CODES_OFF // 4 + t[:, None] * (4 * BITS) + wd[None, :])
-                    a0, a1, a2, a3, a4, a5, a6, a7 = _v2_codes(vw)
-            orow, ok = _out_rows(start + 64 * half, total_rows, H, head, mt)
-            _ntile(a0, a1, a2, a3, a4, a5, a6, a7, b00, b01, b02, b03, b04, b05, b06, b07,
-                   v00, v01, v02, v03, v04, v05, v06, v07, srow, zrow, out_ptr, orow, ok,
-                   IS_K, 0)  # fmt: skip
-            _ntile(a0, a1, a2, a3, a4, a5, a6, a7, b10, b11, b12, b13, b14, b15, b16, b17,
-                   v10, v11, v12, v13, v14, v15, v16, v17, srow, zrow, out_ptr, orow, ok,
-                   IS_K, 1)  # fmt: skip
+                zrow = zr3
+                vw = vw3
+            if BITS == 4:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _v4_codes(vw)
+            else:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _v2_codes(vw)
+        orow, ok = _out_rows(start, total_rows, H, head, mt)
+        _ntile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, m0, vsm,
+               srow, zrow, out_ptr, orow, ok, IS_K, 0)  # fmt: skip
+        _ntile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, m1, vsm,
+               srow, zrow, out_ptr, orow, ok, IS_K, 1)  # fmt: skip
 
 
 @gluon.jit
@@ -590,15 +677,18 @@ def mma_materialize_kernel(
     VR_OFF: gl.constexpr,
     VZ_OFF: gl.constexpr,
 ):
-    """Grid ``(B * max_blocks, Hkv, 2)``, one warp: full block ``program_id(0) % max_blocks`` of
-    request ``program_id(0) // max_blocks``, KV head ``program_id(1)``, K (0) or V (1). Programs
-    past a request's full blocks, and those whose block-table entry is out of range, write
-    nothing."""
+    """Grid ``(B * max_blocks * G / 64, Hkv, 2)``, one warp: 64-token half
+    ``program_id(0) % (G / 64)`` of full block ``program_id(0) / (G / 64) % max_blocks`` of
+    request ``program_id(0) / (max_blocks * G / 64)``, KV head ``program_id(1)``, K (0) or V
+    (1). Programs past a request's full blocks, and those whose block-table entry is out of
+    range, write nothing."""
     pid = gl.program_id(0)
     head = gl.program_id(1)
     kv = gl.program_id(2)
-    req = pid // max_blocks
-    blk = pid % max_blocks
+    HALVES: gl.constexpr = G // 64
+    half = pid % HALVES
+    req = pid // (HALVES * max_blocks)
+    blk = (pid // HALVES) % max_blocks
     seq_len = gl.load(seq_lens_ptr + req)
     if blk >= seq_len // G:
         return
@@ -608,10 +698,10 @@ def mma_materialize_kernel(
     rbase = phys * H + head
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
-    start = gl.load(cu_ptr + req).to(gl.int64) + blk * G
+    start = gl.load(cu_ptr + req).to(gl.int64) + blk * G + 64 * half
     if kv == 0:
-        _tile(r32, r16, k_out_ptr, start, total_rows, H, head,
+        _tile(r32, r16, k_out_ptr, start, half, total_rows, H, head,
               True, 4, G, KC_OFF, KS_OFF, KZ_OFF, KR_OFF)  # fmt: skip
     else:
-        _tile(r32, r16, v_out_ptr, start, total_rows, H, head,
+        _tile(r32, r16, v_out_ptr, start, half, total_rows, H, head,
               False, VB, G, VC_OFF, VS_OFF, VZ_OFF, VR_OFF)  # fmt: skip

@@ -1,0 +1,80 @@
+"""Offline compilation of the Gluon materialize kernel (``kernels/materialize_mma.py``) for
+sm_90a and sm_120a (no GPU needed): it compiles (every layout conversion inside is checked to be
+a renaming of registers, ``assert_trivial``), spills nothing, and has the instruction mix its
+design says: 160 ``mma.sync`` (per K or V tile: 4 m-tiles x 2 n-tiles x 8 group products, plus
+2 x 8 for the zero-point / column-scale vector), no shared-memory traffic besides those vectors,
+one ``prmt`` per byte pair of codes, and 16-byte global stores only."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+
+import kvarn_formats as kf
+from cubin_info import cubin_resources
+
+TARGETS = [GPUTarget("cuda", 90, 32), GPUTarget("cuda", 120, 32)]
+CASES = [
+    ("kvarn_k4v2_g64", "*bf16"),  # the benchmark's format
+    ("kvarn_k4v4_g64", "*fp16"),
+    ("kvarn_k4v2_g128", "*bf16"),  # a 128-token record is read as two 64-token programs
+    ("kvarn_k4v4_g128", "*fp16"),
+]
+PTRS = {
+    "rec16_ptr": "*fp16",
+    "rec32_ptr": "*i32",
+    "block_table_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "cu_ptr": "*i32",
+    "num_blocks": "i32",
+    "total_rows": "i32",
+    "max_blocks": "i32",
+    "H": "i32",
+}
+
+
+def _compile(fmt: str, out: str, target):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvarn_ops.kernels import materialize_mma
+    from kvarn_ops.kernels.materialize import record_offsets
+
+    kern = materialize_mma.mma_materialize_kernel
+    lay = kf.dense_layout(fmt, 128)
+    offs = record_offsets(lay)
+    consts = dict(G=lay.block_size, REC=lay.record_bytes, VB=offs["V_BITS"])
+    for key in ("KC", "KS", "KZ", "KR", "VC", "VS", "VR", "VZ"):
+        consts[f"{key}_OFF"] = offs[f"{key}_OFF"]
+    ptrs = dict(PTRS, k_out_ptr=out, v_out_ptr=out)
+    sig = {n: "constexpr" if n in consts else ptrs[n] for n in kern.arg_names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if sig[n][0] == "*"
+    }
+    src = GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=1))
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_mma_materialize_compiles_without_trips(case, target):
+    fmt, out = case
+    k = _compile(fmt, out, target)
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    vb = kf.dense_layout(fmt, 128).field("v_codes").bits
+    print(f"{case} sm{target.arch}: {regs} registers, {frame} B spill frame")
+    assert frame == 0, f"{frame} B of spill frame"
+    assert regs <= 255
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 160
+    # shared memory holds the per-tile vectors only: per K or V program 2 n-tiles x 8
+    # two-value stores, and 8 two-value loads per (m-tile, n-tile)
+    assert ptx.count("st.shared") == 2 * 2 * 8
+    assert ptx.count("ld.shared") == 2 * 8 * 8
+    # one prmt per byte pair: K 16 per m-tile (each feeds two operand registers); 2-bit V 16
+    # per m-tile (two registers each); 4-bit V 32 per m-tile (one register each)
+    assert ptx.count("prmt.b32") == 4 * 16 + 4 * (16 if vb == 2 else 32)
+    # every output element leaves in a 16-byte store: 2 x 4 m-tiles x 2 n-tiles x 4 per lane
+    assert ptx.count("st.global.v4.b32") == 64
+    assert ptx.count("st.global") == 64
+    assert "popc" not in ptx and "cvt.rn.f16.s32" not in ptx
