@@ -19,6 +19,12 @@ values at a time), and the vectors ``zp^T P``, ``s_col^T P`` by two small produc
 factors. The exact tail rotates fp16/bf16 (and fp8 as fp16) rows with a 16-bit product.
 D = 256, 512 dequantize in fp32 first and rotate with the 3-pass product.
 
+On CUDA GPUs with ``mma.sync`` (sm_80+), full blocks of 4-bit K with 2/4-bit V, G 64 or 128,
+D 128 take the Gluon kernel of ``materialize_mma.py`` (no shared-memory trips: the rotation as
+eight 16 x 16 products and an 8-point transform in registers); this kernel is then launched
+for the exact tails only (``TAILS_ONLY``, grid ``(B, Hkv, 2)``), so a call makes two launches.
+``KVARN_MATERIALIZE_MMA=0`` keeps every block here.
+
 Launch knobs (read at every call, so a sweep can change them between calls):
 ``MATERIALIZE_WARPS`` (num_warps), ``CHUNK_VALUES`` (values of a tile dequantized at once,
 which sets the tokens per chunk, see :func:`tokens_per_chunk`) and
