@@ -1,9 +1,10 @@
 """Dense materialize on a CUDA GPU: the Gluon full-block kernel against the Triton kernel.
 
-Both paths are timed in one process, interleaved, several rounds; each measurement is next to
+The paths are timed in one process, interleaved, several rounds; each measurement is next to
 its own copy-bandwidth measurement (so a slower machine state shows in both), and the GPU's
-clocks are read (``nvidia-smi``, read only) before each round. The table printed last holds
-medians over the rounds; the JSON holds every measurement.
+clocks are read (``nvidia-smi``, read only) before each round. Every repetition's time is kept
+(``do_bench`` with ``return_mode="all"``): the table printed last holds medians over the
+rounds of the means, and the spread of single repetitions.
 
     python benchmarks/bench_materialize.py --out results/materialize.json [--rounds 3]
 """
@@ -28,6 +29,21 @@ import bench_kernels  # noqa: E402
 
 FORMATS = ("kvarn_k4v2_g64", "kvarn_k4v4_g64", "kvarn_k4v2_g128", "kvarn_k4v4_g128")
 POOLS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+_DO_BENCH = bench_kernels.do_bench
+
+
+def _recording(reps: list[float]):
+    """``do_bench`` that keeps every repetition's time (ms) in ``reps`` and returns the mean,
+    as the benchmark functions expect."""
+
+    def run(fn, **kwargs):
+        times = _DO_BENCH(fn, return_mode="all", **kwargs)
+        reps.extend(times)
+        return statistics.mean(times)
+
+    return run
 
 
 def _clocks() -> str:
@@ -55,23 +71,36 @@ def main(argv=None) -> int:
     ap.add_argument("--pools", default="bf16,fp8")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument(
+        "--paths",
+        default="triton,mma",
+        help="triton, mma (the Gluon kernel for full blocks)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_materialize: no CUDA device; this benchmark needs a GPU", file=sys.stderr)
         return 2
     rows = []
+    paths = args.paths.split(",")
     cases = [(f, p) for f in args.formats.split(",") for p in args.pools.split(",")]
     for rnd in range(args.rounds):
         clocks = _clocks()
         for fmt, pool in cases:
-            for path in ("triton", "mma"):
-                os.environ["KVARN_MATERIALIZE_MMA"] = "1" if path == "mma" else "0"
+            for path in paths:
+                os.environ["KVARN_MATERIALIZE_MMA"] = "0" if path == "triton" else "1"
                 bw = bench_kernels.copy_bandwidth()
-                r = bench_kernels.bench_materialize(
-                    fmt, 128, 8, args.batch, args.context, POOLS[pool]
-                )
+                reps: list[float] = []
+                bench_kernels.do_bench = _recording(reps)
+                try:
+                    r = bench_kernels.bench_materialize(
+                        fmt, 128, 8, args.batch, args.context, POOLS[pool]
+                    )
+                finally:
+                    bench_kernels.do_bench = _DO_BENCH
                 assert r["kernel"] == path, (r["kernel"], path)
                 r.update(
+                    path=path,
+                    rep_ms=reps,
                     round=rnd,
                     format=fmt,
                     pool=pool,
@@ -91,18 +120,20 @@ def main(argv=None) -> int:
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"{'format':16} {'pool':5} {'triton us':>10} {'%copy':>6} {'mma us':>8} {'%copy':>6}")
+    print(f"{'format':16} {'pool':5} {'path':10} {'mean us':>8} {'%copy':>6} {'rep min':>8} "
+          f"{'rep med':>8} {'rep max':>8} {'slow reps':>9}")  # fmt: skip
     for fmt, pool in cases:
-        med = {}
-        for path in ("triton", "mma"):
-            sel = [r for r in rows if r["format"] == fmt and r["pool"] == pool]
-            sel = [r for r in sel if r["kernel"] == path]
-            med[path] = (
-                statistics.median(r["ms"] * 1e3 for r in sel),
-                statistics.median(100 * r["fraction_of_copy"] for r in sel),
+        for path in paths:
+            sel = [r for r in rows if (r["format"], r["pool"], r["path"]) == (fmt, pool, path)]
+            reps = sorted(t for r in sel for t in r["rep_ms"])
+            slow = sum(t > 1.3 * reps[0] for t in reps) / len(reps)
+            print(
+                f"{fmt:16} {pool:5} {path:10} "
+                f"{statistics.median(r['ms'] * 1e3 for r in sel):8.1f} "
+                f"{statistics.median(100 * r['fraction_of_copy'] for r in sel):6.1f} "
+                f"{reps[0] * 1e3:8.1f} {statistics.median(reps) * 1e3:8.1f} {reps[-1] * 1e3:8.1f} "
+                f"{100 * slow:8.0f}%"
             )
-        t, m = med["triton"], med["mma"]
-        print(f"{fmt:16} {pool:5} {t[0]:10.1f} {t[1]:6.1f} {m[0]:8.1f} {m[1]:6.1f}")
     return 0
 
 

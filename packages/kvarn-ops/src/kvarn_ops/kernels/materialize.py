@@ -430,6 +430,7 @@ def launch_config(layout, pool_dtype: torch.dtype, arch: int = 0) -> tuple[dict,
         BT=tokens_per_chunk(d, layout.block_size),
         FP8=pool_dtype == torch.float8_e4m3fn,
         NATIVE_TAIL=native_tail(pool_dtype, d),
+        TAILS_ONLY=False,
         **record_offsets(layout),
     )
     opts = {"num_warps": MATERIALIZE_WARPS}
