@@ -53,6 +53,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kvarn_ops.kernels.decode_mma import _joined, _stack4, _stack8
+
 __all__ = ["MMA_MATERIALIZE_D", "mma_materialize_kernel", "mma_materialize_supported"]
 
 MMA_MATERIALIZE_D = 128
@@ -135,28 +137,6 @@ def mma_materialize_supported(k_bits: int, v_bits: int, block_size: int, head_di
 
 
 @gluon.jit
-def _pair_last(x):
-    """``x`` [..., 2] with its last axis moved to register bit 0 (a renaming of registers)."""
-    return gl.convert_layout(
-        x, _last_dim_first(gl.to_linear_layout(x.type.layout, x.shape)), assert_trivial=True
-    )
-
-
-@gluon.constexpr_function
-def _last_dim_first(ll):
-    unit = [0] * (len(ll.shape) - 1) + [1]
-    regs = [list(b) for b in ll.reg_bases]
-    regs.remove(unit)
-    return gl.DistributedLinearLayout(
-        reg_bases=[unit] + regs,
-        lane_bases=ll.lane_bases,
-        warp_bases=ll.warp_bases,
-        block_bases=ll.block_bases,
-        shape=ll.shape,
-    )
-
-
-@gluon.jit
 def _k_nibbles(ka, kb, BYTE: gl.constexpr):
     """Byte ``BYTE`` of K words ``ka`` (channel i, low halves) and ``kb`` (channel i + 1, high
     halves) as two operand registers of exact fp16 codes: the low nibbles (token 2 BYTE of the
@@ -169,7 +149,7 @@ def _k_nibbles(ka, kb, BYTE: gl.constexpr):
         "lop3.b32 y, t, 15728880, 1409307648, 0xea; "  # & 0x00F000F0 | 0x54005400
         "mov.b32 o, 1677747200; sub.f16x2 $0, x, o; mov.b32 o, 1409307648; sub.f16x2 $1, y, o; }",
         "=r,=r,r,r",
-        [_pair_last(gl.join(ka, kb))],
+        [_joined(ka, kb)],
         dtype=(gl.float16, gl.float16),
         is_pure=True,
         pack=2,
@@ -194,7 +174,7 @@ def _v4_bytes(w):
     return gl.inline_asm_elementwise(
         asm,
         "=r,=r,=r,=r,r,r",
-        [_pair_last(gl.join(w, w))],
+        [_joined(w, w)],
         dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
         is_pure=True,
         pack=2,
@@ -213,7 +193,7 @@ def _v2_byte(w, BYTE: gl.constexpr):
         "mov.b32 o, 1543529472; sub.f16x2 $0, x, o; "
         "mov.b32 o, 1275089920; sub.f16x2 $1, y, o; }",
         "=r,=r,r,r",
-        [_pair_last(gl.join(w, w))],
+        [_joined(w, w)],
         dtype=(gl.float16, gl.float16),
         is_pure=True,
         pack=2,
@@ -266,20 +246,6 @@ def _a_operands(x):
 @gluon.jit
 def _as_opa(x):
     return gl.convert_layout(gl.reshape(x, [16, 16]), _OPA, assert_trivial=True)
-
-
-@gluon.jit
-def _stack4(c0, c1, c2, c3):
-    x = gl.join(gl.join(c0, c2), gl.join(c1, c3))
-    return gl.reshape(x, x.shape[:-2] + [4])
-
-
-@gluon.jit
-def _stack8(c0, c1, c2, c3, c4, c5, c6, c7):
-    x = gl.join(
-        gl.join(gl.join(c0, c4), gl.join(c2, c6)), gl.join(gl.join(c1, c5), gl.join(c3, c7))
-    )
-    return gl.reshape(x, x.shape[:-3] + [8])
 
 
 @gluon.jit
