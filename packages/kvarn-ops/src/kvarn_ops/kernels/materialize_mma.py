@@ -53,19 +53,22 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kvarn_ops.kernels.decode_mma import _joined, _stack4, _stack8
+# one warp's m16n8k16 layouts (accumulator, fp16 operands, its rows and columns) and the
+# register-level join and stack helpers are the decode kernel's
+from kvarn_ops.kernels.decode_mma import (
+    _COLS,
+    _MMA,
+    _OPA,
+    _OPB,
+    _ROWS,
+    _joined,
+    _stack4,
+    _stack8,
+)
 
 __all__ = ["MMA_MATERIALIZE_D", "mma_materialize_kernel", "mma_materialize_supported"]
 
 MMA_MATERIALIZE_D = 128
-
-_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-    version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
-)
-_OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2)
-_OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2)
-_ROWS: gl.constexpr = gl.SliceLayout(1, _MMA)
-_COLS: gl.constexpr = gl.SliceLayout(0, _MMA)
 
 # K words [channel i, word w] of a 64-token half: lane 4 g + c holds word g of the 32 channels
 # whose bits 4 and 6 are c0, c1
