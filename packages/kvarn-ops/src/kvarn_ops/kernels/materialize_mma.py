@@ -3,7 +3,8 @@
 The Triton kernel (``materialize.py``) builds the ``[128, 128]`` operand ``S P`` (column scales
 times Sylvester signs) per tile and moves it, the code tile and the output through shared
 memory: about 130 KB of shared-memory traffic per 16 KB of output (34% of copy bandwidth on an
-H200). This kernel moves nothing through shared memory. Two facts make that possible:
+H200). This kernel moves no codes, operands or outputs through shared memory (only two
+per-tile vectors of 64 values). Two facts make that possible:
 
 - **The rotation factors.** The Sylvester matrix is ``P[i, j] = (-1)^popc(i & j)``, so for any
   split of the seven index bits into a set ``S_in`` (4 bits) and ``S_out`` (3 bits) it is the
@@ -35,16 +36,18 @@ bits 2-3, 64.0 at bits 4-7, 16.0 at bits 6-7), then that power subtracted (exact
 
 Per tile the zero-point part is one more product per group: K ``zp^T P`` (the zero points
 times the signs, all rows alike), V ``s_col^T P`` (a ones row times ``S P``); both transformed
-the same way and reduced to a per-column vector once per tile. Epilogue:
+the same way and reduced to a per-column vector once per tile (kept in shared memory, not in
+registers). Epilogue:
 ``K: s_row (x + zp^T P) / sqrt(D)``, ``V: (s_row x + zp s_col^T P) / sqrt(D)``, rounded once to
 the output dtype. Products of fp16 codes and fp16 scales are exact and summed in fp32, the
 transform adds in fp32: the reference's result up to fp32 summation order.
 
-Scope: full blocks of 4-bit K and 2/4-bit V, G 64 or 128 (two 64-token halves), head_dim 128,
-one warp per (block, KV head, K or V). The exact tail (the newest partial block of a request)
-is left to the Triton kernel (``materialize.py``, tails only). Gluon does not run under the
-Triton interpreter: the CPU tests compile this kernel for sm_90a and sm_120a and check its
-instruction mix, ``gpu/parity.py`` compares it with the reference on a GPU.
+Scope: full blocks of 4-bit K and 2/4-bit V, G 64 or 128, head_dim 128, one warp per (64-token
+half of a block, KV head, K or V): a 128-token record is two programs. The exact tail (the
+newest partial block of a request) is left to the Triton kernel (``materialize.py``, tails
+only). Gluon does not run under the Triton interpreter: the CPU tests compile this kernel for
+sm_90a and sm_120a and check its instruction mix, ``gpu/parity.py`` compares it with the
+reference on a GPU.
 """
 
 from __future__ import annotations
