@@ -44,8 +44,7 @@ def _compile(fmt: str, out: str, target):
     lay = kf.dense_layout(fmt, 128)
     offs = record_offsets(lay)
     consts = dict(G=lay.block_size, REC=lay.record_bytes, VB=offs["V_BITS"])
-    for key in ("KC", "KS", "KZ", "KR", "VC", "VS", "VR", "VZ"):
-        consts[f"{key}_OFF"] = offs[f"{key}_OFF"]
+    consts.update({k: v for k, v in offs.items() if k.endswith("_OFF")})
     ptrs = dict(PTRS, k_out_ptr=out, v_out_ptr=out)
     sig = {n: "constexpr" if n in consts else ptrs[n] for n in kern.arg_names}
     attrs = {

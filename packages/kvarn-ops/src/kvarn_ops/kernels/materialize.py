@@ -549,7 +549,7 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
         G=layout.block_size,
         REC=layout.record_bytes,
         VB=offs["V_BITS"],
-        **{f"{k}_OFF": offs[f"{k}_OFF"] for k in ("KC", "KS", "KZ", "KR", "VC", "VS", "VR", "VZ")},
+        **{k: v for k, v in offs.items() if k.endswith("_OFF")},
         num_warps=1,
         **({} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}),
     )

@@ -139,7 +139,12 @@ _INV_SQRT_D: gl.constexpr = gl.constexpr(0.08838834764831845)  # fp32(1 / sqrt(1
 
 def mma_materialize_supported(k_bits: int, v_bits: int, block_size: int, head_dim: int) -> bool:
     """Whether a geometry takes this kernel (on a GPU with mma.sync, i.e. sm_80 and newer)."""
-    return k_bits == 4 and v_bits in (2, 4) and block_size in (64, 128) and head_dim == 128
+    return (
+        k_bits == 4
+        and v_bits in (2, 4)
+        and block_size in (64, 128)
+        and head_dim == MMA_MATERIALIZE_D
+    )
 
 
 @gluon.jit
@@ -521,6 +526,20 @@ def _k_words(r32, CODES_OFF: gl.constexpr, G: gl.constexpr, half):
 
 
 @gluon.jit
+def _pick4(MT: gl.constexpr, x0, x1, x2, x3):
+    """``x_MT`` (a constexpr choice among values held for the four m-tiles)."""
+    if MT == 0:
+        x = x0
+    elif MT == 1:
+        x = x1
+    elif MT == 2:
+        x = x2
+    else:
+        x = x3
+    return x
+
+
+@gluon.jit
 def _tile(
     r32, r16, out_ptr, start, half, total_rows, H, head,
     IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
@@ -589,30 +608,13 @@ def _tile(
         _store_vecs(vsm, 1, y0, y1, y2, y3, y4, y5, y6, y7)
     gl.thread_barrier()
     for mt in gl.static_range(4):
-        if mt == 0:
-            srow = sr0
-        elif mt == 1:
-            srow = sr1
-        elif mt == 2:
-            srow = sr2
-        else:
-            srow = sr3
+        srow = _pick4(mt, sr0, sr1, sr2, sr3)
         if IS_K:
             zrow = srow
             a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes(ka, kb, mt)
         else:
-            if mt == 0:
-                zrow = zr0
-                vw = vw0
-            elif mt == 1:
-                zrow = zr1
-                vw = vw1
-            elif mt == 2:
-                zrow = zr2
-                vw = vw2
-            else:
-                zrow = zr3
-                vw = vw3
+            zrow = _pick4(mt, zr0, zr1, zr2, zr3)
+            vw = _pick4(mt, vw0, vw1, vw2, vw3)
             if BITS == 4:
                 a0, a1, a2, a3, a4, a5, a6, a7 = _v4_codes(vw)
             else:
