@@ -34,12 +34,13 @@ POOLS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 _DO_BENCH = bench_kernels.do_bench
 
 
-def _recording(reps: list[float]):
-    """``do_bench`` that keeps every repetition's time (ms) in ``reps`` and returns the mean,
-    as the benchmark functions expect."""
+def _recording(reps: list[float], timer: str = "do_bench"):
+    """The timer ``bench_kernels.TIMERS[timer]``, keeping every repetition's time (ms) in
+    ``reps`` and returning the mean, as the benchmark functions expect."""
+    base = bench_kernels.TIMERS[timer]
 
     def run(fn, **kwargs):
-        times = _DO_BENCH(fn, return_mode="all", **kwargs)
+        times = base(fn, return_mode="all", **kwargs)
         reps.extend(times)
         return statistics.mean(times)
 
@@ -76,21 +77,28 @@ def main(argv=None) -> int:
         default="triton,mma",
         help="triton, mma (the Gluon kernel for full blocks)",
     )
+    ap.add_argument(
+        "--timers",
+        default="do_bench",
+        help="comma-separated: do_bench (triton's: host cost counted where it exceeds the "
+        "cache clear), gpu (bench_kernels.do_bench_gpu: the kernels alone)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_materialize: no CUDA device; this benchmark needs a GPU", file=sys.stderr)
         return 2
     rows = []
     paths = args.paths.split(",")
+    timers = args.timers.split(",")
     cases = [(f, p) for f in args.formats.split(",") for p in args.pools.split(",")]
     for rnd in range(args.rounds):
         clocks = _clocks()
         for fmt, pool in cases:
-            for path in paths:
+            for path, timer in [(p, t) for p in paths for t in timers]:
                 os.environ["KVARN_MATERIALIZE_MMA"] = "0" if path == "triton" else "1"
                 bw = bench_kernels.copy_bandwidth()
                 reps: list[float] = []
-                bench_kernels.do_bench = _recording(reps)
+                bench_kernels.do_bench = _recording(reps, timer)
                 try:
                     r = bench_kernels.bench_materialize(
                         fmt, 128, 8, args.batch, args.context, POOLS[pool]
@@ -98,8 +106,11 @@ def main(argv=None) -> int:
                 finally:
                     bench_kernels.do_bench = _DO_BENCH
                 assert r["kernel"] == path, (r["kernel"], path)
+                if timer == "gpu":
+                    r["host_ms_per_call"] = bench_kernels.LAST_HOST_MS[0]
                 r.update(
                     path=path,
+                    timer=timer,
                     rep_ms=reps,
                     round=rnd,
                     format=fmt,
@@ -109,7 +120,7 @@ def main(argv=None) -> int:
                     clocks_before_round=clocks,
                 )
                 rows.append(r)
-                print(rnd, fmt, pool, path, f"{r['ms'] * 1e3:.1f} us", flush=True)
+                print(rnd, fmt, pool, path, timer, f"{r['ms'] * 1e3:.1f} us", flush=True)
     os.environ.pop("KVARN_MATERIALIZE_MMA", None)
     result = dict(
         device=torch.cuda.get_device_name(),
@@ -120,15 +131,16 @@ def main(argv=None) -> int:
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"{'format':16} {'pool':5} {'path':10} {'mean us':>8} {'%copy':>6} {'rep min':>8} "
-          f"{'rep med':>8} {'rep max':>8} {'slow reps':>9}")  # fmt: skip
+    print(f"{'format':16} {'pool':5} {'path':7} {'timer':8} {'mean us':>8} {'%copy':>6} "
+          f"{'rep min':>8} {'rep med':>8} {'rep max':>8} {'slow reps':>9}")  # fmt: skip
     for fmt, pool in cases:
-        for path in paths:
-            sel = [r for r in rows if (r["format"], r["pool"], r["path"]) == (fmt, pool, path)]
+        for path, timer in [(p, t) for p in paths for t in timers]:
+            key = (fmt, pool, path, timer)
+            sel = [r for r in rows if (r["format"], r["pool"], r["path"], r["timer"]) == key]
             reps = sorted(t for r in sel for t in r["rep_ms"])
             slow = sum(t > 1.3 * reps[0] for t in reps) / len(reps)
             print(
-                f"{fmt:16} {pool:5} {path:10} "
+                f"{fmt:16} {pool:5} {path:7} {timer:8} "
                 f"{statistics.median(r['ms'] * 1e3 for r in sel):8.1f} "
                 f"{statistics.median(100 * r['fraction_of_copy'] for r in sel):6.1f} "
                 f"{reps[0] * 1e3:8.1f} {statistics.median(reps) * 1e3:8.1f} {reps[-1] * 1e3:8.1f} "

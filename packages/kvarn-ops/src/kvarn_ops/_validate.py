@@ -57,35 +57,41 @@ def check_tensor(
     contiguous : bool
         Require a contiguous (row-major) tensor.
     """
+    # Launchers call this on every argument of every call: the common (passing) case takes
+    # the cheapest comparisons first, the messages are built only on failure.
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
-        allowed = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
-        if t.dtype not in allowed:
+        single = isinstance(dtypes, torch.dtype)
+        if not (t.dtype == dtypes if single else t.dtype in dtypes):
+            allowed = (dtypes,) if single else tuple(dtypes)
             raise ValueError(
                 f"{name}: dtype must be {_dtype_names(allowed)}, got "
                 f"{str(t.dtype).removeprefix('torch.')}"
             )
     if shape is not None:
-        ndim = len(shape)
-    if ndim is not None and t.dim() != ndim:
-        want = _shape_text(shape) if shape is not None else f"{ndim} dimensions"
-        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    pairs = zip(shape or (), t.shape, strict=False)
-    if shape is not None and any(s is not None and s != ts for s, ts in pairs):
-        raise ValueError(f"{name}: expected shape {_shape_text(shape)}, got {list(t.shape)}")
-    want_device = None if device is None else torch.device(device)
-    if want_device is not None and (
-        t.device.type != want_device.type
-        or (want_device.index is not None and t.device.index != want_device.index)
-    ):
-        raise ValueError(
-            f"{name}: must be on {device} like the other arguments, got {t.device}; move it with "
-            f".to({str(device)!r})"
-        )
+        if t.shape != tuple(shape):
+            _check_shape(name, t, shape)
+    elif ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected shape {ndim} dimensions, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        want = torch.device(device)
+        if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+            raise ValueError(
+                f"{name}: must be on {device} like the other arguments, got {t.device}; move it "
+                f"with .to({str(device)!r})"
+            )
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
     return t
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None]) -> None:
+    """``t.shape`` against ``shape``, whose ``None`` entries match any size."""
+    if t.dim() != len(shape) or any(
+        s is not None and s != ts for s, ts in zip(shape, t.shape, strict=True)
+    ):
+        raise ValueError(f"{name}: expected shape {_shape_text(shape)}, got {list(t.shape)}")
 
 
 def check_head_dim(name: str, head_dim: int) -> None:

@@ -77,7 +77,7 @@ import triton.language as tl
 
 import kvarn_formats as kf
 from kvarn_ops import _validate as V
-from kvarn_ops.kernels._common import cuda_feature, f16_parts, gluon_modules
+from kvarn_ops.kernels._common import cuda_feature, f16_parts, gluon_modules, launch_or_op
 from kvarn_ops.reference.decode import MAX_QUERY_ROWS
 
 __all__ = [
@@ -1391,7 +1391,9 @@ def decode(
         out,
         workspace,
     )
-    torch.ops.kvarn.decode(
+    launch_or_op(
+        _decode_op,
+        _launch,
         q,
         packed,
         block_table,

@@ -57,6 +57,7 @@ from kvarn_ops.kernels._common import (
     apply_log_scales,
     check_device,
     frexp_exponent,
+    launch_or_op,
     pack_codes_store,
     pack_geometry,
     pow2,
@@ -545,7 +546,9 @@ def flush(
     check_index_range("src_pool_blocks", src_pool_blocks, p)
     check_index_range("dst_blocks", dst_blocks, nb)
     check_device(exact_k)
-    torch.ops.kvarn.flush(
+    launch_or_op(
+        _flush_op,
+        _launch,
         exact_k,
         exact_v,
         k_scale,

@@ -34,6 +34,8 @@ which sets the tokens per chunk, see :func:`tokens_per_chunk`) and
 from __future__ import annotations
 
 import functools
+import types
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -48,6 +50,7 @@ from kvarn_ops.kernels._common import (
     cuda_feature,
     gluon_modules,
     hadamard_signs,
+    launch_or_op,
     pack_geometry,
     rotate_rows,
     unpack_codes_load,
@@ -440,8 +443,10 @@ def launch_config(layout, pool_dtype: torch.dtype, arch: int = 0) -> tuple[dict,
     return consts, opts
 
 
-def record_offsets(layout) -> dict:
-    """Constexpr arguments of ``_materialize_kernel``: field offsets and pack geometry."""
+@functools.lru_cache(maxsize=64)
+def record_offsets(layout) -> Mapping[str, int]:
+    """Constexpr arguments of ``_materialize_kernel``: field offsets and pack geometry (read-only,
+    computed once per layout: the field lookups cost host time on every call otherwise)."""
     out = {"RECORD_BYTES": layout.record_bytes}
     for name, key in _FIELD_KEYS.items():
         out[f"{key}_OFF"] = layout.field(name).offset
@@ -451,7 +456,7 @@ def record_offsets(layout) -> dict:
         out.update(
             {f"{prefix}_BITS": bits, f"{prefix}_L": group, f"{prefix}_NB": nb, f"{prefix}_NBP": nbp}
         )
-    return out
+    return types.MappingProxyType(out)
 
 
 def _launch(
@@ -661,7 +666,9 @@ def materialize(
                 f"[0, {total}) of k_out"
             )
     check_device(exact_k)
-    torch.ops.kvarn.materialize(
+    launch_or_op(
+        _materialize_op,
+        _launch,
         packed,
         block_table,
         seq_lens,

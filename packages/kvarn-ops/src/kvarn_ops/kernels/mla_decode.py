@@ -79,6 +79,7 @@ from kvarn_ops.kernels._common import (
     cuda_feature,
     f16_parts,
     gluon_modules,
+    launch_or_op,
     rotate_rows,
 )
 from kvarn_ops.kernels.mla_common import (
@@ -833,10 +834,7 @@ def live_splits(batch: int, heads: int, num_splits: int, device) -> int:
     return max(1, min(num_splits, (_sm_count(torch.device(device)) * CTAS_PER_SM) // groups))
 
 
-@torch.library.custom_op(
-    "kvarn::mla_decode", mutates_args=("out", "ws_q_rot", "ws_part_out", "ws_part_lse")
-)
-def _decode_op(
+def _decode_op_impl(
     q: torch.Tensor,
     packed: torch.Tensor,
     block_table: torch.Tensor,
@@ -935,6 +933,11 @@ def _decode_op(
     )
 
 
+_decode_op = torch.library.custom_op(
+    "kvarn::mla_decode", mutates_args=("out", "ws_q_rot", "ws_part_out", "ws_part_lse")
+)(_decode_op_impl)
+
+
 @_decode_op.register_fake
 def _decode_fake(
     q,
@@ -999,7 +1002,9 @@ def mla_decode(
     check_device(q)
     if CHUNK not in (128, 256, 512):
         raise ValueError(f"CHUNK: must be 128, 256 or 512 latent channels, got {CHUNK}")
-    torch.ops.kvarn.mla_decode(
+    launch_or_op(
+        _decode_op,
+        _decode_op_impl,
         q,
         packed,
         block_table,

@@ -29,6 +29,7 @@ from kvarn_ops._validate import check_index_range, check_tensor
 from kvarn_ops.kernels._common import (
     cast_rne,
     check_device,
+    launch_or_op,
     rotate_rows,
     round_to_bf16,
     round_to_e4m3,
@@ -343,8 +344,7 @@ def _launch_gather(
     )
 
 
-@torch.library.custom_op("kvarn::mla_materialize", mutates_args=("out",))
-def _materialize_op(
+def _materialize_op_impl(
     packed: torch.Tensor,
     block_pool_map: torch.Tensor,
     pool_latent: torch.Tensor,
@@ -359,6 +359,11 @@ def _materialize_op(
     )
 
 
+_materialize_op = torch.library.custom_op("kvarn::mla_materialize", mutates_args=("out",))(
+    _materialize_op_impl
+)
+
+
 @_materialize_op.register_fake
 def _materialize_fake(
     packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, format_name, out
@@ -366,8 +371,7 @@ def _materialize_fake(
     return None
 
 
-@torch.library.custom_op("kvarn::mla_stage_fp8", mutates_args=("out",))
-def _stage_op(
+def _stage_op_impl(
     packed: torch.Tensor,
     block_pool_map: torch.Tensor,
     pool_latent: torch.Tensor,
@@ -382,6 +386,9 @@ def _stage_op(
     )
 
 
+_stage_op = torch.library.custom_op("kvarn::mla_stage_fp8", mutates_args=("out",))(_stage_op_impl)
+
+
 @_stage_op.register_fake
 def _stage_fake(
     packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, format_name, out
@@ -389,8 +396,7 @@ def _stage_fake(
     return None
 
 
-@torch.library.custom_op("kvarn::mla_remap_indices", mutates_args=("out",))
-def _remap_op(
+def _remap_op_impl(
     indices: torch.Tensor, req_ids: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor
 ) -> None:
     t, k = indices.shape
@@ -410,6 +416,11 @@ def _remap_op(
     )
 
 
+_remap_op = torch.library.custom_op("kvarn::mla_remap_indices", mutates_args=("out",))(
+    _remap_op_impl
+)
+
+
 @_remap_op.register_fake
 def _remap_fake(indices, req_ids, block_table, out) -> None:
     return None
@@ -423,8 +434,17 @@ def mla_materialize(
     n = _check_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout)
     check_tensor("out", out, dtypes=torch.bfloat16, shape=(n, MLA_DIM), device=packed.device)
     check_device(packed)
-    torch.ops.kvarn.mla_materialize(
-        packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout.format_name, out
+    launch_or_op(
+        _materialize_op,
+        _materialize_op_impl,
+        packed,
+        block_pool_map,
+        pool_latent,
+        pool_scale,
+        pool_rope,
+        slots,
+        layout.format_name,
+        out,
     )
 
 
@@ -437,8 +457,17 @@ def mla_stage_fp8(
     n = _check_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout)
     check_tensor("out", out, dtypes=torch.uint8, shape=(n, STAGED_BYTES), device=packed.device)
     check_device(packed)
-    torch.ops.kvarn.mla_stage_fp8(
-        packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout.format_name, out
+    launch_or_op(
+        _stage_op,
+        _stage_op_impl,
+        packed,
+        block_pool_map,
+        pool_latent,
+        pool_scale,
+        pool_rope,
+        slots,
+        layout.format_name,
+        out,
     )
 
 
@@ -455,4 +484,4 @@ def mla_remap_indices(indices, req_ids, block_table, out) -> None:
     check_index_range("req_ids", req_ids, block_table.shape[0])
     check_index_range("indices", indices, block_table.shape[1] * GROUP, low=-1)
     check_device(indices)
-    torch.ops.kvarn.mla_remap_indices(indices, req_ids, block_table, out)
+    launch_or_op(_remap_op, _remap_op_impl, indices, req_ids, block_table, out)

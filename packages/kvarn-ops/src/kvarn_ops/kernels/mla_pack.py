@@ -22,6 +22,7 @@ from kvarn_ops.kernels._common import (
     apply_log_scales,
     check_device,
     frexp_exponent,
+    launch_or_op,
     line_spread,
     pack_geometry,
     pow2,
@@ -236,8 +237,7 @@ def _geometry(format_name: str):
     return offs, {"L": lg, "NB": nbytes, "NBP": nbp}
 
 
-@torch.library.custom_op("kvarn::mla_pack", mutates_args=("packed",))
-def _pack_op(
+def _pack_op_impl(
     pool_latent: torch.Tensor,
     pool_scale: torch.Tensor | None,
     pool_rope: torch.Tensor,
@@ -271,6 +271,9 @@ def _pack_op(
     )
 
 
+_pack_op = torch.library.custom_op("kvarn::mla_pack", mutates_args=("packed",))(_pack_op_impl)
+
+
 @_pack_op.register_fake
 def _pack_fake(
     pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed, format_name
@@ -278,10 +281,7 @@ def _pack_fake(
     return None
 
 
-@torch.library.custom_op(
-    "kvarn::mla_rehydrate", mutates_args=("pool_latent", "pool_scale", "pool_rope")
-)
-def _rehydrate_op(
+def _rehydrate_op_impl(
     packed: torch.Tensor,
     src_blocks: torch.Tensor,
     dst_pool_blocks: torch.Tensor,
@@ -311,6 +311,11 @@ def _rehydrate_op(
     )
 
 
+_rehydrate_op = torch.library.custom_op(
+    "kvarn::mla_rehydrate", mutates_args=("pool_latent", "pool_scale", "pool_rope")
+)(_rehydrate_op_impl)
+
+
 @_rehydrate_op.register_fake
 def _rehydrate_fake(
     packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope, format_name
@@ -335,8 +340,16 @@ def mla_pack(
         or MLA_CONFIG.rounding != "rtn"
     ):  # pragma: no cover - guards a config change
         raise NotImplementedError("the MLA pack kernel implements only min/max RTN (MLA_CONFIG)")
-    torch.ops.kvarn.mla_pack(
-        pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed, layout.format_name
+    launch_or_op(
+        _pack_op,
+        _pack_op_impl,
+        pool_latent,
+        pool_scale,
+        pool_rope,
+        src_pool_blocks,
+        dst_blocks,
+        packed,
+        layout.format_name,
     )
 
 
@@ -349,6 +362,14 @@ def mla_rehydrate(
     nb = check_packed(packed, layout, device=dev)
     _check_block_pairs(src_blocks, dst_pool_blocks, nb, p, "src_blocks", "dst_pool_blocks", dev)
     check_device(pool_latent)
-    torch.ops.kvarn.mla_rehydrate(
-        packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope, layout.format_name
+    launch_or_op(
+        _rehydrate_op,
+        _rehydrate_op_impl,
+        packed,
+        src_blocks,
+        dst_pool_blocks,
+        pool_latent,
+        pool_scale,
+        pool_rope,
+        layout.format_name,
     )

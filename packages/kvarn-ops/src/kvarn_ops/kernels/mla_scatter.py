@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kvarn_ops._validate import MODEL_DTYPES, check_index_range, check_tensor
-from kvarn_ops.kernels._common import check_device, rotate_rows, round_to_bf16
+from kvarn_ops.kernels._common import check_device, launch_or_op, rotate_rows, round_to_bf16
 from kvarn_ops.kernels.mla_common import pool_round, pool_views
 from kvarn_ops.reference.mla import GROUP, LATENT_DIM, ROPE_DIM, check_mla_pool
 
@@ -127,4 +127,4 @@ def mla_exact_scatter(latent, rope, slots, pool_latent, pool_rope, pool_scale=No
     check_tensor("slots", slots, dtypes=torch.int64, shape=(t,), device=dev)
     check_index_range("slots", slots, p * GROUP, sentinel=-1)
     check_device(pool_latent)
-    torch.ops.kvarn.mla_exact_scatter(latent, rope, slots, pool_latent, pool_rope, pool_scale)
+    launch_or_op(_scatter_op, _launch, latent, rope, slots, pool_latent, pool_rope, pool_scale)

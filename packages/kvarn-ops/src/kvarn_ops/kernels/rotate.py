@@ -11,7 +11,13 @@ import triton
 import triton.language as tl
 
 from kvarn_ops._validate import DENSE_HEAD_DIMS, check_head_dim, check_tensor
-from kvarn_ops.kernels._common import cast_rne, check_device, exact_in_tf32, rotate_rows
+from kvarn_ops.kernels._common import (
+    cast_rne,
+    check_device,
+    exact_in_tf32,
+    launch_or_op,
+    rotate_rows,
+)
 
 __all__ = ["rotate"]
 
@@ -79,4 +85,4 @@ def rotate(x: torch.Tensor, out: torch.Tensor) -> None:
         check_head_dim("x", x.shape[-1] if x.dim() else 0)
     check_tensor("out", out, dtypes=_FLOAT_DTYPES, shape=tuple(x.shape), device=x.device)
     check_device(x)
-    torch.ops.kvarn.rotate(x, out)
+    launch_or_op(_rotate_op, _launch, x, out)

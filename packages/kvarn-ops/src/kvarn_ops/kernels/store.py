@@ -30,6 +30,7 @@ from kvarn_ops.kernels._common import (
     check_device,
     exact_in_tf32,
     hadamard_signs,
+    launch_or_op,
     rotate_rows,
     round_to_e4m3,
 )
@@ -59,6 +60,13 @@ def tiles_per_program(head_dim: int, fp8: bool = False) -> int:
     (0.139 ms; 2: 0.207, 8: 0.194); with ``FAST_FP8_DIVISION`` 8 tiles are (2026-12-01,
     ``results/tune_h200_2026-12-01_store_fp8.json``: 1 tile 0.098 ms, 2 0.102, 8 0.091)."""
     return 8
+
+
+def pipeline_stages(head_dim: int, fp8: bool = False) -> int:
+    """Software-pipeline depth of the token-tile loop (Triton's ``num_stages``): 3 stages stage
+    both K and V tiles ahead by ``cp.async`` (107 KB of shared memory at D 128 with the signs
+    operand, 2 programs per SM); 1 loads in place (48 KB, 4 programs per SM)."""
+    return 3
 
 
 def warps_per_program(head_dim: int) -> int:
@@ -171,10 +179,11 @@ def _store_kernel(
     FAST_DIV: tl.constexpr,
 ):
     head = tl.program_id(1)
+    chunk = tl.program_id(0).to(tl.int64)
     signs_k = _signs_operand(k_ptr, D, NATIVE_K)
     signs_v = _signs_operand(v_ptr, D, NATIVE_V)
     for i in tl.range(0, TILES):
-        tok = (tl.program_id(0).to(tl.int64) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tok = (chunk * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
         in_range = tok < T
         slot = tl.load(slots_ptr + tok, mask=in_range, other=-1)
         ok = in_range & (slot >= 0) & (slot < num_slots)
@@ -225,7 +234,8 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
     fp8 = exact_k.dtype == torch.float8_e4m3fn
     block_t = tokens_per_program(d, fp8)
     tiles = max(1, min(tiles_per_program(d, fp8), triton.cdiv(t, block_t)))
-    grid = (triton.cdiv(t, block_t * tiles), hkv)
+    chunks = triton.cdiv(t, block_t * tiles)
+    grid = (chunks, hkv)
     # Without an fp8 pool the scale pointers are never dereferenced (FP8 is a constexpr).
     ks = k_scale if fp8 else exact_k
     vs = v_scale if fp8 else exact_v
@@ -250,6 +260,7 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
         NATIVE_V=native_dot(v.dtype, d),
         FAST_DIV=FAST_FP8_DIVISION,
         num_warps=warps_per_program(d),
+        num_stages=pipeline_stages(d, fp8),
     )
 
 
@@ -307,4 +318,4 @@ def store(
     check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
     check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
     check_device(exact_k)
-    torch.ops.kvarn.store(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
+    launch_or_op(_store_op, _launch, k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
