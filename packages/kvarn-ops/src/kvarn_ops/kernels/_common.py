@@ -29,6 +29,7 @@ Bit packing (docs/contracts.md): code ``i`` of width ``b`` occupies stream bits
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -74,7 +75,15 @@ def cuda_feature(t: torch.Tensor, env_off: str, capability: tuple[int, int]) -> 
         return False
     if os.environ.get(env_off) == "0":
         return False
-    return torch.cuda.get_device_capability(t.device) >= capability
+    return device_capability(t.device.index) >= capability
+
+
+@functools.lru_cache(maxsize=16)
+def device_capability(index: int | None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of CUDA device ``index`` (None: the current one,
+    read at the first call), once per device: the lookup costs about 8 us of host time on every
+    launch otherwise."""
+    return torch.cuda.get_device_capability(index)
 
 
 def gluon_modules(*names: str) -> tuple | None:

@@ -48,6 +48,7 @@ from kvarn_ops.kernels._common import (
     cast_rne,
     check_device,
     cuda_feature,
+    device_capability,
     gluon_modules,
     hadamard_signs,
     launch_or_op,
@@ -92,7 +93,7 @@ def _arch(device) -> int:
     """major * 10 + minor of a CUDA device; 0 elsewhere (the interpreter)."""
     if device.type != "cuda" or INTERPRET:
         return 0
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = device_capability(device.index)
     return major * 10 + minor
 
 
