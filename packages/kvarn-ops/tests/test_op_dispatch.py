@@ -42,6 +42,32 @@ def test_eager_calls_skip_the_custom_op(monkeypatch, gen):
     torch.testing.assert_close(out, _rotated(x), rtol=0, atol=1e-5)
 
 
+def test_fake_tensors_take_the_fake_implementation():
+    """Under FakeTensorMode the public launcher reaches the registered op (its fake
+    implementation), never a kernel launch on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(32, 64)
+        out = torch.empty_like(x)
+        kernels.rotate(x, out)
+        assert out.shape == (32, 64)
+
+
+def test_make_fx_graph_holds_the_rotate_op(gen):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        out = torch.empty_like(x)
+        kernels.rotate(x, out)
+        return out
+
+    x = torch.randn(32, 64, generator=gen)
+    gm = make_fx(f)(x)
+    assert "kvarn.rotate.default" in _targets([gm])
+    torch.testing.assert_close(gm(x), _rotated(x), rtol=0, atol=1e-5)
+
+
 def _compiled(fn, **kwargs):
     graphs = []
 

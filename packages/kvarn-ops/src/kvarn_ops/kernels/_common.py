@@ -106,17 +106,26 @@ def check_device(t: torch.Tensor) -> None:
     )
 
 
+try:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
+except ImportError:  # pragma: no cover - older or newer torch without it
+
+    def _dispatch_mode():
+        return None
+
+
 def launch_or_op(op, launch, *args) -> None:
     """Call ``launch(*args)``, the body of the custom op ``op``, directly; only while
-    ``torch.compile`` traces call ``op`` itself, so that compiled graphs hold the op (with its
-    fake implementation for shapes).
+    ``torch.compile`` traces, or a dispatch mode is active (``FakeTensorMode``, ``make_fx``
+    tracing), call ``op`` itself, so that graphs hold the op and fake tensors take its fake
+    implementation.
 
     In eager mode the op's dispatch adds host time to every call without doing anything for
     the caller (the dispatcher's autograd and in-place keys, version-counter bumps of the
     mutated tensors, an aliasing check of the result): 26 us per call on a 2-core x86 host,
     tens of microseconds on the H200 machine's host (``benchmarks/host_overhead.py``), paid
     on every layer of every step by an attention backend outside CUDA graphs."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _dispatch_mode() is not None:
         op(*args)
     else:
         launch(*args)
