@@ -136,6 +136,28 @@ def test_store(gen, pool_dtype, hkv, dim):
         assert (deq - ref).abs().max() <= (_ulp(ref, torch.float8_e4m3fn)).max()
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_store_from_projection_views(gen, pool_dtype):
+    """K and V as views into a fused QKV projection (token stride (Hq + 2 Hkv) D): the same
+    bytes as stored from contiguous copies (the same kernel reading the same values)."""
+    g, pool_blocks, tokens, hq, hkv, dim = 64, 40, 1500, 32, 8, 128
+    qkv = realistic_kv(gen, (tokens, hq + 2 * hkv, dim), torch.bfloat16).reshape(tokens, -1)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(tokens, hkv, dim)
+    v = qkv[:, (hq + hkv) * dim :].view(tokens, hkv, dim)
+    slots = torch.randperm(pool_blocks * g, generator=gen, device=DEVICE)[:tokens]
+    slots[torch.rand(tokens, generator=gen, device=DEVICE) < 0.1] = -1
+    shape = (pool_blocks, g, hkv, dim)
+    fp8 = pool_dtype == torch.float8_e4m3fn
+    results = []
+    for kk, vv in ((k, v), (k.contiguous(), v.contiguous())):
+        pool = [poison_(torch.empty(shape, dtype=pool_dtype, device=DEVICE)) for _ in "kv"]
+        scales = [poison_(torch.empty(shape[:3], device=DEVICE)) if fp8 else None for _ in "kv"]
+        kernels.store(kk, vv, slots, pool[0], pool[1], scales[0], scales[1])
+        results.append([x.view(torch.uint8) for x in pool + scales if x is not None])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
 FLUSH_CASES = [
     ("kvarn_k4v2_g64", 128, 8),
     ("kvarn_k4v4_g128", 128, 8),

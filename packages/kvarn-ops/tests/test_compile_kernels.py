@@ -181,6 +181,8 @@ def test_store_compiles(d, src, pool, target):
         "v_scale_ptr": scale,
         "T": "i32",
         "num_slots": "i64",
+        "k_stride": "i32",
+        "v_stride": "i32",
         "TILES": "i32",
     }
     k, spills = _compile(mod._store_kernel, types_, consts, target, mod.warps_per_program(d))

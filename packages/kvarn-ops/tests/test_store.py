@@ -114,6 +114,34 @@ def test_store_matches_reference(case, gen):
             assert float(rel) <= SCALE_RTOL
 
 
+@pytest.mark.parametrize("pdt", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_store_reads_token_rows_at_any_stride(pdt, gen):
+    """K and V as views into a fused QKV projection (token stride (Hq + 2 Hkv) D, rows
+    packed): the same bytes as from contiguous copies, kernel and reference alike."""
+    t, hq, hkv, d, g, p = 70, 4, 2, 64, 16, 6
+    qkv = realistic_kv(gen, t, hq + 2 * hkv, d).to(torch.bfloat16).reshape(t, -1)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    assert not k.is_contiguous() and k.stride(0) == (hq + 2 * hkv) * d
+    slots = torch.randperm(p * g, generator=gen)[:t].to(torch.int64)
+    slots[torch.rand(t, generator=gen) < 0.2] = -1
+    got = []
+    for fn in (store, ref.store):
+        for kk, vv in ((k, v), (k.contiguous(), v.contiguous())):
+            _, ksb, ek, ks = make_pool(p, g, hkv, d, pdt)
+            _, vsb, ev, vs = make_pool(p, g, hkv, d, pdt)
+            fn(kk, vv, slots, ek, ev, ks, vs)
+            got.append(
+                (fn, [raw_bytes(x) for x in (ek, ev)], [x for x in (ksb, vsb) if x is not None])
+            )
+    for i in (0, 2):  # strided vs contiguous, kernel then reference
+        (_, b1, s1), (_, b2, s2) = got[i], got[i + 1]
+        assert all(torch.equal(x, y) for x, y in zip(b1, b2, strict=True))
+        assert all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(s1, s2, strict=True))
+    used = slots >= 0
+    assert bool((got[0][1][0].view(p * g, -1)[slots[used]] != 0xFF).any())
+
+
 def test_store_fp8_zero_token_has_unit_scale(gen):
     k = torch.zeros(3, 1, 64)
     k[1] = torch.randn(1, 64, generator=gen)

@@ -105,3 +105,13 @@ def test_opset_reference_binds_reference_ops():
     assert ops.decode is kvarn_ops.reference.decode
     assert ops.store is kvarn_ops.reference.store
     assert ops.decode_workspace is None
+
+
+def test_opset_passes_projection_views_to_store_when_kvarn_ops_reads_them(monkeypatch):
+    """With a kvarn-ops whose store reads strided token rows, K/V go to store as views of
+    the fused projection; with one that lacks the feature (1.0.0), as contiguous copies."""
+    import kvarn_ops
+
+    assert kc.OpSet(kc.KernelChoice("reference", "test")).strided_store
+    monkeypatch.delattr(kvarn_ops, "STRIDED_STORE_TOKENS")
+    assert not kc.OpSet(kc.KernelChoice("reference", "test")).strided_store

@@ -21,6 +21,11 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from an uninstalled tree
     __version__ = "0+unknown"
 
+STRIDED_STORE_TOKENS = True
+"""``store`` (reference and kernel) reads K/V tokens at any stride as long as each token's
+``[Hkv, D]`` is packed (views into a fused QKV projection need no copy). Absent in 1.0.0,
+whose ``store`` requires contiguous K/V: callers supporting both check it with ``getattr``."""
+
 KERNEL_OPS = ("rotate", "store", "flush", "decode", "decode_workspace", "materialize")
 """Names forwarded to the Triton launchers of ``kvarn_ops.kernels`` (``decode_workspace``
 allocates the decode kernel's scratch)."""
@@ -46,4 +51,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'kvarn_ops' has no attribute {name!r}")
 
 
-__all__ = ["KERNEL_OPS", "__version__", "reference"]
+__all__ = ["KERNEL_OPS", "STRIDED_STORE_TOKENS", "__version__", "reference"]

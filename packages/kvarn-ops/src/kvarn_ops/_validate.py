@@ -38,7 +38,7 @@ def check_tensor(
     shape: Sequence[int | None] | None = None,
     ndim: int | None = None,
     device: torch.device | None = None,
-    contiguous: bool = True,
+    contiguous: bool | str = True,
 ) -> torch.Tensor:
     """Check one tensor argument and return it.
 
@@ -54,8 +54,10 @@ def check_tensor(
         Expected number of dimensions (implied by ``shape``).
     device : torch.device, optional
         Required device (type and index).
-    contiguous : bool
-        Require a contiguous (row-major) tensor.
+    contiguous : bool or "rows"
+        Require a contiguous (row-major) tensor; ``"rows"``: only every dimension after the
+        first (each row packed, rows at any stride, e.g. tokens sliced from a fused QKV
+        projection).
     """
     # Launchers call this on every argument of every call: the common (passing) case takes
     # the cheapest comparisons first, the messages are built only on failure.
@@ -81,7 +83,14 @@ def check_tensor(
                 f"{name}: must be on {device} like the other arguments, got {t.device}; move it "
                 f"with .to({str(device)!r})"
             )
-    if contiguous and not t.is_contiguous():
+    if contiguous == "rows":
+        if not t[:1].is_contiguous():
+            raise ValueError(
+                f"{name}: every row (all dimensions after the first) must be contiguous, got "
+                f"strides {tuple(t.stride())} for shape {tuple(t.shape)} (call .contiguous() "
+                "first)"
+            )
+    elif contiguous and not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
     return t
 

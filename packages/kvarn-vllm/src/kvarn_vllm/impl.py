@@ -240,9 +240,12 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         n = md.num_actual_tokens
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         q = query[:n].reshape(n, hq, d)
-        # The ops take contiguous tensors; q/k/v are views into the fused QKV projection.
-        k = key[:n].reshape(n, hkv, d).contiguous()
-        v = value[:n].reshape(n, hkv, d).contiguous()
+        # q/k/v are views into the fused QKV projection: store reads the token rows where
+        # they are (each token's [Hkv, D] packed, tokens at the projection's stride).
+        k = key[:n].reshape(n, hkv, d)
+        v = value[:n].reshape(n, hkv, d)
+        if not ops.strided_store:
+            k, v = k.contiguous(), v.contiguous()
         out = output[:n].view(n, hq, d)
         packed = self.packed_view(kv_cache)
         pools = (self.exact_k, self.exact_v, self.k_scale, self.v_scale)

@@ -161,6 +161,8 @@ class OpSet:
         import kvarn_ops
 
         self.choice = choice
+        # kvarn-ops 1.0.0's store needs contiguous K/V; later ones read the projection's view.
+        self.strided_store = bool(getattr(kvarn_ops, "STRIDED_STORE_TOKENS", False))
         ref = kvarn_ops.reference
         if choice.name == "reference":
             self.store, self.flush = ref.store, ref.flush

@@ -104,6 +104,7 @@ def _signs_operand(src_ptr, D: tl.constexpr, NATIVE: tl.constexpr):
 @triton.jit
 def _store_one(
     src_ptr,
+    src_stride,
     pool_ptr,
     scale_ptr,
     signs,
@@ -120,7 +121,7 @@ def _store_one(
     FAST_DIV: tl.constexpr,
 ):
     d = tl.arange(0, D)
-    src = (tok[:, None] * H + head) * D + d[None, :]
+    src = tok[:, None] * src_stride + head * D + d[None, :]
     if NATIVE:
         x16 = tl.load(src_ptr + src, mask=ok[:, None], other=0.0)
         y = tl.dot(x16, signs, out_dtype=tl.float32)
@@ -167,6 +168,8 @@ def _store_kernel(
     v_scale_ptr,
     T,
     num_slots,
+    k_stride,
+    v_stride,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -192,6 +195,7 @@ def _store_kernel(
         slot = tl.where(ok, slot, 0)
         _store_one(
             k_ptr,
+            k_stride,
             exact_k_ptr,
             k_scale_ptr,
             signs_k,
@@ -209,6 +213,7 @@ def _store_kernel(
         )
         _store_one(
             v_ptr,
+            v_stride,
             exact_v_ptr,
             v_scale_ptr,
             signs_v,
@@ -249,6 +254,8 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
         vs,
         t,
         p * g,
+        k.stride(0),
+        v.stride(0),
         H=hkv,
         D=d,
         BLOCK_T=block_t,
@@ -295,7 +302,9 @@ def store(
 
     Parameters
     ----------
-    k, v : Tensor [T, Hkv, D], float16/bfloat16/float32, model frame, contiguous.
+    k, v : Tensor [T, Hkv, D], float16/bfloat16/float32, model frame; each token's
+        ``[Hkv, D]`` contiguous, tokens at any stride (e.g. slices of a fused QKV projection:
+        no copy needed).
     pool_slots : int64 [T]; token i goes to pool block ``slot // G``, offset ``slot % G``;
         -1 skips the token. Duplicate slots: which token lands is unspecified.
     exact_k, exact_v : [P, G, Hkv, D] float16/bfloat16/float8_e4m3fn pool (written).
@@ -311,10 +320,10 @@ def store(
     """
     p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
     dev = exact_k.device
-    check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev)
+    check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev, contiguous="rows")
     t = k.shape[0]
-    check_tensor("k", k, shape=(t, hkv, d))
-    check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev)
+    check_tensor("k", k, shape=(t, hkv, d), contiguous="rows")
+    check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev, contiguous="rows")
     check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
     check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
     check_device(exact_k)

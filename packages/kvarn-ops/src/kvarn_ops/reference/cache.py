@@ -93,7 +93,8 @@ def store(
 
     Parameters
     ----------
-    k, v : Tensor [T, Hkv, D], float16/bfloat16/float32, model frame.
+    k, v : Tensor [T, Hkv, D], float16/bfloat16/float32, model frame; each token's
+        ``[Hkv, D]`` contiguous, tokens at any stride (slices of a fused QKV projection).
     pool_slots : int64 [T]; token i goes to pool block ``slot // G``, offset ``slot % G``;
         -1 skips the token. Two tokens with the same slot: which one lands is unspecified.
     exact_k, exact_v : [P, G, Hkv, D] pool (written); k_scale, v_scale : float32 [P, G, Hkv]
@@ -106,10 +107,10 @@ def store(
     """
     p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
     dev = exact_k.device
-    check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev)
+    check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev, contiguous="rows")
     t = k.shape[0]
-    check_tensor("k", k, shape=(t, hkv, d))
-    check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev)
+    check_tensor("k", k, shape=(t, hkv, d), contiguous="rows")
+    check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev, contiguous="rows")
     check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
     check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
     sel = pool_slots >= 0
