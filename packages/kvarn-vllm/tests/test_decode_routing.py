@@ -61,3 +61,22 @@ def test_route_note_says_when_decode_steps_take_the_prefill_path():
     assert note is not None and "more than 2 tokens" in note and "up to 4" in note
     note = decode_route_note(71)
     assert note is not None and "every step takes the prefill path" in note
+
+
+def _rows(batch) -> list[int]:
+    tok = batch.tokens
+    return list(range(tok.start, tok.stop)) if isinstance(tok, slice) else tok.tolist()
+
+
+def test_decode_rows_are_a_slice_when_consecutive():
+    """Consecutive decode rows (every decode-only step) come as a slice, so the backend writes
+    decode's output in place; rows split by a prefill come as an index tensor."""
+    md = _plan([(0, 1), (0, 1), (0, 1)], 8)  # three runs of one token
+    (batch,) = md.decodes
+    assert isinstance(batch.tokens, slice) and _rows(batch) == [0, 1, 2]
+    md = _plan([(0, 1), (0, 20), (0, 1)], 1)  # decode, prefill, decode
+    (batch,) = md.decodes
+    assert isinstance(batch.tokens, torch.Tensor) and _rows(batch) == [0, 21]
+    md = _plan([(0, 2), (0, 2)], 8)  # runs of T = 2, request-major
+    (batch,) = md.decodes
+    assert isinstance(batch.tokens, slice) and _rows(batch) == [0, 1, 2, 3]

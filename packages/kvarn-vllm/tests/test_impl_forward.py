@@ -99,10 +99,10 @@ def test_prefill_decode_and_continuation_match_oracle(make_impl):
 
     torch.manual_seed(0)
     impl, cache, alloc = make_impl()
-    blocks = {0: [3, 7], 1: [4]}
+    blocks = {0: [3, 7], 1: [4], 2: [12]}
     hist = {
         r: (torch.randn(200, HKV, D), torch.randn(200, HKV, D), torch.randn(200, HQ, D))
-        for r in (0, 1)
+        for r in (0, 1, 2)
     }
 
     def run(reqs):
@@ -119,6 +119,10 @@ def test_prefill_decode_and_continuation_match_oracle(make_impl):
     run([(0, 70, 71), (1, 5, 6)])  # decode
     blocks[1].append(9)
     run([(1, 6, 100), (0, 71, 72)])  # continuation across a block boundary + a decode
+    # decode rows split by a prompt (the decode batch's rows as an index tensor, its output
+    # scattered), then a decode-only step (rows as a slice, output written in place)
+    run([(0, 72, 73), (2, 0, 30), (1, 100, 101)])
+    run([(0, 73, 74), (2, 30, 31), (1, 101, 102)])
 
 
 @pytest.mark.parametrize("d", [64, 128])

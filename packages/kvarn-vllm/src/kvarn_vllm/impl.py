@@ -255,7 +255,9 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         for batch in md.decodes:
             bd = batch.seq_lens.shape[0]
             qd = q[batch.tokens].reshape(bd, batch.t, hq, d).contiguous()
-            od = torch.empty_like(qd)
+            # consecutive rows (every decode-only step): decode writes the output in place
+            direct = isinstance(batch.tokens, slice) and out.dtype == qd.dtype
+            od = out[batch.tokens].view(bd, batch.t, hq, d) if direct else torch.empty_like(qd)
             ops.decode(
                 qd,
                 packed,
@@ -268,7 +270,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                 od,
                 self._decode_workspace(batch, qd),
             )
-            out[batch.tokens] = od.view(bd * batch.t, hq, d)
+            if not direct:
+                out[batch.tokens] = od.view(bd * batch.t, hq, d)
         if md.prefills:
             self._prefill(q, out, packed, md)
         return output

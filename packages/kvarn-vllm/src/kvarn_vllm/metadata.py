@@ -42,7 +42,9 @@ class DecodeBatch:
     """Requests of the step that attend through ``decode`` with T queries each."""
 
     t: int
-    tokens: torch.Tensor  # int64 [B * T] rows of the step, request-major
+    # rows of the step, request-major: a slice when they are consecutive (every decode-only
+    # step), else int64 [B * T]
+    tokens: torch.Tensor | slice
     block_table: torch.Tensor  # int32 [B, max_blocks]
     seq_lens: torch.Tensor  # int32 [B]
     tail: torch.Tensor  # int32 [B] pool block of the partial block
@@ -80,9 +82,14 @@ def _decode_batch(
 ) -> DecodeBatch:
     rows = [start + i for start, _, _, _ in reqs for i in range(t)]
     lens = [total for _, _, total, _ in reqs]
+    consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeBatch(
         t=t,
-        tokens=torch.tensor(rows, dtype=torch.int64, device=device),
+        tokens=(
+            slice(rows[0], rows[0] + len(rows))
+            if consecutive
+            else torch.tensor(rows, dtype=torch.int64, device=device)
+        ),
         block_table=block_table[[r for _, r, _, _ in reqs]].to(device),
         seq_lens=_i32(lens, device),
         tail=_i32([tail for _, _, _, tail in reqs], device),
