@@ -434,18 +434,8 @@ def mla_materialize(
     n = _check_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout)
     check_tensor("out", out, dtypes=torch.bfloat16, shape=(n, MLA_DIM), device=packed.device)
     check_device(packed)
-    launch_or_op(
-        _materialize_op,
-        _materialize_op_impl,
-        packed,
-        block_pool_map,
-        pool_latent,
-        pool_scale,
-        pool_rope,
-        slots,
-        layout.format_name,
-        out,
-    )
+    args = (packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout.format_name)
+    launch_or_op(_materialize_op, _materialize_op_impl, *args, out)
 
 
 def mla_stage_fp8(
@@ -457,18 +447,8 @@ def mla_stage_fp8(
     n = _check_gather(packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout)
     check_tensor("out", out, dtypes=torch.uint8, shape=(n, STAGED_BYTES), device=packed.device)
     check_device(packed)
-    launch_or_op(
-        _stage_op,
-        _stage_op_impl,
-        packed,
-        block_pool_map,
-        pool_latent,
-        pool_scale,
-        pool_rope,
-        slots,
-        layout.format_name,
-        out,
-    )
+    args = (packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout.format_name)
+    launch_or_op(_stage_op, _stage_op_impl, *args, out)
 
 
 def mla_remap_indices(indices, req_ids, block_table, out) -> None:
