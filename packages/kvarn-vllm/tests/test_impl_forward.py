@@ -257,3 +257,42 @@ def test_projection_views_give_the_same_cache_and_output(make_impl):
     bits_a, bits_b = cache_a.view(torch.int32), cache_b.view(torch.int32)
     assert torch.equal(bits_a, bits_b) and bool(bits_a.ne(0).any())
     assert torch.equal(pool_a.view(torch.int16), pool_b.view(torch.int16))
+
+
+def test_decode_workspace_is_allocated_once_per_step(make_impl):
+    """Every layer of a step decodes with the step's one workspace (the layers run in stream
+    order); a new step (new metadata) gets a new one."""
+    import torch
+
+    impl, _, _ = make_impl()
+    calls = []
+
+    def workspace(*args, device):
+        calls.append(args)
+        return torch.empty(8, device=device)
+
+    impl.ops.decode_workspace = workspace
+    md = plan_step(
+        ExactPoolAllocator(8),
+        G,
+        [0, 1, 2],
+        [1, 1],
+        torch.zeros(2, 1, dtype=torch.int32),
+        2,
+        torch.device("cpu"),
+    )
+    (batch,) = md.decodes
+    qd = torch.zeros(2, 1, HQ, D)
+    first = impl._decode_workspace(batch, qd)
+    assert impl._decode_workspace(batch, qd) is first  # the next layer of the step
+    assert len(calls) == 1 and calls[0][:5] == (2, 1, HQ, HKV, D)
+    md2 = plan_step(
+        ExactPoolAllocator(8),
+        G,
+        [0, 1, 2],
+        [1, 1],
+        torch.zeros(2, 1, dtype=torch.int32),
+        2,
+        torch.device("cpu"),
+    )
+    assert impl._decode_workspace(md2.decodes[0], qd) is not first and len(calls) == 2

@@ -279,17 +279,23 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
     def _decode_workspace(self, batch: DecodeBatch, qd: torch.Tensor) -> torch.Tensor | None:
         if self.ops.decode_workspace is None:
             return None
-        # Sized for this step; the Triton path is not captured in CUDA graphs by this release.
-        return self.ops.decode_workspace(
-            qd.shape[0],
-            batch.t,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_size,
-            max(batch.max_seq_len, 1),
-            self.layout.block_size,
-            device=qd.device,
-        )
+        # Sized for this step (the Triton path is not captured in CUDA graphs by this release)
+        # and allocated once per step: every layer's decode and combine finish, in stream
+        # order, before the next layer's decode starts.
+        key = (qd.shape, self.num_kv_heads, self.head_size, self.layout.block_size, qd.device)
+        ws = batch.workspaces.get(key)
+        if ws is None:
+            ws = batch.workspaces[key] = self.ops.decode_workspace(
+                qd.shape[0],
+                batch.t,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_size,
+                max(batch.max_seq_len, 1),
+                self.layout.block_size,
+                device=qd.device,
+            )
+        return ws
 
     def _prefill(
         self, q: torch.Tensor, out: torch.Tensor, packed: torch.Tensor, md: KvarnMetadata

@@ -49,6 +49,9 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # int32 [B]
     tail: torch.Tensor  # int32 [B] pool block of the partial block
     max_seq_len: int
+    # decode scratch of the step, keyed by geometry: shared by the layers, which run one after
+    # another on one stream (filled by the backend's first decode of the step)
+    workspaces: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
