@@ -64,13 +64,11 @@ def check_tensor(
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
-        single = isinstance(dtypes, torch.dtype)
-        if not (t.dtype == dtypes if single else t.dtype in dtypes):
-            allowed = (dtypes,) if single else tuple(dtypes)
-            raise ValueError(
-                f"{name}: dtype must be {_dtype_names(allowed)}, got "
-                f"{str(t.dtype).removeprefix('torch.')}"
-            )
+        if isinstance(dtypes, torch.dtype):
+            if t.dtype != dtypes:
+                _bad_dtype(name, t, (dtypes,))
+        elif t.dtype not in dtypes:
+            _bad_dtype(name, t, tuple(dtypes))
     if shape is not None:
         if t.shape != tuple(shape):
             _check_shape(name, t, shape)
@@ -93,6 +91,12 @@ def check_tensor(
     elif contiguous and not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
     return t
+
+
+def _bad_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    raise ValueError(
+        f"{name}: dtype must be {_dtype_names(allowed)}, got {str(t.dtype).removeprefix('torch.')}"
+    )
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None]) -> None:

@@ -33,6 +33,7 @@ import functools
 import importlib
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -106,12 +107,11 @@ def check_device(t: torch.Tensor) -> None:
     )
 
 
-try:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
-except ImportError:  # pragma: no cover - older or newer torch without it
-
-    def _dispatch_mode():
-        return None
+_dispatch_mode: Callable[[], object] = getattr(
+    importlib.import_module("torch.utils._python_dispatch"),
+    "_get_current_dispatch_mode",
+    lambda: None,  # a torch without it: no dispatch-mode check
+)
 
 
 def launch_or_op(op, launch, *args) -> None:
