@@ -19,7 +19,6 @@ import os
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -62,14 +61,7 @@ def _profiler(calls: int, found: dict):
     def run(fn, **_):
         for _ in range(5):
             fn()
-        blocks = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            blocks.append(1e6 * (time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
+        blocks = [1e3 * bench_kernels.host_ms_per_call(fn, calls) for _ in range(5)]
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(calls):

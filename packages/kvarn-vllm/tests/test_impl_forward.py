@@ -272,27 +272,14 @@ def test_decode_workspace_is_allocated_once_per_step(make_impl):
         return torch.empty(8, device=device)
 
     impl.ops.decode_workspace = workspace
-    md = plan_step(
-        ExactPoolAllocator(8),
-        G,
-        [0, 1, 2],
-        [1, 1],
-        torch.zeros(2, 1, dtype=torch.int32),
-        2,
-        torch.device("cpu"),
-    )
-    (batch,) = md.decodes
+
+    def step():  # a step's metadata: two requests decoding one token each
+        bt = torch.zeros(2, 1, dtype=torch.int32)
+        return plan_step(ExactPoolAllocator(8), G, [0, 1, 2], [1, 1], bt, 2, torch.device("cpu"))
+
+    (batch,) = step().decodes
     qd = torch.zeros(2, 1, HQ, D)
     first = impl._decode_workspace(batch, qd)
     assert impl._decode_workspace(batch, qd) is first  # the next layer of the step
     assert len(calls) == 1 and calls[0][:5] == (2, 1, HQ, HKV, D)
-    md2 = plan_step(
-        ExactPoolAllocator(8),
-        G,
-        [0, 1, 2],
-        [1, 1],
-        torch.zeros(2, 1, dtype=torch.int32),
-        2,
-        torch.device("cpu"),
-    )
-    assert impl._decode_workspace(md2.decodes[0], qd) is not first and len(calls) == 2
+    assert impl._decode_workspace(step().decodes[0], qd) is not first and len(calls) == 2
