@@ -6,11 +6,15 @@ to the model frame; ``decode`` instead folds the scales into its dot products on
 and rotates q and the output. Agreement checks the folding algebra, paging, GQA and causality.
 
 Tolerances (flash-attention rule):
-- decode fp32 vs oracle fp64: <= 2 * err(oracle in fp32) + 5e-6 * max|oracle|; why: the same
-  maths in fp32 by plain torch is the yardstick; the atol covers the folded form, whose score
-  sum cancels a zero-point term of about the tile's range against the code term (measured up
-  to 2.3e-6 * max|out| beyond the yardstick). Kernels should use reference.decode in fp32 vs
-  compute_dtype=float64 as their yardstick: it includes that cancellation.
+- decode fp32 vs oracle fp64: <= 2 * err(oracle in fp32) + atol; why: the same maths in fp32
+  by plain torch is the yardstick; the atol covers the folded form, whose score sum cancels a
+  zero-point term of about the tile's range against the code term. Its terms grow with the
+  key code range and the head dimension (the length of the sum), so atol = 5e-6 *
+  max|oracle| * ((2^bK - 1) / 15) * (D / 128): at 4-bit keys and D = 128 the excess over the
+  yardstick measured up to 2.3e-6 * max|out|; at 5-bit keys and D = 256 (atol 2.1e-5 * max)
+  up to 8.6e-6 * max|out| (40 seeds, and one CI seed that exceeded the former fixed 5e-6).
+  Kernels should use reference.decode in fp32 vs compute_dtype=float64 as their yardstick:
+  it includes that cancellation.
 - decode with compute_dtype=float64 (out fp32) vs oracle fp64: 2**-24 * |oracle| + 1e-10; why:
   only the final fp32 rounding remains
 - out in bf16/fp16: + 2**-8 / 2**-11 * |oracle|; why: one rounding of the output
@@ -65,7 +69,8 @@ def test_decode_matches_oracle(gen, make_cache, fmt, d, hkv, grp, t, seq_lens, p
     yard = (oracle(c, q, scale, torch.float32).double() - want).abs().max()
     err = (out.double() - want).abs()
     print("err", float(err.max()), "yard", float(yard), "max", float(want.abs().max()))
-    atol = 5e-6 * want.abs().max()
+    bits_k = kf.parse_format(fmt).k_bits
+    atol = 5e-6 * want.abs().max() * ((2**bits_k - 1) / 15) * (d / 128)
     assert (err <= 2 * yard + atol + OUT_ROUNDING[dtype] * want.abs()).all(), (
         float(err.max()),
         float(yard),
