@@ -121,8 +121,7 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="default",
-        help="decode kernels, comma list: default (the Gluon kernel where it applies), triton, "
-        "tile (the tile kernel; tile8: with 8 warps)",
+        help="decode kernels, comma list: default (the Gluon kernel where it applies), triton",
     )
     args = ap.parse_args()
     ops = set(args.ops.split(","))
@@ -159,8 +158,6 @@ def main() -> None:
         )
         for kern in args.kernels.split(",") if "decode" in ops else ():
             mla_decode.MMA_KERNEL = kern == "default"
-            mla_decode.TILE_KERNEL = kern.startswith("tile")
-            mla_decode.TILE_WARPS = int(kern[4:] or 4) if kern.startswith("tile") else 4
             tag = ("" if kern == "default" else f" [{kern}]") + (" graph" if args.graph else "")
             for batch, heads, ctx, splits in full:
                 ms, nbytes = bench_decode(bits, batch, heads, ctx, splits, graph=args.graph)
@@ -169,7 +166,6 @@ def main() -> None:
                 )
                 record("decode", f"k{bits} B={batch} H={heads} L={ctx} S={s_used}{tag}", ms, nbytes)
         mla_decode.MMA_KERNEL = True
-        mla_decode.TILE_KERNEL = False
         for batch, heads in ((8, 16), (64, 16), (32, 128)) if "sparse" in ops else ():
             record(
                 "sparse",

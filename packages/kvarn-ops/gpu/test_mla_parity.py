@@ -228,11 +228,9 @@ DECODE_CASES = [
 ]
 #: 4-bit full-context cases run through both kernels: the Gluon one (default, checked to be
 #: the one chosen) and the Triton one
-DECODE_PARAMS = (
-    [(*c, "default") for c in DECODE_CASES]
-    + [(*c, "triton") for c in DECODE_CASES if c[0] == 4 and not c[4]]
-    + [(*c, "tile") for c in DECODE_CASES if not c[4]]
-)
+DECODE_PARAMS = [(*c, "default") for c in DECODE_CASES] + [
+    (*c, "triton") for c in DECODE_CASES if c[0] == 4 and not c[4]
+]
 
 
 @pytest.mark.parametrize(("bits", "dtype", "lens", "heads", "sparse", "kernel"), DECODE_PARAMS)
@@ -241,8 +239,6 @@ def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
     (checked to be the one chosen) and, as ``triton``, through the Triton kernel too."""
     if kernel == "triton":
         monkeypatch.setattr(kdec, "MMA_KERNEL", False)
-    if kernel == "tile":
-        monkeypatch.setattr(kdec, "TILE_KERNEL", True)
     layout, pool, packed, table, block_pool_map = _decode_cache(gen, bits, dtype, lens)
     b = len(lens)
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
@@ -263,9 +259,8 @@ def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
         if hasattr(kdec, "mla_decode_workspace")
         else ref.mla_decode_workspace(b, heads, device=DEVICE)
     )
-    mma = kdec._use_mma_kernel(bits, q, sparse) and not kdec._use_tile_kernel(sparse)
+    mma = kdec._use_mma_kernel(bits, q, sparse)
     assert mma == (kernel == "default" and bits == 4 and not sparse)
-    assert kdec._use_tile_kernel(sparse) == (kernel == "tile")
     kdec.mla_decode(q, *args, out, ws, indices)
     oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
     ref.mla_decode(q, *args, oracle, None, indices)
@@ -273,7 +268,7 @@ def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
     assert err <= 2 * 2**-10 + 2**-8, f"MLA decode error {err:.2e}"
 
 
-@pytest.mark.parametrize("kernel", ["default", "triton", "tile"])
+@pytest.mark.parametrize("kernel", ["default", "triton"])
 def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
     """4-bit full context over latent records whose zero-point term nearly cancels the code
     term (the CPU suite's ``make_ill_conditioned``): both kernels must keep ``q * cs / cmax``
@@ -289,8 +284,6 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
 
     if kernel == "triton":
         monkeypatch.setattr(kdec, "MMA_KERNEL", False)
-    if kernel == "tile":
-        monkeypatch.setattr(kdec, "TILE_KERNEL", True)
     lens = [3000, 8192 + 17, 640]
     layout, pool, packed, table, block_pool_map = _decode_cache(gen, 4, BF16, lens)
     host = packed.cpu()
@@ -304,8 +297,7 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
     args = (packed, table, seq, block_pool_map, *pool, layout, scale)
     out = poison_(torch.empty(b, heads, 512, dtype=BF16, device=DEVICE))
     ws = kdec.mla_decode_workspace(b, heads, device=DEVICE)
-    assert kdec._use_mma_kernel(4, q, False) == (kernel != "triton")
-    assert kdec._use_tile_kernel(False) == (kernel == "tile")
+    assert kdec._use_mma_kernel(4, q, False) == (kernel == "default")
     kdec.mla_decode(q, *args, out, ws, None)
     oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
     ref.mla_decode(q, *args, oracle, None, None)
@@ -313,13 +305,10 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
     assert err <= 2 * 2**-10 + 2**-8, f"MLA decode error {err:.2e}"
 
 
-@pytest.mark.parametrize("kernel", ["default", "tile"])
-def test_decode_cuda_graph_replay(gen, monkeypatch, kernel):
-    """The 4-bit full-context decode (the Gluon kernel, and the tile kernel) captured once and
-    replayed with new queries and longer contexts (one crossing into a spare packed block): no
-    host sync inside, results equal to eager calls and within the oracle bound."""
-    if kernel == "tile":
-        monkeypatch.setattr(kdec, "TILE_KERNEL", True)
+def test_decode_cuda_graph_replay(gen):
+    """The 4-bit full-context decode (the Gluon kernel) captured once and replayed with new
+    queries and longer contexts (one crossing into a spare packed block): no host sync inside,
+    results equal to eager calls and within the oracle bound."""
     lens = [3000, 70, 9000, 640]
     layout, pool, packed, table, bmap = _decode_cache(gen, 4, BF16, lens, spare_blocks=2)
     b, heads = len(lens), 16

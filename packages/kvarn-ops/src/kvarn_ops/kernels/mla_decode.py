@@ -67,7 +67,6 @@ once and the ``B*H*512*4`` rotated query.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -136,14 +135,6 @@ MMA_NBUF = 2
 the H200)."""
 MMA_MAXNREG: int | None = None
 """Register cap of the Gluon kernel (None: the compiler's choice, 255)."""
-TILE_KERNEL = False
-"""Full-context decode runs the kernel of ``mla_decode_tile.py`` (each block's latent tile
-dequantized once to fp16, tokens on the MMA's M axis) instead of the two above; also
-``KVARN_MLA_TILE=1`` in the environment."""
-TILE_WARPS = 4
-"""Warps of the tile kernel."""
-TILE_FMA_ASM = True
-TILE_ROPE16 = True
 
 
 @triton.jit
@@ -244,10 +235,7 @@ def _word(w0, w1, w2, w3, w4, K: tl.constexpr):
 
 
 @triton.jit
-def _pair(
-    w0, w1, w2, w3, w4, I: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
-    CENTER: tl.constexpr,
-):  # fmt: skip
+def _pair(w0, w1, w2, w3, w4, I: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Codes ``I`` and ``I + 4`` of each half-row (word tiles ``w0..w4 [2, CH]``: word ``k``
     of half ``j`` in row ``j``) joined: ``[2, CH, 2]``."""
     P: tl.constexpr = 4 if BITS == 3 else 0
@@ -261,20 +249,17 @@ def _pair(
         hi = _word(w0, w1, w2, w3, w4, K + 1)
     else:
         hi = lo
-    a, b = pair_codes_f16(lo, hi, SH, BITS, CENTER, ASM)
+    a, b = pair_codes_f16(lo, hi, SH, BITS, 1 << (BITS - 1), ASM)
     return tl.join(a, b)
 
 
 @triton.jit
-def _pair_group(
-    w0, w1, w2, w3, w4, G: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
-    CENTER: tl.constexpr,
-):  # fmt: skip
+def _pair_group(w0, w1, w2, w3, w4, G: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Codes ``8 * G .. 8 * G + 7`` of each half-row, ``[2, CH, 2, 2, 2]`` (``4 * h + r``)."""
-    t0 = _pair(w0, w1, w2, w3, w4, 8 * G, BITS, ASM, CENTER)
-    t1 = _pair(w0, w1, w2, w3, w4, 8 * G + 1, BITS, ASM, CENTER)
-    t2 = _pair(w0, w1, w2, w3, w4, 8 * G + 2, BITS, ASM, CENTER)
-    t3 = _pair(w0, w1, w2, w3, w4, 8 * G + 3, BITS, ASM, CENTER)
+    t0 = _pair(w0, w1, w2, w3, w4, 8 * G, BITS, ASM)
+    t1 = _pair(w0, w1, w2, w3, w4, 8 * G + 1, BITS, ASM)
+    t2 = _pair(w0, w1, w2, w3, w4, 8 * G + 2, BITS, ASM)
+    t3 = _pair(w0, w1, w2, w3, w4, 8 * G + 3, BITS, ASM)
     return tl.join(tl.join(t0, t2), tl.join(t1, t3))
 
 
@@ -287,9 +272,8 @@ def _pair_codes(
     BITS: tl.constexpr,
     ASM: tl.constexpr,
     EVICT: tl.constexpr,
-    CENTER: tl.constexpr,
 ):
-    """Codes less ``CENTER`` (exact fp16) ``[CH, 64]`` of one chunk for 3 or 5 bits (PAIR widths): the
+    """Centered fp16 codes ``[CH, 64]`` of one chunk for 3 or 5 bits (PAIR widths): the
     ``BITS`` words of each half-row (32 codes, ``32 * BITS`` bits) are loaded once as tiles
     ``[2, CH]`` (one per word index), and every 32-bit op of
     :func:`pair_codes_f16` yields codes ``i`` and ``i + 4`` of a half from a fixed window
@@ -309,10 +293,10 @@ def _pair_codes(
     else:
         w3 = w2
         w4 = w2
-    x0 = _pair_group(w0, w1, w2, w3, w4, 0, BITS, ASM, CENTER)
-    x1 = _pair_group(w0, w1, w2, w3, w4, 1, BITS, ASM, CENTER)
-    x2 = _pair_group(w0, w1, w2, w3, w4, 2, BITS, ASM, CENTER)
-    x3 = _pair_group(w0, w1, w2, w3, w4, 3, BITS, ASM, CENTER)
+    x0 = _pair_group(w0, w1, w2, w3, w4, 0, BITS, ASM)
+    x1 = _pair_group(w0, w1, w2, w3, w4, 1, BITS, ASM)
+    x2 = _pair_group(w0, w1, w2, w3, w4, 2, BITS, ASM)
+    x3 = _pair_group(w0, w1, w2, w3, w4, 3, BITS, ASM)
     x = tl.join(tl.join(x0, x2), tl.join(x1, x3))
     return tl.reshape(tl.permute(x, (1, 0, 2, 3, 4, 5, 6)), [CH, 64])
 
@@ -328,13 +312,12 @@ def _chunk_codes(
     FAST: tl.constexpr,
     ASM: tl.constexpr,
     EVICT: tl.constexpr,
-    CENTER: tl.constexpr,
 ):
-    """Codes less ``CENTER`` (exact fp16) ``[CH, 64]`` of one chunk (the score and value
-    dots take centered codes, ``CENTER = 2^(BITS-1)``). FAST: the phase tiles of the word tile
+    """Centered fp16 codes ``[CH, 64]`` of one chunk. FAST: the phase tiles of the word tile
     ``w`` joined column by column (register-local), tokens named by :func:`_column_token`;
     3 and 5 bits: :func:`_pair_codes` (loads its words), tokens named by :func:`_pair_token`;
     other widths: read through the two-word windows, tokens in order."""
+    CENTER: tl.constexpr = 1 << (BITS - 1)
     if FAST:
         NP: tl.constexpr = 8 // BITS
         x = words_to_codes_f16(w, 0, BITS, CENTER, ASM)
@@ -349,7 +332,7 @@ def _chunk_codes(
             x = tl.reshape(x, [CH, 64])
         return x
     elif BITS == 3 or BITS == 5:
-        return _pair_codes(rec32_ptr, base, C, CH, BITS, ASM, EVICT, CENTER)
+        return _pair_codes(rec32_ptr, base, C, CH, BITS, ASM, EVICT)
     else:
         d = C * CH + tl.arange(0, CH)
         row32 = rec32_ptr + base // 4 + d * 2 * BITS
@@ -427,9 +410,7 @@ def _chunk_scores(
     zpc = _chunk_scale(rec16_ptr, base, ZP_OFF, C, CH) + cs * (1 << (BITS - 1))
     qs, qt = f16_parts(q * (cs / cmax)[None, :])
     qz = qz + tl.sum(q * zpc[None, :], axis=1)
-    codes = _chunk_codes(
-        w, rec32_ptr, base, C, CH, BITS, FAST, ASM, "evict_last", 1 << (BITS - 1)
-    )
+    codes = _chunk_codes(w, rec32_ptr, base, C, CH, BITS, FAST, ASM, "evict_last")
     return tl.dot(qs, codes, tl.dot(qt, codes, sa)), qz
 
 
@@ -458,9 +439,7 @@ def _chunk_values(
     w = pz  # no word tile on the window path
     if FAST:
         w = _chunk_words(rec32_ptr, base, C, CH, W, "evict_first")
-    codes = _chunk_codes(
-        w, rec32_ptr, base, C, CH, BITS, FAST, ASM, "evict_first", 1 << (BITS - 1)
-    )
+    codes = _chunk_codes(w, rec32_ptr, base, C, CH, BITS, FAST, ASM, "evict_first")
     va = tl.dot(pw, tl.trans(codes))
     cs = _chunk_scale(rec16_ptr, base, CS_OFF, C, CH)
     zpc = _chunk_scale(rec16_ptr, base, ZP_OFF, C, CH) + cs * (1 << (BITS - 1))
@@ -798,10 +777,6 @@ def _mma_module():
     return None if mods is None else mods[0]
 
 
-def _use_tile_kernel(sparse: bool) -> bool:
-    return not sparse and (TILE_KERNEL or os.environ.get("KVARN_MLA_TILE") == "1")
-
-
 def _use_mma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
     if not MMA_KERNEL or sparse or not cuda_feature(q, "KVARN_MLA_MMA", (8, 0)):
         return False
@@ -889,36 +864,7 @@ def _decode_op_impl(
     sparse = indices is not None
     idx = indices if sparse else seq_lens
     ns = live_splits(bsz, heads, s, q.device)
-    if _use_tile_kernel(sparse):
-        from kvarn_ops.kernels.mla_decode_tile import mla_tile_kernel
-
-        mla_tile_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
-            q,
-            ws_q_rot,
-            packed.view(torch.int16),
-            packed.view(torch.int32),
-            block_pool_map,
-            pl,
-            ps,
-            pr,
-            block_table,
-            seq_lens,
-            ws_part_out,
-            ws_part_lse,
-            heads,
-            s,
-            block_table.stride(0),
-            block_table.shape[1],
-            softmax_scale * 1.4426950408889634,
-            FP8=fp8,
-            ASM=not INTERPRET,
-            MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
-            FMA_ASM=not INTERPRET and TILE_FMA_ASM,
-            ROPE16=not INTERPRET and TILE_ROPE16,
-            num_warps=TILE_WARPS,
-            **offs,
-        )
-    elif _use_mma_kernel(offs["BITS"], q, sparse):
+    if _use_mma_kernel(offs["BITS"], q, sparse):
         mma_offs = {k: v for k, v in offs.items() if k != "BITS"}
         _mma_module().mla_mma_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
             q,
