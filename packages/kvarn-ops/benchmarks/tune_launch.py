@@ -55,6 +55,11 @@ SWEEPS = {
             "store.pipeline_stages": [None, 1, 2],
         },
     ),
+    # How the fp8 quotient is formed (store.FP8_QUOTIENT: 2 folded, 1 reciprocal + residual).
+    "store_fp8_quotient": (
+        lambda: bench_kernels.bench_store(128, 8, 32768, 64, torch.float8_e4m3fn),
+        {"store.FP8_QUOTIENT": [None, 1, None, 1]},
+    ),
     "materialize": (
         lambda: bench_kernels.bench_materialize("kvarn_k4v2_g64", 128, 8, 16, 8192, torch.bfloat16),
         {

@@ -169,7 +169,7 @@ def test_store_compiles(d, src, pool, target):
         FP8=fp8,
         NATIVE_K=mod.native_dot(getattr(torch, src), d, interpret=False),
         NATIVE_V=mod.native_dot(getattr(torch, src), d, interpret=False),
-        FAST_DIV=mod.FAST_FP8_DIVISION,
+        QUOTIENT=mod.FP8_QUOTIENT,
     )
     types_ = {
         "k_ptr": FLOAT[src],

@@ -10,11 +10,14 @@ not once per tile. Slot -1 skips a token; a slot outside the pool is also skippe
 (on the CPU the launcher rejects it first), so no input writes outside the pool.
 
 fp8 pools: per token, ``scale = amax / 448`` (IEEE division, as the reference) and codes
-``e4m3(y / scale)``, the quotient taken as ``q0 = y * r`` plus one fma residual step
-``q0 + (y - q0 * scale) * r`` with the row's ``r = 1 / scale`` (``FAST_FP8_DIVISION``): the
-correctly rounded quotient but for rare cases, and a code can differ from the reference's only
-where the quotient sits at an e4m3 rounding boundary (tests: at most one e4m3 step, on at most
-2% of the values).
+``e4m3(y / scale)``. How the quotient is formed is ``FP8_QUOTIENT``: by default the rotation's
+fp32 sums ``a`` (before the ``1/sqrt(D)`` factor ``c``) times the row's ``c / scale``, one
+multiply per element; ``amax`` itself is exact (``max |fl(a c)| = fl(max |a| c)``: rounding is
+monotone). The quotient is then within about one fp32 ulp of the reference's ``fl(fl(a c) /
+scale)``, so a code can differ from the reference's only where the quotient sits at an e4m3
+rounding boundary (tests: at most one e4m3 step, on at most 2% of the values). Compiled, the
+conversion saturates at 448 (``cvt.rn.satfinite``), so no clamp is needed; the interpreter
+clamps and rounds in software.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def tiles_per_program(head_dim: int, fp8: bool = False) -> int:
     """Token tiles of ``tokens_per_program`` tokens one program stores in turn: the signs
     operand is built once per program. Same sweep: bf16 pool 8 tiles 0.086 ms (1: 0.104, 2:
     0.097, 16: 0.086). The fp8 pool was fastest with one while it divided every element
-    (0.139 ms; 2: 0.207, 8: 0.194); with ``FAST_FP8_DIVISION`` 8 tiles are (2026-12-01,
+    (0.139 ms; 2: 0.207, 8: 0.194); with the reciprocal (``FP8_QUOTIENT`` 1) 8 tiles are (2026-12-01,
     ``results/tune_h200_2026-12-01_store_fp8.json``: 1 tile 0.098 ms, 2 0.102, 8 0.091)."""
     return 8
 
@@ -74,10 +77,11 @@ def warps_per_program(head_dim: int) -> int:
     return 4
 
 
-FAST_FP8_DIVISION = True
-"""fp8 pools: divide a row by its scale through the row's reciprocal and one fma residual step
-(correctly rounded but for rare cases; codes within the tests' one-step tolerance) instead of
-one IEEE division per element."""
+FP8_QUOTIENT = 2
+"""fp8 pools, how ``y / scale`` is formed: 0 one IEEE division per element; 1 the row's
+reciprocal ``r`` and one fma residual step, ``q0 = y r``, ``q0 + (y - q0 scale) r`` (correctly
+rounded but for rare cases; four operations per element); 2 (default) the unscaled rotation
+sums times the row's ``c / scale`` (one multiply per element, within about one fp32 ulp)."""
 
 
 def native_dot(dtype: torch.dtype, head_dim: int, interpret: bool = INTERPRET) -> bool:
@@ -118,18 +122,22 @@ def _store_one(
     EXACT_TF32: tl.constexpr,
     FP8: tl.constexpr,
     NATIVE: tl.constexpr,
-    FAST_DIV: tl.constexpr,
+    QUOTIENT: tl.constexpr,
 ):
     d = tl.arange(0, D)
     src = tok[:, None] * src_stride + head * D + d[None, :]
+    # fp32(1/sqrt(D)), the constant the reference multiplies by (as rotate_rows).
+    if D == 64:
+        c = 0.125
+    else:
+        c = 0.08838834764831845
+    # FOLD: keep the native product's sums unscaled; the fp8 quotient takes c per row.
+    FOLD: tl.constexpr = FP8 and NATIVE and QUOTIENT == 2
     if NATIVE:
         x16 = tl.load(src_ptr + src, mask=ok[:, None], other=0.0)
         y = tl.dot(x16, signs, out_dtype=tl.float32)
-        # fp32(1/sqrt(D)), the constant the reference multiplies by (as rotate_rows).
-        if D == 64:
-            y = y * 0.125
-        else:
-            y = y * 0.08838834764831845
+        if not FOLD:
+            y = y * c
     else:
         x = tl.load(src_ptr + src, mask=ok[:, None], other=0.0).to(tl.float32)
         y = rotate_rows(x, BLOCK_T, D, EXACT_TF32)
@@ -137,20 +145,24 @@ def _store_one(
     dst = row[:, None] * D + d[None, :]
     if FP8:
         amax = tl.max(tl.abs(y), axis=1)
+        if FOLD:
+            amax = amax * c  # == max |fl(y c)|: rounding is monotone
         # amax / 448 (FP8_MAX, the largest e4m3 value), IEEE-rounded like torch.
         scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-        if FAST_DIV:
+        if FOLD:
+            q = y * tl.div_rn(tl.full(scale.shape, c, tl.float32), scale)[:, None]
+        elif QUOTIENT == 0:
+            q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
+        else:
             # y / scale correctly rounded in all but rare cases, from the row's reciprocal and
             # one fma residual step (no per-element division): q0 = y r, q = q0 + (y - q0 s) r
             r = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
             q0 = y * r
             q = tl.fma(tl.fma(-q0, scale[:, None], y), r, q0)
-        else:
-            q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         if _EMULATE_E4M3:
-            q = round_to_e4m3(q)
-        # compiled: the conversion itself rounds to nearest even (cvt.rn.satfinite)
+            q = round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+        # compiled: the conversion rounds to nearest even and saturates at +-448
+        # (cvt.rn.satfinite), the reference's clamp
         tl.store(pool_ptr + dst, q.to(tl.float8e4nv), mask=ok[:, None])
         tl.store(scale_ptr + row, scale, mask=ok)
     else:
@@ -179,7 +191,7 @@ def _store_kernel(
     FP8: tl.constexpr,
     NATIVE_K: tl.constexpr,
     NATIVE_V: tl.constexpr,
-    FAST_DIV: tl.constexpr,
+    QUOTIENT: tl.constexpr,
 ):
     head = tl.program_id(1)
     chunk = tl.program_id(0).to(tl.int64)
@@ -209,7 +221,7 @@ def _store_kernel(
             EXACT_K,
             FP8,
             NATIVE_K,
-            FAST_DIV,
+            QUOTIENT,
         )
         _store_one(
             v_ptr,
@@ -227,7 +239,7 @@ def _store_kernel(
             EXACT_V,
             FP8,
             NATIVE_V,
-            FAST_DIV,
+            QUOTIENT,
         )
 
 
@@ -265,7 +277,7 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
         FP8=fp8,
         NATIVE_K=native_dot(k.dtype, d),
         NATIVE_V=native_dot(v.dtype, d),
-        FAST_DIV=FAST_FP8_DIVISION,
+        QUOTIENT=FP8_QUOTIENT,
         num_warps=warps_per_program(d),
         num_stages=pipeline_stages(d, fp8),
     )
