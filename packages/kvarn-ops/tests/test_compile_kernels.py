@@ -93,16 +93,19 @@ SPILL_ALLOWANCE = {
 }
 
 
-def _compile(fn, types_by_name: dict, consts: dict, target, num_warps: int, maxnreg=None):
+def _compile(
+    fn, types_by_name: dict, consts: dict, target, num_warps: int, maxnreg=None, aligned=()
+):
     sig = {}
     for name in fn.arg_names:
         sig[name] = "constexpr" if name in consts else types_by_name[name]
     # 16-byte aligned pointers, as the JIT specializes every torch tensor argument: without
     # the hint the address arithmetic differs from what runs on a GPU (and spills more).
+    # ``aligned`` names integer arguments the JIT would see divisible by 16 (row strides).
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
-        if sig[name].startswith("*")
+        if sig[name].startswith("*") or name in aligned
     }
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     options = dict(num_warps=num_warps)
@@ -185,8 +188,24 @@ def test_store_compiles(d, src, pool, target):
         "v_stride": "i32",
         "TILES": "i32",
     }
-    k, spills = _compile(mod._store_kernel, types_, consts, target, mod.warps_per_program(d))
+    # Token strides are multiples of Hkv * D (the JIT specializes them as divisible by 16).
+    k, spills = _compile(
+        mod._store_kernel,
+        types_,
+        consts,
+        target,
+        mod.warps_per_program(d),
+        aligned=("k_stride", "v_stride"),
+    )
     assert spills <= SPILL_ALLOWANCE.get(("store", d, src), 0), spills
+    ptx = k.asm["ptx"]
+    if src != "float32":
+        # 16-bit inputs arrive in 16-byte copies, never element by element
+        assert ptx.count("ld.global.b16") + ptx.count("ld.global.u16") == 0
+    if fp8 and consts["NATIVE_K"]:
+        # the folded quotient: one multiply per element, no fma residual and no clamp
+        assert ptx.count("fma.rn.f32") < 32, ptx.count("fma.rn.f32")
+        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") > 0
     if fp8:
         # divisions per row only (amax / 448 and the reciprocal of the scale, K and V, for
         # each row a thread holds), none per element: fewer than one tile's values per thread

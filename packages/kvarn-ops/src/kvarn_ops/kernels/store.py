@@ -60,8 +60,9 @@ def tiles_per_program(head_dim: int, fp8: bool = False) -> int:
     """Token tiles of ``tokens_per_program`` tokens one program stores in turn: the signs
     operand is built once per program. Same sweep: bf16 pool 8 tiles 0.086 ms (1: 0.104, 2:
     0.097, 16: 0.086). The fp8 pool was fastest with one while it divided every element
-    (0.139 ms; 2: 0.207, 8: 0.194); with the reciprocal (``FP8_QUOTIENT`` 1) 8 tiles are (2026-12-01,
-    ``results/tune_h200_2026-12-01_store_fp8.json``: 1 tile 0.098 ms, 2 0.102, 8 0.091)."""
+    (0.139 ms; 2: 0.207, 8: 0.194); with the reciprocal (``FP8_QUOTIENT`` 1) 8 tiles are
+    (2026-12-01, ``results/tune_h200_2026-12-01_store_fp8.json``: 1 tile 0.098 ms, 2 0.102,
+    8 0.091)."""
     return 8
 
 
