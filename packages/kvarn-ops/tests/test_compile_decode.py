@@ -360,12 +360,23 @@ def test_mma_decode_transposed_compiles(target, case):
     assert frame <= T_SPILL.get((case, target.arch), 0), f"{frame} B of spill frame"
     assert regs <= 255
     assert ptx.count("cp.async") >= 48
+    from kvarn_ops.kernels import decode_mma_t
+
+    sub = decode_mma_t.SUBNORMAL_CODES
     # per block: scores 4 x (2 x 8 for the two fp16 parts of q * s_col_K + 2 x 2 zero-point),
-    # values 4 x 8 (+ 4 for the ones column of 2-bit V); q is rotated by a Walsh-Hadamard
-    # transform, not by MMAs (64 before)
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 80 + 32 + (4 if vb == 2 else 0)
-    # K codes exact (the 1024 of the mantissa trick subtracted): two per byte pair
-    assert ptx.count("sub.f16x2") >= 2 * 16 * 4
+    # values 4 x 8 (+ 4 for the ones column of 2-bit V, unless its codes are subnormals); q is
+    # rotated by a Walsh-Hadamard transform, not by MMAs (64 before)
+    ones = 4 if vb == 2 and not sub else 0
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 80 + 32 + ones
+    if sub:
+        # K codes exact as fp16 subnormals: masked only (two ``and`` per byte pair), nothing
+        # subtracted; 2-bit V likewise (4-bit V keeps the 1024 of its mantissa trick: one
+        # subtraction per operand register, 128 per block)
+        assert ptx.count("and.b32 %r") >= 2 * 16 * 4
+        assert ptx.count("sub.f16x2") == (0 if vb == 2 else 128)
+    else:
+        # K codes exact (the 1024 of the mantissa trick subtracted): two per byte pair
+        assert ptx.count("sub.f16x2") >= 2 * 16 * 4
     # its two cross-lane stages: one butterfly shuffle per register each
     assert ptx.count("shfl.sync.bfly.b32") >= 64
     assert "popc" not in ptx  # no sign matrix

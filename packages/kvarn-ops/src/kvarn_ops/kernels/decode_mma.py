@@ -293,14 +293,30 @@ def _joined(a, b):
 
 
 @gluon.jit
-def _nibble_pairs(a, b, BYTE: gl.constexpr):
+def _nibble_pairs(a, b, BYTE: gl.constexpr, SUBNORMAL: gl.constexpr = False):
     """Both 4-bit codes of byte ``BYTE`` of words ``a`` (low halves) and ``b`` (high halves)
     from one ``prmt``: ``c`` for the low nibble and ``16 c`` for the high one (exact fp16),
     one ``lop3`` each into the mantissas of 1024.0 and one ``sub.f16x2`` each that takes the
     1024 out (2.5 instructions per operand register; without the subtraction the score sums
     carry 1024 times the operands, whose fp32 rounding does not cancel: measured offline on a
-    GPU parity record with row scales near 300, 1.9 log2 units of score error)."""
+    GPU parity record with row scales near 300, 1.9 log2 units of score error).
+
+    ``SUBNORMAL``: the fields are only masked, with a zero exponent: the fp16 subnormals
+    ``c * 2^-24`` and ``16 c * 2^-24``, exact and without an offset (1.5 instructions per
+    operand register). The caller's products are then ``2^-24`` times the codes' (scale the
+    accumulator's start by ``2^-24`` and its result by ``2^24``: exact in fp32)."""
     SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    if SUBNORMAL:
+        return gl.inline_asm_elementwise(
+            f"{{ .reg .b32 t; prmt.b32 t, $2, $3, {SEL}; "
+            "and.b32 $0, t, 983055; "  # 0x000F000F
+            "and.b32 $1, t, 15728880; }",  # 0x00F000F0
+            "=r,=r,r,r",
+            [_joined(a, b)],
+            dtype=(gl.float16, gl.float16),
+            is_pure=True,
+            pack=2,
+        )
     return gl.inline_asm_elementwise(
         f"{{ .reg .b32 t, o, x, y; prmt.b32 t, $2, $3, {SEL}; mov.b32 o, 1677747200; "
         "lop3.b32 x, t, 983055, 1677747200, 0xea; "  # 0x000F000F, 0x64006400
@@ -319,19 +335,37 @@ CRUMB_FACTORS = (4.0, 256.0, 64.0, 16.0)
 
 
 @gluon.constexpr_function
-def _crumb_factor(field, inverse):
-    """``F`` (or ``1 / F``) of 2-bit field ``field``, exact (powers of two)."""
-    f = CRUMB_FACTORS[int(getattr(field, "value", field))]
+def _crumb_factor(field, inverse, subnormal=False):
+    """``F`` (or ``1 / F``) of 2-bit field ``field``, exact (powers of two). ``subnormal``:
+    the factor of :func:`_crumb_pairs`' subnormal fields instead, ``F = 2^24 / 4^field`` (field
+    ``f`` decodes as ``c / F``)."""
+    i = int(getattr(field, "value", field))
+    f = 2.0 ** (24 - 2 * i) if getattr(subnormal, "value", subnormal) else CRUMB_FACTORS[i]
     return 1.0 / f if getattr(inverse, "value", inverse) else f
 
 
 @gluon.jit
-def _crumb_pairs(a, b, BYTE: gl.constexpr):
+def _crumb_pairs(a, b, BYTE: gl.constexpr, SUBNORMAL: gl.constexpr = False):
     """The four 2-bit codes of byte ``BYTE`` of words ``a`` and ``b`` from one ``prmt`` (the
     byte copied into both bytes of its half) and one ``lop3`` each: fp16 ``1 + c / F`` with
     ``F`` = 4, 256, 64, 16 for the fields at bits 0, 2, 4, 6 (field 0 from the copy's high
-    byte, the others in place), no shifts."""
+    byte, the others in place), no shifts. ``SUBNORMAL``: every field masked in place with a
+    zero exponent, the fp16 subnormals ``c 4^f 2^-24`` (``c / F`` with ``F = 2^24 / 4^f``), so
+    no ``1`` to take out of the sums."""
     SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    if SUBNORMAL:
+        return gl.inline_asm_elementwise(
+            f"{{ .reg .b32 t; prmt.b32 t, $4, $5, {SEL}; "
+            "and.b32 $0, t, 196611; "  # 0x00030003
+            "and.b32 $1, t, 786444; "  # 0x000C000C
+            "and.b32 $2, t, 3145776; "  # 0x00300030
+            "and.b32 $3, t, 12583104; }",  # 0x00C000C0
+            "=r,=r,=r,=r,r,r",
+            [_joined(a, b)],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+            is_pure=True,
+            pack=2,
+        )
     return gl.inline_asm_elementwise(
         f"{{ .reg .b32 t; prmt.b32 t, $4, $5, {SEL}; "
         "lop3.b32 $0, t, 50332416, 1006648320, 0xea; "  # 0x03000300, 0x3C003C00

@@ -33,6 +33,8 @@ of ``zp_K`` times ``q_rot`` split into fp16 high and low parts). The per-block s
 
 from __future__ import annotations
 
+import os
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -96,15 +98,29 @@ def _kchan(v, LAYOUT: gl.constexpr):
     return gl.convert_layout(gl.reshape(v, [32]), LAYOUT, assert_trivial=True)
 
 
+SUBNORMAL_CODES = os.environ.get("KVARN_DECODE_SUBNORMAL", "1") != "0"
+"""K and 2-bit V codes as fp16 subnormals (``c * 2^-24`` and ``c 4^f 2^-24``: exact, no offset
+to subtract; :func:`M._nibble_pairs`, :func:`M._crumb_pairs`): per 64-token block one
+instruction per K operand register fewer, and no MMA for the sum of the softmax weights that
+2-bit V's ``1 + c / F`` needed. ``KVARN_DECODE_SUBNORMAL=0`` (read at import): the codes in the
+mantissas of 1024 and 1.0, as before."""
+_K_SUB: gl.constexpr = gl.constexpr(SUBNORMAL_CODES)
+_V_SUB: gl.constexpr = gl.constexpr(SUBNORMAL_CODES)
+# the score accumulator's start and its result, scaled for the subnormal codes (exact)
+_K_IN: gl.constexpr = gl.constexpr(2.0**-24 if SUBNORMAL_CODES else 1.0)
+_K_OUT: gl.constexpr = gl.constexpr(2.0**24 if SUBNORMAL_CODES else 1.0)
+
+
 @gluon.jit
 def _k_operand_a(kw):
     """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 4-bit K codes: token
-    rows of odd nibbles (``y = 1``) hold ``16 c``, the others ``c``."""
+    rows of odd nibbles (``y = 1``) hold ``16 c``, the others ``c`` (times ``2^-24`` with
+    ``SUBNORMAL_CODES``)."""
     ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
-    n0, n1 = M._nibble_pairs(ka, kb, 0)
-    n2, n3 = M._nibble_pairs(ka, kb, 1)
-    n4, n5 = M._nibble_pairs(ka, kb, 2)
-    n6, n7 = M._nibble_pairs(ka, kb, 3)
+    n0, n1 = M._nibble_pairs(ka, kb, 0, _K_SUB)
+    n2, n3 = M._nibble_pairs(ka, kb, 1, _K_SUB)
+    n4, n5 = M._nibble_pairs(ka, kb, 2, _K_SUB)
+    n6, n7 = M._nibble_pairs(ka, kb, 3, _K_SUB)
     c = M._stack8(n0, n1, n2, n3, n4, n5, n6, n7)
     # [(8 c + i) // 2, w, x, j]; token 8 w + j, j = 2 mt + y
     # rows m = 16 mt + 8 y + w; channel 16 kt0 + 8 z + 2 c + x (i = 4 kt0 + 2 z + x)
@@ -116,9 +132,9 @@ def _k_operand_a(kw):
 @gluon.jit
 def _v_operand_a(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
     """A operand [32 channels (logical chunk CQ), 64 tokens] of V codes (2-bit: field f holds
-    ``1 + c / F_f``, see :func:`_crumb_pairs`; 4-bit: ``c``)."""
+    ``1 + c / F_f``, or ``c / F_f`` as subnormals, see :func:`_crumb_pairs`; 4-bit: ``c``)."""
     if VB == 2:
-        f0, f1, f2, f3 = M._crumb_pairs(va, vb, CQ)
+        f0, f1, f2, f3 = M._crumb_pairs(va, vb, CQ, _V_SUB)
         c = M._stack4(f0, f1, f2, f3)
     else:
         BIT0: gl.constexpr = (4 * CQ * VB) % 32
@@ -232,10 +248,10 @@ def _v_factors(INVERSE: gl.constexpr):
         _run_consts(
             gl.constexpr(_RUNG4),
             4,
-            M._crumb_factor(0, INVERSE),
-            M._crumb_factor(1, INVERSE),
-            M._crumb_factor(2, INVERSE),
-            M._crumb_factor(3, INVERSE),
+            M._crumb_factor(0, INVERSE, _V_SUB),
+            M._crumb_factor(1, INVERSE, _V_SUB),
+            M._crumb_factor(2, INVERSE, _V_SUB),
+            M._crumb_factor(3, INVERSE, _V_SUB),
         )
     )
 
@@ -426,7 +442,7 @@ def mma_decode_t_kernel(
         qs3, qt3, qz = _qs_t(qz, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
         # the score MMAs start from the zero-point term; odd-nibble token rows run on 16 c,
         # so theirs is 16 qz and their row scale is divided by 16 (exact)
-        qzg = _equal_rows(qz)
+        qzg = _equal_rows(qz) * _K_IN
         odd = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0)) > 0.5
         s = gl.where(odd[:, None], _rows_like(16.0 * qzg, 64), _rows_like(qzg, 64))
         # each code operand meets both fp16 parts of qs (the low part's MMAs first)
@@ -438,7 +454,11 @@ def mma_decode_t_kernel(
         s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
         ka = _k_operand_a(M._staged_kw(ck, 3))
         s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
-        kf = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 1.0, 0.0625, 1.0, 0.0625))
+        kf = _tok_rows(
+            _run_consts(
+                gl.constexpr(_RUNG8), 8, _K_OUT, 0.0625 * _K_OUT, _K_OUT, 0.0625 * _K_OUT
+            )
+        )
         krs = _tok_rows(skr.index(cst).load(_RUNG8)) * kf
         s = s * krs[:, None]
         if T > 1:
@@ -457,7 +477,9 @@ def mma_decode_t_kernel(
         vrs = _tok_rows(svr.index(cst).load(_RUNG8))
         pz = gl.sum(p * vzp[:, None], axis=0)
         pwb = gl.convert_layout((p * vrs[:, None]).to(gl.float16), _OPB)  # the transpose
-        if VB == 2:
+        if VB == 2 and _V_SUB:
+            pt = pz[None, :] * _v_factors(True)[:, None]
+        elif VB == 2:
             spw = mma_v2(
                 gl.full([16, 64], 1.0, gl.float16, _OPA),
                 pwb,
