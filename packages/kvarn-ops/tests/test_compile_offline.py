@@ -31,3 +31,22 @@ def test_offline_compiles_in_their_own_process(request):
     summary = proc.stdout.strip().splitlines()[-1:]
     print("\n".join(summary))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_opt_in_subnormal_decode_operands_compile(request):
+    """``KVARN_DECODE_SUBNORMAL=1`` (read at import, so in its own process): the transposed
+    dense decode kernel with subnormal code operands compiles for sm_90a and sm_120a with the
+    instruction mix its compile test checks for that mode (no offset subtraction)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", KVARN_OFFLINE_COMPILE_PROCESS="1")
+    env["KVARN_DECODE_SUBNORMAL"] = "1"
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"]
+    if request.config.inipath is not None:
+        args += ["-c", str(request.config.inipath), "--rootdir", str(HERE)]
+    args += [str(HERE / "test_compile_decode.py"), "-k", "transposed", "-s"]
+    proc = subprocess.run(args, cwd=HERE, env=env, capture_output=True, text=True, check=False)
+    print("\n".join(proc.stdout.strip().splitlines()[-1:]))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    # the switch reached the kernels: every compiled case says so
+    assert proc.stdout.count("subnormal code operands") == 10, proc.stdout[-3000:]
+    assert "offset code operands" not in proc.stdout

@@ -33,8 +33,6 @@ of ``zp_K`` times ``q_rot`` split into fp16 high and low parts). The per-block s
 
 from __future__ import annotations
 
-import os
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -98,17 +96,16 @@ def _kchan(v, LAYOUT: gl.constexpr):
     return gl.convert_layout(gl.reshape(v, [32]), LAYOUT, assert_trivial=True)
 
 
-SUBNORMAL_CODES = os.environ.get("KVARN_DECODE_SUBNORMAL", "1") != "0"
-"""K and 2-bit V codes as fp16 subnormals (``c * 2^-24`` and ``c 4^f 2^-24``: exact, no offset
-to subtract; :func:`M._nibble_pairs`, :func:`M._crumb_pairs`): per 64-token block one
-instruction per K operand register fewer, and no MMA for the sum of the softmax weights that
-2-bit V's ``1 + c / F`` needed. ``KVARN_DECODE_SUBNORMAL=0`` (read at import): the codes in the
-mantissas of 1024 and 1.0, as before."""
-_K_SUB: gl.constexpr = gl.constexpr(SUBNORMAL_CODES)
-_V_SUB: gl.constexpr = gl.constexpr(SUBNORMAL_CODES)
+SUBNORMAL_CODES = M.SUBNORMAL_CODES
+"""Opt-in (``KVARN_DECODE_SUBNORMAL=1``; ``decode_mma.SUBNORMAL_CODES`` says why it is off by
+default): K and 2-bit V codes as fp16 subnormals (``c * 2^-24`` and ``c 4^f 2^-24``, no offset
+to subtract; :func:`M._nibble_pairs`, :func:`M._crumb_pairs`), one instruction per K operand
+register fewer and no MMA for the sum of the softmax weights."""
+_K_SUB: gl.constexpr = M._SUB
+_V_SUB: gl.constexpr = M._SUB
 # the score accumulator's start and its result, scaled for the subnormal codes (exact)
-_K_IN: gl.constexpr = gl.constexpr(2.0**-24 if SUBNORMAL_CODES else 1.0)
-_K_OUT: gl.constexpr = gl.constexpr(2.0**24 if SUBNORMAL_CODES else 1.0)
+_K_IN: gl.constexpr = M._C_IN
+_K_OUT: gl.constexpr = M._C_OUT
 
 
 @gluon.jit
@@ -455,9 +452,7 @@ def mma_decode_t_kernel(
         ka = _k_operand_a(M._staged_kw(ck, 3))
         s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
         kf = _tok_rows(
-            _run_consts(
-                gl.constexpr(_RUNG8), 8, _K_OUT, 0.0625 * _K_OUT, _K_OUT, 0.0625 * _K_OUT
-            )
+            _run_consts(gl.constexpr(_RUNG8), 8, _K_OUT, 0.0625 * _K_OUT, _K_OUT, 0.0625 * _K_OUT)
         )
         krs = _tok_rows(skr.index(cst).load(_RUNG8)) * kf
         s = s * krs[:, None]
