@@ -374,25 +374,16 @@ def _crumb_pairs(a, b, BYTE: gl.constexpr, SUBNORMAL: gl.constexpr = False):
     zero exponent, the fp16 subnormals ``c 4^f 2^-24`` (``c / F`` with ``F = 2^24 / 4^f``), so
     no ``1`` to take out of the sums."""
     SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
-    if SUBNORMAL:
-        return gl.inline_asm_elementwise(
-            f"{{ .reg .b32 t; prmt.b32 t, $4, $5, {SEL}; "
-            "and.b32 $0, t, 196611; "  # 0x00030003
-            "and.b32 $1, t, 786444; "  # 0x000C000C
-            "and.b32 $2, t, 3145776; "  # 0x00300030
-            "and.b32 $3, t, 12583104; }",  # 0x00C000C0
-            "=r,=r,=r,=r,r,r",
-            [_joined(a, b)],
-            dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-            is_pure=True,
-            pack=2,
-        )
+    # field 0's mask (0x00030003 in place, or 0x03000300 from the copy's high byte) and the
+    # exponent or-ed in (none, or that of 1.0: 0x3C003C00)
+    M0: gl.constexpr = 196611 if SUBNORMAL else 50332416
+    E: gl.constexpr = 0 if SUBNORMAL else 1006648320
     return gl.inline_asm_elementwise(
         f"{{ .reg .b32 t; prmt.b32 t, $4, $5, {SEL}; "
-        "lop3.b32 $0, t, 50332416, 1006648320, 0xea; "  # 0x03000300, 0x3C003C00
-        "lop3.b32 $1, t, 786444, 1006648320, 0xea; "  # 0x000C000C
-        "lop3.b32 $2, t, 3145776, 1006648320, 0xea; "  # 0x00300030
-        "lop3.b32 $3, t, 12583104, 1006648320, 0xea; }",  # 0x00C000C0
+        f"lop3.b32 $0, t, {M0}, {E}, 0xea; "
+        f"lop3.b32 $1, t, 786444, {E}, 0xea; "  # 0x000C000C
+        f"lop3.b32 $2, t, 3145776, {E}, 0xea; "  # 0x00300030
+        f"lop3.b32 $3, t, 12583104, {E}, 0xea; }}",  # 0x00C000C0
         "=r,=r,=r,=r,r,r",
         [_joined(a, b)],
         dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
