@@ -272,7 +272,6 @@ MMA_SPILL = {
     MMA_CASES[1]: 64,
     MMA_CASES[2]: 192,
     MMA_CASES[3]: 192,
-    MMA_CASES[4]: 16,  # 8 B with the subnormal code operands (0 before)
 }
 
 

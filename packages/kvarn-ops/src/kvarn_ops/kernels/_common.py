@@ -14,6 +14,7 @@ Jit helpers
                             with ties to even, so the later cast is exact everywhere.
 ``hadamard_signs(N)``       ``[N, N]`` fp32 matrix of ``(-1)**popcount(i & j)`` (unnormalized).
 ``rotate_rows(x, D, EXACT)`` ``x [M, D] @ H_D`` (normalized), fp32 in and out.
+``scale_inv_sqrt(x, D)``    ``x * fp32(1/sqrt(D))``, the normalization of ``H_D``.
 ``pack_codes_store(...)``   bit-pack a ``[R, C]`` code tile (stream order ``r*C + c``).
 ``unpack_codes_load(...)``  the inverse, for a ``[R, C]`` window of a packed field.
 ``line_spread``, ``apply_log_scales``: steps of the reference quantizer
@@ -60,6 +61,7 @@ __all__ = [
     "round_half_even",
     "round_to_bf16",
     "round_to_e4m3",
+    "scale_inv_sqrt",
     "unpack_codes_load",
 ]
 
@@ -266,16 +268,20 @@ def rotate_rows(x, M: tl.constexpr, D: tl.constexpr, EXACT_TF32: tl.constexpr):
         y = tl.permute(tl.reshape(y, [M, OUTER, 16]), (0, 2, 1))
         y = tl.dot(tl.reshape(y, [M * 16, OUTER]), hadamard_signs(OUTER), input_precision="tf32x3")
         y = tl.reshape(tl.permute(tl.reshape(y, [M, 16, OUTER]), (0, 2, 1)), [M, D])
-    # fp32(1/sqrt(D)), the constant the reference multiplies by.
+    return scale_inv_sqrt(y, D)
+
+
+@triton.jit
+def scale_inv_sqrt(x, D: tl.constexpr):
+    """``x * fp32(1/sqrt(D))``, the constant the reference multiplies by (D 64 to 512)."""
     if D == 64:
-        y = y * 0.125
+        return x * 0.125
     elif D == 128:
-        y = y * 0.08838834764831845
+        return x * 0.08838834764831845
     elif D == 256:
-        y = y * 0.0625
+        return x * 0.0625
     else:
-        y = y * 0.044194173824159216
-    return y
+        return x * 0.044194173824159216
 
 
 @triton.jit

@@ -77,7 +77,6 @@ __all__ = ["MMA_DECODE_D", "MMA_DECODE_GROUPS", "mma_decode_supported", "mma_dec
 MMA_DECODE_D = 128
 MMA_DECODE_GROUPS = (64, 128)
 
-# one warp: m16n8k16 fragments of fp16 operands (two per 32-bit register)
 SUBNORMAL_CODES = os.environ.get("KVARN_DECODE_SUBNORMAL", "0") == "1"
 """Opt-in (``KVARN_DECODE_SUBNORMAL=1``, read at import), off by default: the dense MMA kernels'
 4-bit K and 2-bit V codes as fp16 subnormals ``c * 2^-24`` (:func:`_nibble_pairs`,
@@ -97,6 +96,7 @@ _C_IN: gl.constexpr = gl.constexpr(2.0**-24 if SUBNORMAL_CODES else 1.0)
 _C_OUT: gl.constexpr = gl.constexpr(2.0**24 if SUBNORMAL_CODES else 1.0)
 """Its inverse, folded into the scales applied to the products."""
 
+# one warp: m16n8k16 fragments of fp16 operands (two per 32-bit register)
 _MMA: gl.constexpr = gl.NVMMADistributedLayout(
     version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
 )

@@ -101,11 +101,11 @@ SUBNORMAL_CODES = M.SUBNORMAL_CODES
 default): K and 2-bit V codes as fp16 subnormals (``c * 2^-24`` and ``c 4^f 2^-24``, no offset
 to subtract; :func:`M._nibble_pairs`, :func:`M._crumb_pairs`), one instruction per K operand
 register fewer and no MMA for the sum of the softmax weights."""
-_K_SUB: gl.constexpr = M._SUB
-_V_SUB: gl.constexpr = M._SUB
-# the score accumulator's start and its result, scaled for the subnormal codes (exact)
-_K_IN: gl.constexpr = M._C_IN
-_K_OUT: gl.constexpr = M._C_OUT
+# decode_mma's switch and scalings as this module's globals (a jit function reads a constexpr
+# global of its own module; through the module attribute the switch did not take effect)
+_SUB: gl.constexpr = M._SUB
+_C_IN: gl.constexpr = M._C_IN
+_C_OUT: gl.constexpr = M._C_OUT
 
 
 @gluon.jit
@@ -114,10 +114,10 @@ def _k_operand_a(kw):
     rows of odd nibbles (``y = 1``) hold ``16 c``, the others ``c`` (times ``2^-24`` with
     ``SUBNORMAL_CODES``)."""
     ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
-    n0, n1 = M._nibble_pairs(ka, kb, 0, _K_SUB)
-    n2, n3 = M._nibble_pairs(ka, kb, 1, _K_SUB)
-    n4, n5 = M._nibble_pairs(ka, kb, 2, _K_SUB)
-    n6, n7 = M._nibble_pairs(ka, kb, 3, _K_SUB)
+    n0, n1 = M._nibble_pairs(ka, kb, 0, _SUB)
+    n2, n3 = M._nibble_pairs(ka, kb, 1, _SUB)
+    n4, n5 = M._nibble_pairs(ka, kb, 2, _SUB)
+    n6, n7 = M._nibble_pairs(ka, kb, 3, _SUB)
     c = M._stack8(n0, n1, n2, n3, n4, n5, n6, n7)
     # [(8 c + i) // 2, w, x, j]; token 8 w + j, j = 2 mt + y
     # rows m = 16 mt + 8 y + w; channel 16 kt0 + 8 z + 2 c + x (i = 4 kt0 + 2 z + x)
@@ -131,7 +131,7 @@ def _v_operand_a(va, vb, CQ: gl.constexpr, VB: gl.constexpr):
     """A operand [32 channels (logical chunk CQ), 64 tokens] of V codes (2-bit: field f holds
     ``1 + c / F_f``, or ``c / F_f`` as subnormals, see :func:`_crumb_pairs`; 4-bit: ``c``)."""
     if VB == 2:
-        f0, f1, f2, f3 = M._crumb_pairs(va, vb, CQ, _V_SUB)
+        f0, f1, f2, f3 = M._crumb_pairs(va, vb, CQ, _SUB)
         c = M._stack4(f0, f1, f2, f3)
     else:
         BIT0: gl.constexpr = (4 * CQ * VB) % 32
@@ -245,10 +245,10 @@ def _v_factors(INVERSE: gl.constexpr):
         _run_consts(
             gl.constexpr(_RUNG4),
             4,
-            M._crumb_factor(0, INVERSE, _V_SUB),
-            M._crumb_factor(1, INVERSE, _V_SUB),
-            M._crumb_factor(2, INVERSE, _V_SUB),
-            M._crumb_factor(3, INVERSE, _V_SUB),
+            M._crumb_factor(0, INVERSE, _SUB),
+            M._crumb_factor(1, INVERSE, _SUB),
+            M._crumb_factor(2, INVERSE, _SUB),
+            M._crumb_factor(3, INVERSE, _SUB),
         )
     )
 
@@ -439,7 +439,7 @@ def mma_decode_t_kernel(
         qs3, qt3, qz = _qs_t(qz, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
         # the score MMAs start from the zero-point term; odd-nibble token rows run on 16 c,
         # so theirs is 16 qz and their row scale is divided by 16 (exact)
-        qzg = _equal_rows(qz) * _K_IN
+        qzg = _equal_rows(qz) * _C_IN
         odd = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0)) > 0.5
         s = gl.where(odd[:, None], _rows_like(16.0 * qzg, 64), _rows_like(qzg, 64))
         # each code operand meets both fp16 parts of qs (the low part's MMAs first)
@@ -452,7 +452,7 @@ def mma_decode_t_kernel(
         ka = _k_operand_a(M._staged_kw(ck, 3))
         s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
         kf = _tok_rows(
-            _run_consts(gl.constexpr(_RUNG8), 8, _K_OUT, 0.0625 * _K_OUT, _K_OUT, 0.0625 * _K_OUT)
+            _run_consts(gl.constexpr(_RUNG8), 8, _C_OUT, 0.0625 * _C_OUT, _C_OUT, 0.0625 * _C_OUT)
         )
         krs = _tok_rows(skr.index(cst).load(_RUNG8)) * kf
         s = s * krs[:, None]
@@ -472,7 +472,7 @@ def mma_decode_t_kernel(
         vrs = _tok_rows(svr.index(cst).load(_RUNG8))
         pz = gl.sum(p * vzp[:, None], axis=0)
         pwb = gl.convert_layout((p * vrs[:, None]).to(gl.float16), _OPB)  # the transpose
-        if VB == 2 and _V_SUB:
+        if VB == 2 and _SUB:
             pt = pz[None, :] * _v_factors(True)[:, None]
         elif VB == 2:
             spw = mma_v2(

@@ -54,6 +54,7 @@ from kvarn_ops.kernels._common import (
     launch_or_op,
     pack_geometry,
     rotate_rows,
+    scale_inv_sqrt,
     unpack_codes_load,
 )
 from kvarn_ops.reference.cache import check_context_args
@@ -113,36 +114,10 @@ def _sign_table(device) -> torch.Tensor:
     return _TABLES[key]
 
 
-_EMULATE_RNE = tl.constexpr(INTERPRET)
-"""The interpreter's bf16 cast truncates: emulate round-to-nearest-even there only (compiled
-casts round to nearest even)."""
-
-
 def tokens_per_chunk(head_dim: int, group: int) -> int:
     """Tokens dequantized at once: at most ``CHUNK_VALUES`` values of a tile per chunk (a power
     of two from 16 to the group)."""
     return min(group, max(16, CHUNK_VALUES // head_dim))
-
-
-@triton.jit
-def _inv_sqrt(x, D: tl.constexpr):
-    # fp32(1/sqrt(D)), the constant the reference multiplies by.
-    if D == 64:
-        return x * 0.125
-    elif D == 128:
-        return x * 0.08838834764831845
-    elif D == 256:
-        return x * 0.0625
-    else:
-        return x * 0.044194173824159216
-
-
-@triton.jit
-def _to_out(y, dtype: tl.constexpr):
-    if _EMULATE_RNE:
-        return cast_rne(y, dtype)
-    else:
-        return y.to(dtype)
 
 
 @triton.jit
@@ -181,7 +156,7 @@ def _tail_rows(
     if NATIVE:
         if FP8:
             x = x.to(tl.float16)
-        y = _inv_sqrt(tl.dot(x, hadamard_signs(D).to(x.dtype), out_dtype=tl.float32), D)
+        y = scale_inv_sqrt(tl.dot(x, hadamard_signs(D).to(x.dtype), out_dtype=tl.float32), D)
     else:
         y = rotate_rows(x.to(tl.float32), BT, D, True)
     if FP8:
@@ -264,7 +239,7 @@ def _packed_chunk(
         else:
             col_h = _signed_sum(col_bits.to(tl.float16, bitcast=True).to(tl.float32), D)
             y = s_row[:, None] * acc + zp[:, None] * col_h[None, :]
-        y = _inv_sqrt(y, D)
+        y = scale_inv_sqrt(y, D)
     else:
         # Dequantize as the reference does, then rotate with the fp32-accurate product.
         s_col = _load_fp16(rec_ptr + COL_OFF, dim)
@@ -366,7 +341,7 @@ def _materialize_kernel(
                         signs_ptr,
                     )
                     tl.store(
-                        k_out_ptr + offs, _to_out(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
+                        k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
                 else:
                     y = _packed_chunk(
@@ -387,7 +362,7 @@ def _materialize_kernel(
                         signs_ptr,
                     )
                     tl.store(
-                        v_out_ptr + offs, _to_out(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
+                        v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
     elif (blk == n_full) & (rem > 0):
         pool_blk = tl.load(tail_ptr + req).to(tl.int64)
@@ -402,12 +377,12 @@ def _materialize_kernel(
                 if is_k:
                     y = _tail_rows(exact_k_ptr, k_scale_ptr, src, ok, D, BT, FP8, NATIVE_TAIL)
                     tl.store(
-                        k_out_ptr + offs, _to_out(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
+                        k_out_ptr + offs, cast_rne(y, k_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
                 else:
                     y = _tail_rows(exact_v_ptr, v_scale_ptr, src, ok, D, BT, FP8, NATIVE_TAIL)
                     tl.store(
-                        v_out_ptr + offs, _to_out(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
+                        v_out_ptr + offs, cast_rne(y, v_out_ptr.dtype.element_ty), mask=ok[:, None]
                     )
 
 

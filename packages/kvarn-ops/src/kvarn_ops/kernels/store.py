@@ -36,6 +36,7 @@ from kvarn_ops.kernels._common import (
     launch_or_op,
     rotate_rows,
     round_to_e4m3,
+    scale_inv_sqrt,
 )
 
 __all__ = ["store"]
@@ -127,18 +128,14 @@ def _store_one(
 ):
     d = tl.arange(0, D)
     src = tok[:, None] * src_stride + head * D + d[None, :]
-    # fp32(1/sqrt(D)), the constant the reference multiplies by (as rotate_rows).
-    if D == 64:
-        c = 0.125
-    else:
-        c = 0.08838834764831845
-    # FOLD: keep the native product's sums unscaled; the fp8 quotient takes c per row.
+    # FOLD: keep the native product's sums unscaled; the fp8 quotient takes fp32(1/sqrt(D))
+    # per row.
     FOLD: tl.constexpr = FP8 and NATIVE and QUOTIENT == 2
     if NATIVE:
         x16 = tl.load(src_ptr + src, mask=ok[:, None], other=0.0)
         y = tl.dot(x16, signs, out_dtype=tl.float32)
         if not FOLD:
-            y = y * c
+            y = scale_inv_sqrt(y, D)
     else:
         x = tl.load(src_ptr + src, mask=ok[:, None], other=0.0).to(tl.float32)
         y = rotate_rows(x, BLOCK_T, D, EXACT_TF32)
@@ -147,11 +144,12 @@ def _store_one(
     if FP8:
         amax = tl.max(tl.abs(y), axis=1)
         if FOLD:
-            amax = amax * c  # == max |fl(y c)|: rounding is monotone
+            amax = scale_inv_sqrt(amax, D)  # == max |fl(y c)|: rounding is monotone
         # amax / 448 (FP8_MAX, the largest e4m3 value), IEEE-rounded like torch.
         scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
         if FOLD:
-            q = y * tl.div_rn(tl.full(scale.shape, c, tl.float32), scale)[:, None]
+            c = scale_inv_sqrt(tl.full(scale.shape, 1.0, tl.float32), D)
+            q = y * tl.div_rn(c, scale)[:, None]
         elif QUOTIENT == 0:
             q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
         else:
