@@ -121,7 +121,8 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="default",
-        help="decode kernels, comma list: default (the Gluon kernel where it applies), triton",
+        help="decode kernels, comma list: default (the Gluon kernel where it applies: wgmma on "
+        "sm_90), mma (the mma.sync Gluon kernel), triton",
     )
     args = ap.parse_args()
     ops = set(args.ops.split(","))
@@ -157,7 +158,8 @@ def main() -> None:
             (64, 16, 16384, None),
         )
         for kern in args.kernels.split(",") if "decode" in ops else ():
-            mla_decode.MMA_KERNEL = kern == "default"
+            mla_decode.MMA_KERNEL = kern != "triton"
+            mla_decode.WGMMA_KERNEL = kern == "default"
             tag = ("" if kern == "default" else f" [{kern}]") + (" graph" if args.graph else "")
             for batch, heads, ctx, splits in full:
                 ms, nbytes = bench_decode(bits, batch, heads, ctx, splits, graph=args.graph)
@@ -165,7 +167,7 @@ def main() -> None:
                     splits or mla_decode.mla_decode_workspace(batch, heads, None, "cuda").num_splits
                 )
                 record("decode", f"k{bits} B={batch} H={heads} L={ctx} S={s_used}{tag}", ms, nbytes)
-        mla_decode.MMA_KERNEL = True
+        mla_decode.MMA_KERNEL = mla_decode.WGMMA_KERNEL = True
         for batch, heads in ((8, 16), (64, 16), (32, 128)) if "sparse" in ops else ():
             record(
                 "sparse",

@@ -229,7 +229,7 @@ DECODE_CASES = [
 #: 4-bit full-context cases run through both kernels: the Gluon one (default, checked to be
 #: the one chosen) and the Triton one
 DECODE_PARAMS = [(*c, "default") for c in DECODE_CASES] + [
-    (*c, "triton") for c in DECODE_CASES if c[0] == 4 and not c[4]
+    (*c, k) for c in DECODE_CASES if c[0] == 4 and not c[4] for k in ("mma", "triton")
 ]
 
 
@@ -237,8 +237,7 @@ DECODE_PARAMS = [(*c, "default") for c in DECODE_CASES] + [
 def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
     """Every case against the fp64 oracle; 4-bit full-context cases through the Gluon kernel
     (checked to be the one chosen) and, as ``triton``, through the Triton kernel too."""
-    if kernel == "triton":
-        monkeypatch.setattr(kdec, "MMA_KERNEL", False)
+    _pick_kernel(monkeypatch, kernel)
     layout, pool, packed, table, block_pool_map = _decode_cache(gen, bits, dtype, lens)
     b = len(lens)
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
@@ -260,15 +259,33 @@ def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
         else ref.mla_decode_workspace(b, heads, device=DEVICE)
     )
     mma = kdec._use_mma_kernel(bits, q, sparse)
-    assert mma == (kernel == "default" and bits == 4 and not sparse)
+    assert mma == (kernel != "triton" and bits == 4 and not sparse)
+    _check_wgmma_choice(q, bits, sparse, kernel)
     kdec.mla_decode(q, *args, out, ws, indices)
     oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
     ref.mla_decode(q, *args, oracle, None, indices)
     err = rel_err(out, oracle)
+    print(f"MLA decode error {err:.2e} (kernel {kernel})")
     assert err <= 2 * 2**-10 + 2**-8, f"MLA decode error {err:.2e}"
 
 
-@pytest.mark.parametrize("kernel", ["default", "triton"])
+def _pick_kernel(monkeypatch, kernel):
+    """``default``: the library's choice (the ``wgmma`` kernel on sm_90, the ``mma.sync`` one
+    on other sm_80+ GPUs, for 4-bit full context); ``mma``: the ``mma.sync`` Gluon kernel;
+    ``triton``: the Triton kernel."""
+    if kernel == "triton":
+        monkeypatch.setattr(kdec, "MMA_KERNEL", False)
+    if kernel == "mma":
+        monkeypatch.setattr(kdec, "WGMMA_KERNEL", False)
+
+
+def _check_wgmma_choice(q, bits, sparse, kernel):
+    hopper = torch.cuda.get_device_capability(q.device)[0] == 9
+    want = kernel == "default" and bits == 4 and not sparse and hopper
+    assert kdec._use_wgmma_kernel(bits, q, sparse) == want
+
+
+@pytest.mark.parametrize("kernel", ["default", "mma", "triton"])
 def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
     """4-bit full context over latent records whose zero-point term nearly cancels the code
     term (the CPU suite's ``make_ill_conditioned``): both kernels must keep ``q * cs / cmax``
@@ -282,8 +299,7 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import test_mla_ops as tm
 
-    if kernel == "triton":
-        monkeypatch.setattr(kdec, "MMA_KERNEL", False)
+    _pick_kernel(monkeypatch, kernel)
     lens = [3000, 8192 + 17, 640]
     layout, pool, packed, table, block_pool_map = _decode_cache(gen, 4, BF16, lens)
     host = packed.cpu()
@@ -297,7 +313,8 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
     args = (packed, table, seq, block_pool_map, *pool, layout, scale)
     out = poison_(torch.empty(b, heads, 512, dtype=BF16, device=DEVICE))
     ws = kdec.mla_decode_workspace(b, heads, device=DEVICE)
-    assert kdec._use_mma_kernel(4, q, False) == (kernel == "default")
+    assert kdec._use_mma_kernel(4, q, False) == (kernel != "triton")
+    _check_wgmma_choice(q, 4, False, kernel)
     kdec.mla_decode(q, *args, out, ws, None)
     oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
     ref.mla_decode(q, *args, oracle, None, None)

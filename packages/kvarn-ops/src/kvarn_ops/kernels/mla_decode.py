@@ -67,6 +67,7 @@ once and the ``B*H*512*4`` rotated query.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -77,6 +78,7 @@ from kvarn_ops.kernels._common import (
     cast_rne,
     check_device,
     cuda_feature,
+    device_capability,
     f16_parts,
     gluon_modules,
     launch_or_op,
@@ -130,6 +132,12 @@ MMA_KERNEL = True
 """Full-context decode of 4-bit codes on sm_80+ runs the Gluon kernel of
 ``mla_decode_mma.py`` (False, or ``KVARN_MLA_MMA=0`` in the environment: this file's Triton
 kernel for every case)."""
+WGMMA_KERNEL = True
+"""On sm_90 (Hopper), full-context decode of 4-bit codes runs the ``wgmma`` kernel of
+``mla_decode_wgmma.py`` (each tile unpacked once into shared memory) instead of the
+``mma.sync`` one (False, or ``KVARN_MLA_WGMMA=0``: the ``mma.sync`` kernel)."""
+WGMMA_QSPLIT = False
+"""The ``wgmma`` kernel's query latent as two fp16 operands (``hi + lo``) instead of one."""
 MMA_NBUF = 2
 """cp.async stages of the Gluon kernel (the current block and the next; 3 measured the same on
 the H200)."""
@@ -777,11 +785,28 @@ def _mma_module():
     return None if mods is None else mods[0]
 
 
+@functools.cache
+def _wgmma_module():
+    mods = gluon_modules("mla_decode_wgmma")
+    return None if mods is None else mods[0]
+
+
 def _use_mma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
+    """Whether a Gluon kernel (``wgmma`` or ``mma.sync``) serves this call."""
     if not MMA_KERNEL or sparse or not cuda_feature(q, "KVARN_MLA_MMA", (8, 0)):
         return False
     mod = _mma_module()
     return mod is not None and mod.mla_mma_supported(bits)
+
+
+def _use_wgmma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
+    """Whether the ``wgmma`` kernel serves this call: a Gluon call on an sm_90 device."""
+    if not WGMMA_KERNEL or not _use_mma_kernel(bits, q, sparse):
+        return False
+    if os.environ.get("KVARN_MLA_WGMMA") == "0" or device_capability(q.device.index)[0] != 9:
+        return False
+    mod = _wgmma_module()
+    return mod is not None and mod.mla_wgmma_supported(bits)
 
 
 @functools.cache
@@ -864,7 +889,34 @@ def _decode_op_impl(
     sparse = indices is not None
     idx = indices if sparse else seq_lens
     ns = live_splits(bsz, heads, s, q.device)
-    if _use_mma_kernel(offs["BITS"], q, sparse):
+    if _use_wgmma_kernel(offs["BITS"], q, sparse):
+        mma_offs = {k: v for k, v in offs.items() if k != "BITS"}
+        _wgmma_module().mla_wgmma_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
+            q,
+            ws_q_rot,
+            packed.view(torch.float16),
+            packed.view(torch.int32),
+            packed.view(torch.bfloat16),
+            block_pool_map,
+            pl,
+            ps,
+            pool_rope,
+            block_table,
+            seq_lens,
+            ws_part_out,
+            ws_part_lse,
+            heads,
+            s,
+            block_table.stride(0),
+            block_table.shape[1],
+            softmax_scale * 1.4426950408889634,
+            FP8=fp8,
+            MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
+            QSPLIT=WGMMA_QSPLIT,
+            num_warps=4,
+            **mma_offs,
+        )
+    elif _use_mma_kernel(offs["BITS"], q, sparse):
         mma_offs = {k: v for k, v in offs.items() if k != "BITS"}
         _mma_module().mla_mma_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
             q,

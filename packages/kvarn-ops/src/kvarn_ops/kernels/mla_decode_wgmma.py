@@ -1,0 +1,382 @@
+"""MLA decode main kernel for sm_90 (Gluon, ``wgmma``): each 4-bit latent tile is unpacked
+once into shared memory and both products read it from there, for full-context decode (no
+``indices``) of ``kvarn_mla_k4_g64``.
+
+The ``mma.sync`` kernel (``mla_decode_mma.py``) puts the 16 heads on the MMA's M axis, so the
+code tile is a B operand of both products, in two orientations: it is unpacked twice per block
+and every warp repeats the softmax (about 2,700 instructions per warp and block; latency
+bound at 17% of copy bandwidth on the H200). Here the tokens and the channels are the M axis:
+
+- the block's codes become the fp16 tile ``T[c, t] = fp16(2^-e (cs[c] code[c, t] + zp[c]))``
+  (one ``fma.rn.f16x2`` per two codes, one rounding; ``2^e`` a power of two per block that
+  puts the largest possible magnitude ``max_c 15 |cs[c]| + |zp[c]|`` in ``[2^14, 2^15)``, so
+  no record overflows or underflows fp16), stored once into shared memory ``[512, 64]``,
+  tokens contiguous, 128-byte swizzle;
+- scores ``S^T[64 tokens, 16 heads] = T^T @ q^T`` (``wgmma`` m64n16k16, ``T`` read transposed
+  from shared memory), times ``2^e rs[t]`` in fp32, plus the RoPE part ``rope @ q_rope^T``
+  (bf16 operands, the query's RoPE part as two bf16 terms);
+- one softmax step over the tokens (the M axis) for the 16 heads;
+- values ``O^T[512, 16] += T @ pw^T`` with ``pw = fp16(p rs / rmax)`` (``wgmma`` m64n16k16 x 8
+  along M), the running accumulator kept in units of ``rmax 2^e`` of the latest block (its
+  rescale folded into the softmax's).
+
+The latent tile ``cs * code + zp`` is rounded once per element to fp16 (relative 2^-11 of the
+latent itself, as a bf16 or fp16 latent cache would be): on records whose zero-point term nearly
+cancels the code term, the fused multiply-add cancels exactly before rounding, where the
+``mma.sync`` kernels need the query in two fp16 parts. The query latent is one fp16 operand
+(``QSPLIT``: two, ``hi + lo``).
+
+One program: one request, one split of its 64-token blocks, 16 heads, one warpgroup (four
+warps). Records are read into registers one block ahead (code words, channel vectors, row
+scales, RoPE rows). Blocks mapped to the exact pool (``block_pool_map``: the filling tail,
+sinks, rehydrated blocks) take the same path with the tile built from the pool rows (fp8 pools
+scaled per token through ``rs``). Partial rows and natural-log log-sum-exps go to the same
+workspace as the other kernels', merged by the Triton combine kernel.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from kvarn_ops.kernels.decode_mma import _joined, _stack4
+
+__all__ = ["MLA_WGMMA_BITS", "mla_wgmma_kernel", "mla_wgmma_supported"]
+
+MLA_WGMMA_BITS = 4
+
+_ACC: gl.constexpr = gl.NVMMADistributedLayout(
+    version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]
+)
+_TOK: gl.constexpr = gl.SliceLayout(1, _ACC)  # [64] tokens of S^T, or [512] channels of O^T
+_HEAD: gl.constexpr = gl.SliceLayout(0, _ACC)  # [16] heads
+_SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+# code words of a 128-channel chunk [128, 8]: one channel's 8 words (32 B) per thread
+_LW: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 8], threads_per_warp=[32, 1], warps_per_cta=[4, 1], order=[1, 0]
+)
+_CH: gl.constexpr = gl.SliceLayout(1, _LW)
+# [64, 64] RoPE rows and [128, 64] pool latents (16-byte runs), [16, 512] / [16, 64] queries
+_LR: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1], order=[1, 0]
+)
+_LQ: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
+)
+
+
+def mla_wgmma_supported(bits: int) -> bool:
+    """Whether a latent code width takes this kernel (full-context decode, sm_90 only)."""
+    return bits == MLA_WGMMA_BITS
+
+
+@gluon.jit
+def _dq_pair(w, cs2, zp2, BYTE: gl.constexpr):
+    """Tokens ``8 j + 2 BYTE`` and ``+ 1`` of words ``w`` [128, 8] as the fp16 pair
+    ``fma(code, cs, zp)`` [128, 8, 2]: ``prmt`` + ``lop3`` put the two nibbles into the
+    mantissas of 1024.0, ``sub.f16x2`` removes the 1024 (exact), ``fma.rn.f16x2`` scales."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    ab = _joined(w, w >> 4)
+    asm: gl.constexpr = (
+        f"{{ .reg .b32 t, o; prmt.b32 t, $1, $2, {SEL}; "
+        "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; mov.b32 o, 0x64006400; "
+        "sub.f16x2 t, t, o; fma.rn.f16x2 $0, t, $3, $4; }"
+    )
+    return gl.inline_asm_elementwise(
+        asm, "=r,r,r,r,r", [ab, cs2, zp2], dtype=gl.float16, is_pure=True, pack=2
+    )
+
+
+@gluon.jit
+def _chunk_tile(w, cs, zp):
+    """The fp16 tile rows [128 channels, 64 tokens] of one chunk's words ``w`` [128, 8] and
+    its (scaled) fp16 channel scales and zero points [128]."""
+    csb = gl.broadcast(gl.expand_dims(cs, 1), w)[0]
+    zpb = gl.broadcast(gl.expand_dims(zp, 1), w)[0]
+    cs2 = _joined(csb, csb)
+    zp2 = _joined(zpb, zpb)
+    x = _stack4(
+        _dq_pair(w, cs2, zp2, 0),
+        _dq_pair(w, cs2, zp2, 1),
+        _dq_pair(w, cs2, zp2, 2),
+        _dq_pair(w, cs2, zp2, 3),
+    )  # [128, 8 j, 2 h, 4 BYTE]: token 8 j + 2 BYTE + h
+    return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [128, 64])
+
+
+@gluon.jit
+def _load_words(rec32_ptr, blk, CQ: gl.constexpr, REC: gl.constexpr):
+    c = gl.arange(0, 128, layout=_CH)
+    j = gl.arange(0, 8, layout=gl.SliceLayout(0, _LW))
+    off = (128 * CQ + c)[:, None] * 8 + j[None, :]
+    return gl.load(rec32_ptr + blk * (REC // 4) + off)
+
+
+@gluon.jit
+def _load_chan(rec16_ptr, blk, OFF: gl.constexpr, CQ: gl.constexpr, REC: gl.constexpr):
+    c = gl.arange(0, 128, layout=_CH)
+    return gl.load(rec16_ptr + blk * (REC // 2) + OFF // 2 + 128 * CQ + c).to(gl.float32)
+
+
+@gluon.jit
+def _load_rope(base_ptr, valid):
+    """[64 tokens, 64 dims] bf16 rows at ``base_ptr`` (row stride 64; rows past ``valid``
+    read as 0)."""
+    t = gl.arange(0, 64, layout=gl.SliceLayout(1, _LR))
+    d = gl.arange(0, 64, layout=gl.SliceLayout(0, _LR))
+    return gl.load(base_ptr + t[:, None] * 64 + d[None, :], mask=(t < valid)[:, None], other=0.0)
+
+
+@gluon.jit
+def _chan_mag(cs, zp):
+    return gl.abs(cs) * 15.0 + gl.abs(zp)
+
+
+@gluon.jit
+def _pow2_scale(amax):
+    """``2^(14 - floor(log2 amax))`` (1 where ``amax`` is 0): the tile's factor."""
+    e = gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0)))
+    return gl.where(amax > 0.0, gl.exp2(14.0 - e), 1.0)
+
+
+@gluon.jit
+def _pool_chunk(pool_ptr, row0, valid, CQ: gl.constexpr):
+    """Pool latents [128 channels, 64 tokens] fp32 of chunk ``CQ`` (tokens past ``valid``: 0),
+    read along the rows' channels."""
+    t = gl.arange(0, 64, layout=gl.SliceLayout(1, _LR))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, _LR))
+    ptr = pool_ptr + (row0 + t)[:, None] * 512 + (128 * CQ + c)[None, :]
+    x = gl.load(ptr, mask=(t < valid)[:, None], other=0.0).to(gl.float32)
+    return gl.permute(x, (1, 0))
+
+
+@gluon.jit
+def _pool_amax(pool_ptr, row0, valid, CQ: gl.constexpr, amax):
+    return gl.maximum(amax, gl.max(gl.max(gl.abs(_pool_chunk(pool_ptr, row0, valid, CQ)), axis=1), axis=0))
+
+
+@gluon.jit
+def mla_wgmma_kernel(
+    q_ptr,
+    qrot_ptr,
+    rec16_ptr,
+    rec32_ptr,
+    recbf_ptr,
+    map_ptr,
+    pool_ptr,
+    pscale_ptr,
+    prope_ptr,
+    bt_ptr,
+    seq_ptr,
+    po_ptr,
+    plse_ptr,
+    H,
+    S,
+    bt_stride,
+    max_blocks,
+    qk_scale,
+    REC: gl.constexpr,
+    CS_OFF: gl.constexpr,
+    ZP_OFF: gl.constexpr,
+    RS_OFF: gl.constexpr,
+    ROPE_OFF: gl.constexpr,
+    FP8: gl.constexpr,
+    MIN_BLOCKS: gl.constexpr,
+    QSPLIT: gl.constexpr,
+):
+    """Grid ``(B, splits, ceil(H / 16))``, four warps (one warpgroup): split
+    ``program_id(1)`` of request ``program_id(0)``'s blocks for 16 heads; writes normalized
+    partial rows and natural-log log-sum-exps to the workspace of ``mla_decode``.
+    ``qk_scale`` is the softmax scale times log2(e)."""
+    b = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    num_splits = gl.num_programs(1)
+    h0 = gl.program_id(2) * 16
+    seq_len = gl.load(seq_ptr + b)
+    n_blk = gl.minimum((seq_len + 63) // 64, max_blocks)
+    per = gl.maximum((n_blk + num_splits - 1) // num_splits, MIN_BLOCKS)
+    lo = split * per
+    hi = gl.minimum(lo + per, n_blk)
+    hh = h0 + gl.arange(0, 16, layout=_HEAD)
+    hok = hh < H
+    qrow = b * H + gl.where(hok, hh, 0)
+    if lo >= hi:
+        # nothing to read: the combine skips this split's (unwritten) partial row
+        gl.store(plse_ptr + qrow * S + split, gl.full([16], float("-inf"), gl.float32, _HEAD),
+                 mask=hok)  # fmt: skip
+        return
+    bt_row = bt_ptr + b * bt_stride
+
+    # queries -> shared memory: the latent part as fp16 (times the softmax scale), the RoPE
+    # part as two bf16 terms
+    tile = gl.allocate_shared_memory(gl.float16, [512, 64], _SW)
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], _SW)
+    ps = gl.allocate_shared_memory(gl.float16, [16, 64], _SW)
+    qs = gl.allocate_shared_memory(gl.float16, [16, 512], _SW)
+    qs_lo = gl.allocate_shared_memory(gl.float16, [16, 512], _SW)
+    qr_hi = gl.allocate_shared_memory(gl.bfloat16, [16, 64], _SW)
+    qr_lo = gl.allocate_shared_memory(gl.bfloat16, [16, 64], _SW)
+    qh = h0 + gl.arange(0, 16, layout=gl.SliceLayout(1, _LQ))
+    qd = gl.arange(0, 512, layout=gl.SliceLayout(0, _LQ))
+    qok = (qh < H)[:, None]
+    qr = (b * H + qh).to(gl.int64)
+    x = gl.load(qrot_ptr + qr[:, None] * 512 + qd[None, :], mask=qok, other=0.0) * qk_scale
+    xh = x.to(gl.float16)
+    qs.store(xh)
+    if QSPLIT:
+        qs_lo.store((x - xh.to(gl.float32)).to(gl.float16))
+    qd64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _LQ))
+    x = gl.load(q_ptr + qr[:, None] * 576 + 512 + qd64[None, :], mask=qok, other=0.0)
+    x = x.to(gl.float32) * qk_scale
+    xh = x.to(gl.bfloat16)
+    qr_hi.store(xh)
+    qr_lo.store((x - xh.to(gl.float32)).to(gl.bfloat16))
+
+    t64 = gl.arange(0, 64, layout=_TOK)
+    m = gl.full([16], -1.0e30, gl.float32, _HEAD)
+    l = gl.full([16], 0.0, gl.float32, _HEAD)
+    f_run = qk_scale * 0.0 + 1.0
+    o = warpgroup_mma_init(gl.full([512, 16], 0.0, gl.float32, _ACC))
+    zs = gl.full([64, 16], 0.0, gl.float32, _ACC)
+
+    # block lo's record in registers
+    blk = gl.load(bt_row + lo).to(gl.int64)
+    w0 = _load_words(rec32_ptr, blk, 0, REC)
+    w1 = _load_words(rec32_ptr, blk, 1, REC)
+    w2 = _load_words(rec32_ptr, blk, 2, REC)
+    w3 = _load_words(rec32_ptr, blk, 3, REC)
+    c0 = _load_chan(rec16_ptr, blk, CS_OFF, 0, REC)
+    c1 = _load_chan(rec16_ptr, blk, CS_OFF, 1, REC)
+    c2 = _load_chan(rec16_ptr, blk, CS_OFF, 2, REC)
+    c3 = _load_chan(rec16_ptr, blk, CS_OFF, 3, REC)
+    z0 = _load_chan(rec16_ptr, blk, ZP_OFF, 0, REC)
+    z1 = _load_chan(rec16_ptr, blk, ZP_OFF, 1, REC)
+    z2 = _load_chan(rec16_ptr, blk, ZP_OFF, 2, REC)
+    z3 = _load_chan(rec16_ptr, blk, ZP_OFF, 3, REC)
+    rope = _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64)
+    rs = gl.load(rec16_ptr + blk * (REC // 2) + RS_OFF // 2 + t64).to(gl.float32)
+    pb = gl.load(map_ptr + blk)
+    for u in range(lo, hi):
+        valid = gl.minimum(seq_len - u * 64, 64)
+        # the previous block's value product has read the tile and the weights
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        gl.thread_barrier()
+        if pb < 0:
+            amax = gl.max(
+                gl.maximum(
+                    gl.maximum(_chan_mag(c0, z0), _chan_mag(c1, z1)),
+                    gl.maximum(_chan_mag(c2, z2), _chan_mag(c3, z3)),
+                ),
+                axis=0,
+            )
+            inv = _pow2_scale(amax)
+            tile.slice(0, 128, dim=0).store(
+                _chunk_tile(w0, (c0 * inv).to(gl.float16), (z0 * inv).to(gl.float16))
+            )
+            tile.slice(128, 128, dim=0).store(
+                _chunk_tile(w1, (c1 * inv).to(gl.float16), (z1 * inv).to(gl.float16))
+            )
+            tile.slice(256, 128, dim=0).store(
+                _chunk_tile(w2, (c2 * inv).to(gl.float16), (z2 * inv).to(gl.float16))
+            )
+            tile.slice(384, 128, dim=0).store(
+                _chunk_tile(w3, (c3 * inv).to(gl.float16), (z3 * inv).to(gl.float16))
+            )
+            rope_s.store(rope)
+            rw = rs
+        else:
+            # a block in the exact pool: the tile from its rows
+            row0 = pb.to(gl.int64) * 64
+            amax = _pool_amax(pool_ptr, row0, valid, 0, 0.0)
+            amax = _pool_amax(pool_ptr, row0, valid, 1, amax)
+            amax = _pool_amax(pool_ptr, row0, valid, 2, amax)
+            amax = _pool_amax(pool_ptr, row0, valid, 3, amax)
+            inv = _pow2_scale(amax)
+            tile.slice(0, 128, dim=0).store(
+                (_pool_chunk(pool_ptr, row0, valid, 0) * inv).to(gl.float16)
+            )
+            tile.slice(128, 128, dim=0).store(
+                (_pool_chunk(pool_ptr, row0, valid, 1) * inv).to(gl.float16)
+            )
+            tile.slice(256, 128, dim=0).store(
+                (_pool_chunk(pool_ptr, row0, valid, 2) * inv).to(gl.float16)
+            )
+            tile.slice(384, 128, dim=0).store(
+                (_pool_chunk(pool_ptr, row0, valid, 3) * inv).to(gl.float16)
+            )
+            rope_s.store(_load_rope(prope_ptr + row0 * 64, valid))
+            if FP8:
+                rw = gl.load(pscale_ptr + row0 + t64, mask=t64 < valid, other=0.0)
+            else:
+                rw = gl.full([64], 1.0, gl.float32, _TOK)
+        # the next block's record (this one's registers are free now), read during the products
+        nb = gl.load(bt_row + gl.minimum(u + 1, hi - 1)).to(gl.int64)
+        nw0 = _load_words(rec32_ptr, nb, 0, REC)
+        nw1 = _load_words(rec32_ptr, nb, 1, REC)
+        nw2 = _load_words(rec32_ptr, nb, 2, REC)
+        nw3 = _load_words(rec32_ptr, nb, 3, REC)
+        nc0 = _load_chan(rec16_ptr, nb, CS_OFF, 0, REC)
+        nc1 = _load_chan(rec16_ptr, nb, CS_OFF, 1, REC)
+        nc2 = _load_chan(rec16_ptr, nb, CS_OFF, 2, REC)
+        nc3 = _load_chan(rec16_ptr, nb, CS_OFF, 3, REC)
+        nz0 = _load_chan(rec16_ptr, nb, ZP_OFF, 0, REC)
+        nz1 = _load_chan(rec16_ptr, nb, ZP_OFF, 1, REC)
+        nz2 = _load_chan(rec16_ptr, nb, ZP_OFF, 2, REC)
+        nz3 = _load_chan(rec16_ptr, nb, ZP_OFF, 3, REC)
+        nrope = _load_rope(recbf_ptr + nb * (REC // 2) + ROPE_OFF // 2, 64)
+        nrs = gl.load(rec16_ptr + nb * (REC // 2) + RS_OFF // 2 + t64).to(gl.float32)
+        npb = gl.load(map_ptr + nb)
+
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # scores S^T [64 tokens, 16 heads], base-2 logits
+        s = warpgroup_mma(tile.permute((1, 0)), qs.permute((1, 0)), zs, use_acc=False,
+                          is_async=True)  # fmt: skip
+        if QSPLIT:
+            s = warpgroup_mma(tile.permute((1, 0)), qs_lo.permute((1, 0)), s, is_async=True)
+        sr = warpgroup_mma(rope_s, qr_hi.permute((1, 0)), zs, use_acc=False, is_async=True)
+        sr = warpgroup_mma(rope_s, qr_lo.permute((1, 0)), sr, is_async=True)
+        s, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s, sr))
+        e2 = 1.0 / inv
+        okt = t64 < valid
+        rw = gl.where(okt, rw, 0.0)
+        sc = s * gl.expand_dims(rw * e2, 1) + sr
+        sc = gl.where(gl.expand_dims(okt, 1), sc, float("-inf"))
+        m_new = gl.maximum(m, gl.max(sc, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(sc - gl.expand_dims(m_new, 0))
+        l = l * alpha + gl.sum(p, axis=0)
+        m = m_new
+        rmax = gl.max(rw, axis=0)
+        rmax = gl.where(rmax > 0.0, rmax, 1.0)
+        pw = (p * gl.expand_dims(rw / rmax, 1)).to(gl.float16)
+        ps.store(gl.permute(pw, (1, 0)))
+        f_new = rmax * e2
+        o = o * gl.expand_dims(alpha * (f_run / f_new), 0)
+        f_run = f_new
+        fence_async_shared()
+        gl.thread_barrier()
+        o = warpgroup_mma(tile, ps.permute((1, 0)), o, is_async=True)
+
+        w0, w1, w2, w3 = nw0, nw1, nw2, nw3
+        c0, c1, c2, c3 = nc0, nc1, nc2, nc3
+        z0, z1, z2, z3 = nz0, nz1, nz2, nz3
+        rope = nrope
+        rs = nrs
+        pb = npb
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+
+    seen = l > 0.0
+    scale = gl.where(seen, f_run / gl.where(seen, l, 1.0), 0.0)
+    lse = gl.where(seen, (m + gl.log2(gl.where(seen, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    gl.store(plse_ptr + qrow * S + split, lse, mask=hok)
+    ch = gl.arange(0, 512, layout=_TOK)
+    ptr = po_ptr + gl.expand_dims((qrow * S + split) * 512, 0) + gl.expand_dims(ch, 1)
+    gl.store(ptr, o * gl.expand_dims(scale, 0), mask=gl.expand_dims(hok, 0))
