@@ -398,17 +398,23 @@ def test_mma_decode_transposed_compiles(target, case):
 MLA_MMA_SPILL = {(90, "bf16"): 192, (90, "fp8"): 192, (120, "bf16"): 448, (120, "fp8"): 448}
 
 
-def _mla_mma_source(pool: str, nbuf: int):
+def _mla_mma_source(pool: str, nbuf: int | None):
+    """The Gluon MLA decode kernel's source: ``mla_decode_mma`` with ``nbuf`` stages, or
+    ``mla_decode_wgmma`` with ``nbuf=None``."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     import kvarn_formats as kf
-    from kvarn_ops.kernels import mla_decode_mma
+    from kvarn_ops.kernels import mla_decode_mma, mla_decode_wgmma
     from kvarn_ops.kernels.mla_common import field_offsets
 
-    kern = mla_decode_mma.mla_mma_kernel
     offs = field_offsets(kf.mla_layout("kvarn_mla_k4_g64"))
     offs.pop("BITS")
-    consts = dict(offs, FP8=pool == "fp8", MIN_BLOCKS=2, NBUF=nbuf)
+    consts = dict(offs, FP8=pool == "fp8", MIN_BLOCKS=2)
+    if nbuf is None:
+        kern = mla_decode_wgmma.mla_wgmma_kernel
+    else:
+        kern = mla_decode_mma.mla_mma_kernel
+        consts["NBUF"] = nbuf
     types = {
         "q_ptr": "*bf16",
         "qrot_ptr": "*fp32",
@@ -462,3 +468,43 @@ def test_mla_mma_decode_compiles(target, pool):
     # the only shared-memory stores: the partial scores summed over the warps, in each loop
     assert ptx.count("st.shared") <= 2 * 64 + 8
     assert ptx.count("cp.async") >= 3
+
+
+# --------------------------------------------------------------------------------------------
+# the sm_90 MLA decode kernel (mla_decode_wgmma.py): wgmma exists on sm_90a only
+# --------------------------------------------------------------------------------------------
+MLA_WGMMA_SPILL = 384
+"""Spill frame allowed (bytes; 344 measured offline for both pools: 64-bit load addresses
+kept across the loop)."""
+
+
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+def test_mla_wgmma_decode_compiles(pool):
+    """Each block's codes are unpacked once (one ``fma.rn.f16x2`` per two codes) into one
+    shared-memory tile that both products read with ``wgmma`` (the tile transposed for the
+    scores), and the launcher sends only sm_90 devices there."""
+    from kvarn_ops.kernels import mla_decode, mla_decode_wgmma
+
+    src = _mla_mma_source(pool, None)
+    nw = mla_decode_wgmma.NUM_WARPS
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    print(f"mla wgmma {pool} sm90: {regs} registers, {frame} B spill frame")
+    assert regs <= 255 and frame <= MLA_WGMMA_SPILL
+    # the fp16 tile [512, 64] (64 KB), the query latent (16 KB), RoPE rows (8 KB), the
+    # weights and the query's two RoPE terms; two programs fit an SM
+    assert 96 * 1024 <= k.metadata.shared <= 227 * 1024 // 2
+    # scores: 32 K steps over the tile (transposed A) + 2 x 4 RoPE; values: 8 M tiles x 4 K
+    # steps, all m64n16k16 from shared-memory descriptors
+    wg = [x for x in ptx.splitlines() if "wgmma.mma_async" in x]
+    assert len(wg) == 32 + 8 + 32
+    assert all("m64n16k16.f32" in x for x in wg)
+    # one unpack per block: 4 chunks x 8 words x 4 code pairs per thread
+    assert ptx.count("fma.rn.f16x2") == 128
+    assert ptx.count("prmt.b32") == 128
+    # the launcher: sm_90 only (the Gluon mma.sync kernel elsewhere), not on the CPU
+    import torch
+
+    assert not mla_decode._use_wgmma_kernel(4, torch.zeros(1), False)
+    assert mla_decode_wgmma.mla_wgmma_supported(4) and not mla_decode_wgmma.mla_wgmma_supported(5)

@@ -136,8 +136,6 @@ WGMMA_KERNEL = True
 """On sm_90 (Hopper), full-context decode of 4-bit codes runs the ``wgmma`` kernel of
 ``mla_decode_wgmma.py`` (each tile unpacked once into shared memory) instead of the
 ``mma.sync`` one (False, or ``KVARN_MLA_WGMMA=0``: the ``mma.sync`` kernel)."""
-WGMMA_QSPLIT = False
-"""The ``wgmma`` kernel's query latent as two fp16 operands (``hi + lo``) instead of one."""
 MMA_NBUF = 2
 """cp.async stages of the Gluon kernel (the current block and the next; 3 measured the same on
 the H200)."""
@@ -912,8 +910,7 @@ def _decode_op_impl(
             softmax_scale * 1.4426950408889634,
             FP8=fp8,
             MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
-            QSPLIT=WGMMA_QSPLIT,
-            num_warps=4,
+            num_warps=_wgmma_module().NUM_WARPS,
             **mma_offs,
         )
     elif _use_mma_kernel(offs["BITS"], q, sparse):

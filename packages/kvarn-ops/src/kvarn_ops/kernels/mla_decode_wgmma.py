@@ -23,8 +23,7 @@ bound at 17% of copy bandwidth on the H200). Here the tokens and the channels ar
 The latent tile ``cs * code + zp`` is rounded once per element to fp16 (relative 2^-11 of the
 latent itself, as a bf16 or fp16 latent cache would be): on records whose zero-point term nearly
 cancels the code term, the fused multiply-add cancels exactly before rounding, where the
-``mma.sync`` kernels need the query in two fp16 parts. The query latent is one fp16 operand
-(``QSPLIT``: two, ``hi + lo``).
+``mma.sync`` kernels need the query in two fp16 parts. The query latent is one fp16 operand.
 
 One program: one request, one split of its 64-token blocks, 16 heads, one warpgroup (four
 warps). Records are read into registers one block ahead (code words, channel vectors, row
@@ -69,6 +68,7 @@ _LR: gl.constexpr = gl.BlockedLayout(
 _LQ: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
 )
+NUM_WARPS = 4
 
 
 def mla_wgmma_supported(bits: int) -> bool:
@@ -158,7 +158,9 @@ def _pool_chunk(pool_ptr, row0, valid, CQ: gl.constexpr):
 
 @gluon.jit
 def _pool_amax(pool_ptr, row0, valid, CQ: gl.constexpr, amax):
-    return gl.maximum(amax, gl.max(gl.max(gl.abs(_pool_chunk(pool_ptr, row0, valid, CQ)), axis=1), axis=0))
+    return gl.maximum(
+        amax, gl.max(gl.max(gl.abs(_pool_chunk(pool_ptr, row0, valid, CQ)), axis=1), axis=0)
+    )
 
 
 @gluon.jit
@@ -188,7 +190,6 @@ def mla_wgmma_kernel(
     ROPE_OFF: gl.constexpr,
     FP8: gl.constexpr,
     MIN_BLOCKS: gl.constexpr,
-    QSPLIT: gl.constexpr,
 ):
     """Grid ``(B, splits, ceil(H / 16))``, four warps (one warpgroup): split
     ``program_id(1)`` of request ``program_id(0)``'s blocks for 16 heads; writes normalized
@@ -219,7 +220,6 @@ def mla_wgmma_kernel(
     rope_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], _SW)
     ps = gl.allocate_shared_memory(gl.float16, [16, 64], _SW)
     qs = gl.allocate_shared_memory(gl.float16, [16, 512], _SW)
-    qs_lo = gl.allocate_shared_memory(gl.float16, [16, 512], _SW)
     qr_hi = gl.allocate_shared_memory(gl.bfloat16, [16, 64], _SW)
     qr_lo = gl.allocate_shared_memory(gl.bfloat16, [16, 64], _SW)
     qh = h0 + gl.arange(0, 16, layout=gl.SliceLayout(1, _LQ))
@@ -229,8 +229,6 @@ def mla_wgmma_kernel(
     x = gl.load(qrot_ptr + qr[:, None] * 512 + qd[None, :], mask=qok, other=0.0) * qk_scale
     xh = x.to(gl.float16)
     qs.store(xh)
-    if QSPLIT:
-        qs_lo.store((x - xh.to(gl.float32)).to(gl.float16))
     qd64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _LQ))
     x = gl.load(q_ptr + qr[:, None] * 576 + 512 + qd64[None, :], mask=qok, other=0.0)
     x = x.to(gl.float32) * qk_scale
@@ -339,8 +337,6 @@ def mla_wgmma_kernel(
         # scores S^T [64 tokens, 16 heads], base-2 logits
         s = warpgroup_mma(tile.permute((1, 0)), qs.permute((1, 0)), zs, use_acc=False,
                           is_async=True)  # fmt: skip
-        if QSPLIT:
-            s = warpgroup_mma(tile.permute((1, 0)), qs_lo.permute((1, 0)), s, is_async=True)
         sr = warpgroup_mma(rope_s, qr_hi.permute((1, 0)), zs, use_acc=False, is_async=True)
         sr = warpgroup_mma(rope_s, qr_lo.permute((1, 0)), sr, is_async=True)
         s, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s, sr))
