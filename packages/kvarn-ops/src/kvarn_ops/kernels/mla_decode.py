@@ -890,9 +890,10 @@ def _decode_op_impl(
     sparse = indices is not None
     idx = indices if sparse else seq_lens
     ns = live_splits(bsz, heads, s, q.device)
-    if _use_wgmma_kernel(offs["BITS"], q, sparse):
-        mma_offs = {k: v for k, v in offs.items() if k != "BITS"}
-        _wgmma_module().mla_wgmma_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
+    wgmma = _use_wgmma_kernel(offs["BITS"], q, sparse)
+    if wgmma or _use_mma_kernel(offs["BITS"], q, sparse):
+        # the Gluon kernels: one argument list, their own launch options
+        gluon_args = (
             q,
             ws_q_rot,
             packed.view(torch.float16),
@@ -911,39 +912,18 @@ def _decode_op_impl(
             block_table.stride(0),
             block_table.shape[1],
             softmax_scale * 1.4426950408889634,
-            FP8=fp8,
-            MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
-            num_warps=_wgmma_module().NUM_WARPS,
-            **mma_offs,
         )
-    elif _use_mma_kernel(offs["BITS"], q, sparse):
-        mma_offs = {k: v for k, v in offs.items() if k != "BITS"}
-        _mma_module().mla_mma_kernel[(bsz, ns, triton.cdiv(heads, BLOCK_H))](
-            q,
-            ws_q_rot,
-            packed.view(torch.float16),
-            packed.view(torch.int32),
-            packed.view(torch.bfloat16),
-            block_pool_map,
-            pl,
-            ps,
-            pool_rope,
-            block_table,
-            seq_lens,
-            ws_part_out,
-            ws_part_lse,
-            heads,
-            s,
-            block_table.stride(0),
-            block_table.shape[1],
-            softmax_scale * 1.4426950408889634,
-            FP8=fp8,
-            MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT,
-            NBUF=MMA_NBUF,
-            num_warps=4,
-            **mma_offs,
-            **({} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}),
-        )
+        consts = {k: v for k, v in offs.items() if k != "BITS"}
+        consts.update(FP8=fp8, MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT)
+        grid = (bsz, ns, triton.cdiv(heads, BLOCK_H))
+        if wgmma:
+            mod = _wgmma_module()
+            mod.mla_wgmma_kernel[grid](*gluon_args, num_warps=mod.NUM_WARPS, **consts)
+        else:
+            opts = {} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}
+            _mma_module().mla_mma_kernel[grid](
+                *gluon_args, NBUF=MMA_NBUF, num_warps=4, **consts, **opts
+            )
     else:
         grid = (bsz, ns, triton.cdiv(heads, BLOCK_H))
         many = not sparse and grid[0] * grid[1] * grid[2] > _sm_count(q.device)

@@ -141,6 +141,32 @@ def _load_rope(base_ptr, valid):
 
 
 @gluon.jit
+def _load_record(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.constexpr,
+                 CS_OFF: gl.constexpr, ZP_OFF: gl.constexpr, RS_OFF: gl.constexpr,
+                 ROPE_OFF: gl.constexpr):  # fmt: skip
+    """Block ``blk``'s record in registers: code words and channel scales and zero points of
+    the four chunks, RoPE rows, row scales, and its pool-map entry."""
+    r16 = rec16_ptr + blk * (REC // 2)
+    return (
+        _load_words(rec32_ptr, blk, 0, REC),
+        _load_words(rec32_ptr, blk, 1, REC),
+        _load_words(rec32_ptr, blk, 2, REC),
+        _load_words(rec32_ptr, blk, 3, REC),
+        _load_chan(rec16_ptr, blk, CS_OFF, 0, REC),
+        _load_chan(rec16_ptr, blk, CS_OFF, 1, REC),
+        _load_chan(rec16_ptr, blk, CS_OFF, 2, REC),
+        _load_chan(rec16_ptr, blk, CS_OFF, 3, REC),
+        _load_chan(rec16_ptr, blk, ZP_OFF, 0, REC),
+        _load_chan(rec16_ptr, blk, ZP_OFF, 1, REC),
+        _load_chan(rec16_ptr, blk, ZP_OFF, 2, REC),
+        _load_chan(rec16_ptr, blk, ZP_OFF, 3, REC),
+        _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64),
+        gl.load(r16 + RS_OFF // 2 + t64).to(gl.float32),
+        gl.load(map_ptr + blk),
+    )
+
+
+@gluon.jit
 def _chan_mag(cs, zp):
     return gl.abs(cs) * 15.0 + gl.abs(zp)
 
@@ -251,22 +277,10 @@ def mla_wgmma_kernel(
     zs = gl.full([64, 16], 0.0, gl.float32, _ACC)
 
     # block lo's record in registers
-    blk = gl.load(bt_row + lo).to(gl.int64)
-    w0 = _load_words(rec32_ptr, blk, 0, REC)
-    w1 = _load_words(rec32_ptr, blk, 1, REC)
-    w2 = _load_words(rec32_ptr, blk, 2, REC)
-    w3 = _load_words(rec32_ptr, blk, 3, REC)
-    c0 = _load_chan(rec16_ptr, blk, CS_OFF, 0, REC)
-    c1 = _load_chan(rec16_ptr, blk, CS_OFF, 1, REC)
-    c2 = _load_chan(rec16_ptr, blk, CS_OFF, 2, REC)
-    c3 = _load_chan(rec16_ptr, blk, CS_OFF, 3, REC)
-    z0 = _load_chan(rec16_ptr, blk, ZP_OFF, 0, REC)
-    z1 = _load_chan(rec16_ptr, blk, ZP_OFF, 1, REC)
-    z2 = _load_chan(rec16_ptr, blk, ZP_OFF, 2, REC)
-    z3 = _load_chan(rec16_ptr, blk, ZP_OFF, 3, REC)
-    rope = _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64)
-    rs = gl.load(rec16_ptr + blk * (REC // 2) + RS_OFF // 2 + t64).to(gl.float32)
-    pb = gl.load(map_ptr + blk)
+    w0, w1, w2, w3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, pb = _load_record(
+        rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, gl.load(bt_row + lo).to(gl.int64), t64,
+        REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF,
+    )  # fmt: skip
     for u in range(lo, hi):
         valid = gl.minimum(seq_len - u * 64, 64)
         # the previous block's value product has read the tile and the weights
@@ -322,21 +336,10 @@ def mla_wgmma_kernel(
                 rw = gl.full([64], 1.0, gl.float32, _TOK)
         # the next block's record (this one's registers are free now), read during the products
         nb = gl.load(bt_row + gl.minimum(u + 1, hi - 1)).to(gl.int64)
-        nw0 = _load_words(rec32_ptr, nb, 0, REC)
-        nw1 = _load_words(rec32_ptr, nb, 1, REC)
-        nw2 = _load_words(rec32_ptr, nb, 2, REC)
-        nw3 = _load_words(rec32_ptr, nb, 3, REC)
-        nc0 = _load_chan(rec16_ptr, nb, CS_OFF, 0, REC)
-        nc1 = _load_chan(rec16_ptr, nb, CS_OFF, 1, REC)
-        nc2 = _load_chan(rec16_ptr, nb, CS_OFF, 2, REC)
-        nc3 = _load_chan(rec16_ptr, nb, CS_OFF, 3, REC)
-        nz0 = _load_chan(rec16_ptr, nb, ZP_OFF, 0, REC)
-        nz1 = _load_chan(rec16_ptr, nb, ZP_OFF, 1, REC)
-        nz2 = _load_chan(rec16_ptr, nb, ZP_OFF, 2, REC)
-        nz3 = _load_chan(rec16_ptr, nb, ZP_OFF, 3, REC)
-        nrope = _load_rope(recbf_ptr + nb * (REC // 2) + ROPE_OFF // 2, 64)
-        nrs = gl.load(rec16_ptr + nb * (REC // 2) + RS_OFF // 2 + t64).to(gl.float32)
-        npb = gl.load(map_ptr + nb)
+        w0, w1, w2, w3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, pb = _load_record(
+            rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, nb, t64,
+            REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF,
+        )  # fmt: skip
 
         fence_async_shared()
         gl.thread_barrier()
@@ -368,12 +371,6 @@ def mla_wgmma_kernel(
         gl.thread_barrier()
         o = warpgroup_mma(tile, ps.permute((1, 0)), o, is_async=True)
 
-        w0, w1, w2, w3 = nw0, nw1, nw2, nw3
-        c0, c1, c2, c3 = nc0, nc1, nc2, nc3
-        z0, z1, z2, z3 = nz0, nz1, nz2, nz3
-        rope = nrope
-        rs = nrs
-        pb = npb
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
 
     seen = l > 0.0
