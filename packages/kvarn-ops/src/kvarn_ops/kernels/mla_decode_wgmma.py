@@ -32,12 +32,14 @@ sinks, rehydrated blocks) take the same path with the tile built from the pool r
 scaled per token through ``rs``). Partial rows and natural-log log-sum-exps go to the same
 workspace as the other kernels', merged by the Triton combine kernel.
 
-Speed (H200, CUDA-graph replay, 16 heads unless said; BENCHMARKS.md): batch 64 at 16K 0.392 ms
-(26.7% of copy bandwidth; the ``mma.sync`` kernel 0.603 ms), batch 8 at 32K 0.122 ms, 32
-requests x 128 heads at 8K 0.684 ms (1.150). 255 registers (344 B of spill frame: load
-addresses), 96 KB of shared memory, two programs per SM; neither eight warps per program nor an
-L2 prefetch of the record two blocks ahead made it faster, so the block's serial chain
-(unpack, scores, softmax, values, each behind a barrier) is what bounds it.
+Speed (H200, CUDA-graph replay, 16 heads unless said; BENCHMARKS.md): batch 64 at 16K 0.362 ms
+(28.6% of copy bandwidth; the ``mma.sync`` kernel 0.603 ms), batch 8 at 32K 0.113 ms, 32
+requests x 128 heads at 8K 0.652 ms (1.150). 255 registers (216 B of spill frame: load
+addresses), 96 KB of shared memory, two programs per SM. The score product runs as two
+independent ``wgmma`` chains (channel halves; one chain of 32 was 7% slower); neither eight
+warps per program nor an L2 prefetch of the record two blocks ahead made it faster, so the
+block's serial chain (unpack, scores, softmax, values, each behind a barrier) is what bounds
+it.
 """
 
 from __future__ import annotations
@@ -345,11 +347,17 @@ def mla_wgmma_kernel(
         gl.thread_barrier()
 
         # scores S^T [64 tokens, 16 heads], base-2 logits
-        s = warpgroup_mma(tile.permute((1, 0)), qs.permute((1, 0)), zs, use_acc=False,
-                          is_async=True)  # fmt: skip
+        # (the latent part as two independent chains over the channel halves)
+        sa = warpgroup_mma(tile.slice(0, 256, dim=0).permute((1, 0)),
+                           qs.slice(0, 256, dim=1).permute((1, 0)), zs, use_acc=False,
+                           is_async=True)  # fmt: skip
+        sb = warpgroup_mma(tile.slice(256, 256, dim=0).permute((1, 0)),
+                           qs.slice(256, 256, dim=1).permute((1, 0)), zs, use_acc=False,
+                           is_async=True)  # fmt: skip
         sr = warpgroup_mma(rope_s, qr_hi.permute((1, 0)), zs, use_acc=False, is_async=True)
         sr = warpgroup_mma(rope_s, qr_lo.permute((1, 0)), sr, is_async=True)
-        s, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s, sr))
+        sa, sb, sr = warpgroup_mma_wait(num_outstanding=0, deps=(sa, sb, sr))
+        s = sa + sb
         e2 = 1.0 / inv
         okt = t64 < valid
         rw = gl.where(okt, rw, 0.0)
