@@ -48,9 +48,12 @@ OPS = {
     "materialize_tails": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128: tails"),
     "flush": ("_flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool"),
     "mla_decode_b64": ("_mla_decode_kernel", "k4, B=64, 16 heads, 16K"),
-    # the Gluon MLA decode kernel (mla_decode_mma.py)
+    # the Gluon mma.sync MLA decode kernel (mla_decode_mma.py)
     "mla_mma_b64": ("mla_mma_kernel", "k4, B=64, 16 heads, 16K, 128 splits"),
     "mla_mma_b1": ("mla_mma_kernel", "k4, B=1, 16 heads, 32K, 128 splits"),
+    # the Gluon wgmma MLA decode kernel (mla_decode_wgmma.py, sm_90)
+    "mla_wgmma_b64": ("mla_wgmma_kernel", "k4, B=64, 16 heads, 16K, default splits"),
+    "mla_wgmma_b8": ("mla_wgmma_kernel", "k4, B=8, 16 heads, 32K, default splits"),
     "mla_stage": ("_mla_gather_kernel", "k4, 65,536 random tokens"),
 }
 
@@ -126,10 +129,13 @@ def run(op: str) -> None:
     elif op == "mla_decode_b64":
         bench_mla.mla_decode.MMA_KERNEL = False  # the Triton kernel
         bench_mla.bench_decode(4, 64, 16, 16384, 128)
-    elif op == "mla_mma_b64":
-        bench_mla.bench_decode(4, 64, 16, 16384, 128)
-    elif op == "mla_mma_b1":
-        bench_mla.bench_decode(4, 1, 16, 32768, 128)
+    elif op.startswith("mla_mma_"):
+        os.environ["KVARN_MLA_WGMMA"] = "0"  # the mma.sync kernel on sm_90 too
+        b, ctx = {"b64": (64, 16384), "b1": (1, 32768)}[op.rsplit("_", 1)[1]]
+        bench_mla.bench_decode(4, b, 16, ctx, 128)
+    elif op.startswith("mla_wgmma_"):
+        b, ctx = {"b64": (64, 16384), "b8": (8, 32768)}[op.rsplit("_", 1)[1]]
+        bench_mla.bench_decode(4, b, 16, ctx, None)  # the workspace's own split count
     elif op == "mla_stage":
         bench_kernels.bench_mla_gather(4, 65536, 8192, True, "random")
     else:

@@ -473,9 +473,11 @@ def test_mla_mma_decode_compiles(target, pool):
 # --------------------------------------------------------------------------------------------
 # the sm_90 MLA decode kernel (mla_decode_wgmma.py): wgmma exists on sm_90a only
 # --------------------------------------------------------------------------------------------
-MLA_WGMMA_SPILL = 256
-"""Spill frame allowed (bytes; 216 measured offline for both pools: 64-bit load addresses
-kept across the loop)."""
+MLA_WGMMA_SPILL = 64
+"""Spill frame allowed (bytes; 32 / 40 measured offline for the bf16 / fp8 pool, values kept
+from the prologue for the epilogue). With the shared-memory views indexed outside the loop
+the compiler hoisted all 72 wgmma descriptors and spilled 216 B of them, reloaded every
+block."""
 
 
 @pytest.mark.parametrize("pool", ["bf16", "fp8"])

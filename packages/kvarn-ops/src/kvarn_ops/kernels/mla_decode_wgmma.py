@@ -250,13 +250,16 @@ def mla_wgmma_kernel(
     bt_row = bt_ptr + b * bt_stride
 
     # queries -> shared memory: the latent part as fp16 (times the softmax scale), the RoPE
-    # part as two bf16 terms
-    tile = gl.allocate_shared_memory(gl.float16, [512, 64], _SW)
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], _SW)
-    ps = gl.allocate_shared_memory(gl.float16, [16, 64], _SW)
-    qs = gl.allocate_shared_memory(gl.float16, [16, 512], _SW)
-    qr_hi = gl.allocate_shared_memory(gl.bfloat16, [16, 64], _SW)
-    qr_lo = gl.allocate_shared_memory(gl.bfloat16, [16, 64], _SW)
+    # part as two bf16 terms (each buffer [1, ...]: see the loop's index ``z``)
+    tiles = gl.allocate_shared_memory(gl.float16, [1, 512, 64], _SW)
+    rope_ss = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], _SW)
+    pss = gl.allocate_shared_memory(gl.float16, [1, 16, 64], _SW)
+    qss = gl.allocate_shared_memory(gl.float16, [1, 16, 512], _SW)
+    qr_his = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], _SW)
+    qr_los = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], _SW)
+    qs = qss.index(0)
+    qr_hi = qr_his.index(0)
+    qr_lo = qr_los.index(0)
     qh = h0 + gl.arange(0, 16, layout=gl.SliceLayout(1, _LQ))
     qd = gl.arange(0, 512, layout=gl.SliceLayout(0, _LQ))
     qok = (qh < H)[:, None]
@@ -285,6 +288,18 @@ def mla_wgmma_kernel(
     )  # fmt: skip
     for u in range(lo, hi):
         valid = gl.minimum(seq_len - u * 64, 64)
+        # Shared-memory views through an index that is 0 (a request never has 2^30 blocks)
+        # but depends on the loop: otherwise the compiler hoists all 72 64-bit wgmma
+        # descriptors out of the loop, where they do not fit the registers (216 B spilled,
+        # reloaded and moved to uniform registers every block: a fifth of the stall samples
+        # on the H200); built in the loop they are uniform adds.
+        z = u >> 30
+        tile = tiles.index(z)
+        rope_s = rope_ss.index(z)
+        ps = pss.index(z)
+        qs = qss.index(z)
+        qr_hi = qr_his.index(z)
+        qr_lo = qr_los.index(z)
         # the previous block's value product has read the tile and the weights
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         gl.thread_barrier()
