@@ -473,6 +473,24 @@ def test_mla_mma_decode_compiles(target, pool):
 # --------------------------------------------------------------------------------------------
 # the sm_90 MLA decode kernel (mla_decode_wgmma.py): wgmma exists on sm_90a only
 # --------------------------------------------------------------------------------------------
+def _ptxas_info(ptx: str, arch: str) -> str:
+    """ptxas's messages (``-v``) for ``ptx``, with the ptxas Triton ships."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run(
+            [get_ptxas(int(arch[3:5])).path, f"-arch={arch}", "-v", str(src), "-o",
+             str(Path(d) / "k.cubin")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    return res.stdout + res.stderr
+
+
 MLA_WGMMA_SPILL = 64
 """Spill frame allowed (bytes; 32 / 40 measured offline for the bf16 / fp8 pool, values kept
 from the prologue for the epilogue). With the shared-memory views indexed outside the loop
@@ -505,6 +523,10 @@ def test_mla_wgmma_decode_compiles(pool):
     # one unpack per block: 4 chunks x 8 words x 4 code pairs per thread
     assert ptx.count("fma.rn.f16x2") == 128
     assert ptx.count("prmt.b32") == 128
+    # ptxas keeps the wgmmas asynchronous: it serializes every one of them (info C7514) when
+    # it cannot prove the accumulators untouched while they run (so it did with the value
+    # product split into four commit groups waited on one by one)
+    assert "C7514" not in _ptxas_info(ptx, "sm_90a")
     # the launcher: sm_90 only (the Gluon mma.sync kernel elsewhere), not on the CPU
     import torch
 

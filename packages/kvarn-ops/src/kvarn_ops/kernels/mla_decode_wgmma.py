@@ -32,14 +32,17 @@ sinks, rehydrated blocks) take the same path with the tile built from the pool r
 scaled per token through ``rs``). Partial rows and natural-log log-sum-exps go to the same
 workspace as the other kernels', merged by the Triton combine kernel.
 
-Speed (H200, CUDA-graph replay, 16 heads unless said; BENCHMARKS.md): batch 64 at 16K 0.362 ms
-(28.6% of copy bandwidth; the ``mma.sync`` kernel 0.603 ms), batch 8 at 32K 0.113 ms, 32
-requests x 128 heads at 8K 0.652 ms (1.150). 255 registers (216 B of spill frame: load
-addresses), 96 KB of shared memory, two programs per SM. The score product runs as two
-independent ``wgmma`` chains (channel halves; one chain of 32 was 7% slower); neither eight
-warps per program nor an L2 prefetch of the record two blocks ahead made it faster, so the
-block's serial chain (unpack, scores, softmax, values, each behind a barrier) is what bounds
-it.
+Speed (H200, CUDA-graph replay, 16 heads unless said; BENCHMARKS.md): batch 64 at 16K 0.302 ms
+(34.4% of copy bandwidth; the ``mma.sync`` kernel 0.603 ms), batch 8 at 32K 0.095 ms, 32
+requests x 128 heads at 8K 0.568 ms (1.150). 255 registers (32 B of spill frame), 96 KB of
+shared memory, two programs per SM. The score product runs as two independent ``wgmma``
+chains (channel halves; one chain of 32 was 7% slower). The shared-memory views are taken
+inside the loop through a loop-dependent zero index (``z``): with loop-invariant views the
+compiler hoisted all 72 ``wgmma`` descriptors out of the loop and spilled them (216 B, 17% of
+the stall samples on reloading them; 0.362 ms). Neither eight warps per program, an L2
+prefetch of the record two blocks ahead, nor issuing the next block's scale arithmetic under
+the value product made it faster, so the block's serial chain (unpack, scores, softmax,
+values, each behind a barrier) is what bounds it.
 """
 
 from __future__ import annotations
