@@ -167,11 +167,8 @@ FLUSH_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("fmt", "dim", "hkv"), FLUSH_CASES)
-@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_flush(gen, request, fmt, dim, hkv, pool_dtype):
-    layout = kf.dense_layout(fmt, dim)
-    g, n, pool_blocks, num_blocks = layout.block_size, 300, 320, 400
+def _flush_pool(gen, layout, hkv, pool_blocks, pool_dtype):
+    g, dim = layout.block_size, layout.head_dim
     k = realistic_kv(gen, (pool_blocks * g, hkv, dim))
     v = realistic_kv(gen, (pool_blocks * g, hkv, dim))
     shape = (pool_blocks, g, hkv, dim)
@@ -181,14 +178,14 @@ def test_flush(gen, request, fmt, dim, hkv, pool_dtype):
     ks = torch.empty(shape[:3], device=DEVICE) if fp8 else None
     vs = torch.empty(shape[:3], device=DEVICE) if fp8 else None
     reference.store(k, v, torch.arange(pool_blocks * g, device=DEVICE), ek, ev, ks, vs)
-    src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
-    dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
-    got = poison_(
-        torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
-    )
-    want = got.clone()
-    kernels.flush(ek, ev, ks, vs, src, dst, got, layout)
-    reference.flush(ek, ev, ks, vs, src, dst, want, layout)
+    return ek, ev, ks, vs
+
+
+def _check_flush(request, got, want, src, dst, layout, pools, tag=""):
+    """The module docstring's flush bound for records ``dst`` of ``got`` against ``want``."""
+    ek, ev, ks, vs = pools
+    num_blocks, hkv = got.shape[:2]
+    n, g, dim = src.shape[0], layout.block_size, layout.head_dim
     untouched = torch.ones(num_blocks, dtype=torch.bool, device=DEVICE)
     untouched[dst.long()] = False
     assert torch.equal(got[untouched], want[untouched]), "flush wrote outside dst_blocks"
@@ -196,21 +193,21 @@ def test_flush(gen, request, fmt, dim, hkv, pool_dtype):
     wf = reference.records.record_fields(want[dst.long()].view(n * hkv, -1), layout)
     for name in ("k_codes", "v_codes"):
         same = (gf[name] == wf[name]).double().mean().item()
-        assert same >= 0.999, f"{name}: only {same:.5f} of codes identical"
+        assert same >= 0.999, f"{tag}{name}: only {same:.5f} of codes identical"
         # A code moves by 1 where a rounding tie moved; by more only where the scales the
         # kernel chose (exp/log in other last bits, see below) put it across two steps: rare
         # (measured on the H200: 1 code of 19.7M on one seed of the fp8 k4v2 case, 0 in the
         # 19 other cases of two runs), and held to the decoded-tile check below.
         far = (gf[name].int() - wf[name].int()).abs() > 1
-        request.node.user_properties.append((f"{name}_far", int(far.sum())))
-        assert far.double().mean() <= 1e-6, f"{name}: {int(far.sum())} codes differ by > 1"
+        request.node.user_properties.append((f"{tag}{name}_far", int(far.sum())))
+        assert far.double().mean() <= 1e-6, f"{tag}{name}: {int(far.sum())} codes differ by > 1"
     # Scale fields are not compared bit for bit: the kernel's exp/log differ from torch's in
     # the last bits, which can move the best-iterate choice between nearly equal iterates.
     # What matters is checked next: the decoded tiles. The agreement is recorded.
     for name, field in gf.items():
         if not name.endswith("codes"):
             same = (field.view(torch.int16) == wf[name].view(torch.int16)).double().mean()
-            request.node.user_properties.append((f"{name}_identical", float(same)))
+            request.node.user_properties.append((f"{tag}{name}_identical", float(same)))
     gk, gv = reference.decode_records(got[dst.long()].view(n * hkv, -1), layout)
     wk, wv = reference.decode_records(want[dst.long()].view(n * hkv, -1), layout)
     src_k = reference.cache.read_pool_blocks(ek, ks, src).permute(0, 2, 1, 3).reshape(-1, g, dim)
@@ -218,6 +215,85 @@ def test_flush(gen, request, fmt, dim, hkv, pool_dtype):
     for x, w, orig in ((gk, wk, src_k), (gv, wv, src_v)):
         # The kernel's reconstruction error is the reference's own, within 1%.
         assert rel_err(x, orig) <= rel_err(w, orig) * 1.01 + 1e-6
+
+
+@pytest.mark.parametrize(("fmt", "dim", "hkv"), FLUSH_CASES)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_flush(gen, request, fmt, dim, hkv, pool_dtype):
+    layout = kf.dense_layout(fmt, dim)
+    n, pool_blocks, num_blocks = 300, 320, 400
+    pools = _flush_pool(gen, layout, hkv, pool_blocks, pool_dtype)
+    src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    got = poison_(
+        torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
+    )
+    want = got.clone()
+    kernels.flush(*pools, src, dst, got, layout)
+    reference.flush(*pools, src, dst, want, layout)
+    _check_flush(request, got, want, src, dst, layout, pools)
+
+
+_FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
+
+
+@pytest.mark.parametrize(("fmt", "dim", "hkv"), FLUSH_CASES)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("n", [1, 3])
+def test_flush_few_blocks(gen, request, fmt, dim, hkv, pool_dtype, n):
+    """A decode step's flush (a few blocks): each tile split over several programs (the
+    launch must split), against the reference, and against one program per tile."""
+    layout = kf.dense_layout(fmt, dim)
+    g = layout.block_size
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    parts = _FLUSH_MOD.parts_for(n * hkv * 2, g, dim, sms)
+    assert parts > 1, "this case must take the split path"
+    request.node.user_properties.append(("parts", parts))
+    pool_blocks, num_blocks = 8, 12
+    pools = _flush_pool(gen, layout, hkv, pool_blocks, pool_dtype)
+    src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    shape = (num_blocks, hkv, layout.record_bytes)
+    got = poison_(torch.empty(shape, dtype=torch.uint8, device=DEVICE))
+    want, single = got.clone(), got.clone()
+    kernels.flush(*pools, src, dst, got, layout)
+    reference.flush(*pools, src, dst, want, layout)
+    _FLUSH_MOD.FORCE_PARTS = 1
+    try:
+        kernels.flush(*pools, src, dst, single, layout)
+    finally:
+        _FLUSH_MOD.FORCE_PARTS = None
+    _check_flush(request, got, want, src, dst, layout, pools)
+    _check_flush(request, got, single, src, dst, layout, pools, tag="vs_one_program_")
+
+
+def test_flush_few_blocks_graph_replay(gen):
+    """The split path captured in a CUDA graph and replayed: every replay rewrites whole
+    records equal to an eager call's (the tiles' counters reset themselves; a counter left
+    behind would leave the scales unwritten), for new pool contents each replay."""
+    layout = kf.dense_layout("kvarn_k4v2_g64", 128)
+    pools = _flush_pool(gen, layout, 8, 4, torch.bfloat16)
+    src = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    dst = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
+    got = torch.empty(4, 8, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
+    kernels.flush(*pools, src, dst, got, layout)  # eager first: allocates the counters
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        kernels.flush(*pools, src, dst, got, layout)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        fresh = _flush_pool(gen, layout, 8, 4, torch.bfloat16)
+        for pool, new in zip(pools, fresh, strict=True):
+            if pool is not None:
+                pool.copy_(new)
+        want = poison_(torch.empty_like(got))
+        kernels.flush(*pools, src, dst, want, layout)
+        poison_(got)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[dst.long()], want[dst.long()])
 
 
 DECODE_GEOMETRIES = [  # (Hq, Hkv, D): Llama-3.1-8B, Qwen-style GQA 8, small d64, d256, MHA

@@ -235,11 +235,7 @@ FLUSH_SPILL_ALLOWANCE = {
 }
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize(
-    "case", _cases(FLUSH_CASES, 2), ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}-{c[3]}-{c[4]}"
-)
-def test_flush_compiles(case, target):
+def _compile_flush(case, target, parts=1):
     fmt, d, pool, k_rounding, v_rounding = case
     mod = M["flush"]
     lay = kf.dense_layout(fmt, d)
@@ -254,6 +250,9 @@ def test_flush_compiles(case, target):
         STD_FLOOR=1e-3,
         K_ROUNDING=mod.ROUNDING_IDS[k_rounding],
         V_ROUNDING=mod.ROUNDING_IDS[v_rounding],
+        PARTS=parts,
+        ASM=True,
+        SCRATCH=mod.scratch_stride(lay.block_size, d),
         **mod.record_constants(lay),
     )
     types_ = {
@@ -264,18 +263,45 @@ def test_flush_compiles(case, target):
         "src_ptr": "*i32",
         "dst_ptr": "*i32",
         "packed_ptr": "*u8",
+        "scratch_ptr": "*fp32",
+        "counter_ptr": "*i32",
         "num_pool_blocks": "i32",
         "num_blocks": "i32",
     }
     k, _ = _compile(mod._flush_kernel, types_, consts, target, mod.warps_for(d, lay.block_size))
     regs, frame = cubin_resources(k.asm["cubin"])
     print(
-        f"flush {case} sm{target.arch}: {regs} registers, {frame} B stack frame (spills), "
-        f"{k.metadata.shared} B shared memory"
+        f"flush {case} parts {parts} sm{target.arch}: {regs} registers, {frame} B stack frame "
+        f"(spills), {k.metadata.shared} B shared memory"
     )
+    return k, regs, frame
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize(
+    "case", _cases(FLUSH_CASES, 2), ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}-{c[3]}-{c[4]}"
+)
+def test_flush_compiles(case, target):
+    k, regs, frame = _compile_flush(case, target)
     assert 0 < regs <= 255
     if case in FLUSH_CASES[:2]:
-        assert frame <= FLUSH_SPILL_ALLOWANCE[(k_rounding, target.arch)], frame
+        assert frame <= FLUSH_SPILL_ALLOWANCE[(case[3], target.arch)], frame
+    assert "atom" not in k.asm["ptx"], "one program per tile counts nothing"
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+def test_flush_split_tiles_compile(target):
+    """The small-flush path (8 programs per tile, the benchmark geometry with the default
+    rounding): the release fence in every thread, one acquire-release counter increment, the
+    last program's reset, and scratch reads of the other programs' rows past L1."""
+    k, regs, frame = _compile_flush(FLUSH_CASES[1], target, parts=8)
+    ptx = k.asm["ptx"]
+    assert 0 < regs <= 255
+    assert frame <= FLUSH_SPILL_ALLOWANCE[("unbiased_clip", target.arch)], frame
+    assert ptx.count("fence.acq_rel.gpu") >= 2, "release and acquire fences"
+    assert "atom.global.gpu.acq_rel.add" in ptx
+    assert "atom.global.gpu.acq_rel.exch" in ptx or "atom.global.acq_rel.gpu.exch" in ptx
+    assert "ld.global.cg" in ptx
 
 
 MATERIALIZE_CASES = [

@@ -25,6 +25,7 @@ What must hold, and why:
 
 from __future__ import annotations
 
+import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -595,3 +596,94 @@ def test_flush_rejects_bad_input(case):
     name, over = BAD[case]
     with pytest.raises(ValueError, match=f"^{name}"):
         flush(**_args(**over))
+
+
+# ---------------------------------------------------------------- a decode step's flush
+
+
+FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
+RTN = ref.NormalizeConfig(rounding="rtn")
+
+SPLIT_CASES = [
+    # (programs per tile, config, format, D, pool dtype, Hkv, N, P pool blocks, packed blocks)
+    (2, UNBIASED, "kvarn_k4v2_g64", 128, torch.bfloat16, 1, 2, 3, 4),
+    (8, UNBIASED, "kvarn_k2v2_g64", 128, FP8, 1, 1, 2, 3),
+    (4, MIXED, "kvarn_k3v5_g32", 64, torch.bfloat16, 2, 1, 2, 3),
+    (4, RTN, "kvarn_k8v2_g32", 128, torch.float16, 1, 2, 2, 3),
+]
+
+
+@pytest.fixture
+def force_parts():
+    def force(parts):
+        FLUSH_MOD.FORCE_PARTS = parts
+
+    yield force
+    FLUSH_MOD.FORCE_PARTS = None
+
+
+@pytest.mark.parametrize(
+    "case",
+    SPLIT_CASES,
+    ids=lambda c: f"p{c[0]}-{c[1].rounding}-{c[1].rounding_v}-{c[2]}-{str(c[4])[6:]}",
+)
+def test_flush_split_tiles(case, gen, force_parts):
+    """Tiles split over several programs (each rounds and packs its rows, the last one stores
+    every scale field): against the reference with the checks above, and byte for byte
+    against one program per tile (the interpreter's reductions of a row do not depend on how
+    many rows the tensor holds). The tiles' counters are back at zero afterwards."""
+    parts, cfg, fmt, d, pdt, hkv, n, p, nb = case
+    lay = kf.dense_layout(fmt, d)
+    ek, ev, ks, vs = _fill_pool(gen, p, lay.block_size, hkv, d, pdt)
+    src = torch.randperm(p, generator=gen)[:n].to(torch.int32)
+    dst = torch.randperm(nb, generator=gen)[:n].to(torch.int32)
+    packed = torch.full((nb, hkv, lay.record_bytes), POISON, dtype=torch.uint8)
+    single = packed.clone()
+    force_parts(parts)
+    flush(ek, ev, ks, vs, src, dst, packed, lay, config=cfg)
+    assert int(FLUSH_MOD._COUNTERS[("cpu", None)].abs().sum()) == 0
+    force_parts(1)
+    flush(ek, ev, ks, vs, src, dst, single, lay, config=cfg)
+    assert torch.equal(packed, single)
+    packed_ref = torch.full_like(packed, POISON)
+    packed_ref[dst.long()] = _ref_records(ek, ev, ks, vs, src, lay, cfg)[0]
+    tiles = _ref_records(ek, ev, ks, vs, src, lay, cfg)[1]
+    _compare(packed, packed_ref, dst, lay, tiles)
+
+
+def test_flush_split_special_tiles(gen, force_parts):
+    """The special tiles of test_flush_special_tiles (zero, constant, outlier, tiny,
+    non-finite; fields at the ends of fp16) split over 4 programs: the bytes of one program
+    per tile."""
+    lay = kf.dense_layout("kvarn_k4v2_g32", 64)
+    x = realistic_kv(gen, 1, 32, 4, 64)
+    x[..., 0, :] = 0.0
+    x[0, :, 1, 5] = 3.0
+    x[0, 3, 2, 9] = 1.0e4
+    x[0, 11, 3, 2] = float("nan")
+    x[..., 3, :] *= torch.logspace(-12, 12, 64)
+    ek, ev = x.to(torch.float16), x.flip(1).to(torch.bfloat16).to(torch.float16)
+    src = torch.zeros(1, dtype=torch.int32)
+    out = []
+    for parts in (4, 1):
+        force_parts(parts)
+        packed = torch.full((1, 4, lay.record_bytes), POISON, dtype=torch.uint8)
+        flush(ek, ev, None, None, src, src, packed, lay)
+        out.append(packed)
+    assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize(
+    ("tiles", "group", "head_dim", "sms", "parts"),
+    [
+        (16, 64, 128, 132, 8),  # one block, Hkv 8, H200: 128 programs
+        (32, 64, 128, 132, 4),
+        (64, 64, 128, 132, 2),
+        (128, 64, 128, 132, 1),  # the tiles fill the SMs
+        (16, 32, 64, 132, 4),  # 32-token blocks: at least 8 rows per program
+        (4, 128, 512, 132, 16),
+        (16, 64, 128, 8, 1),
+    ],
+)
+def test_parts_for(tiles, group, head_dim, sms, parts):
+    assert FLUSH_MOD.parts_for(tiles, group, head_dim, sms) == parts

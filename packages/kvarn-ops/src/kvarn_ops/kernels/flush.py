@@ -54,6 +54,7 @@ from kvarn_ops._validate import (
     check_tensor,
 )
 from kvarn_ops.kernels._common import (
+    INTERPRET,
     apply_log_scales,
     check_device,
     frexp_exponent,
@@ -118,10 +119,21 @@ def _flush_tile(
     ITERS: tl.constexpr,
     STD_FLOOR: tl.constexpr,
     ROUNDING: tl.constexpr,
+    scr_ptr,
+    cnt_ptr,
+    part,
+    PARTS: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Quantize one tile ``X [R, C]`` (K: R = D channels, C = G tokens; V: R = G tokens,
     C = D) into its record fields: codes ``[R, C]``, row-side scale and zero point ``[R]``,
-    column-side scale ``[C]``."""
+    column-side scale ``[C]``.
+
+    With ``PARTS > 1`` this program is part ``part`` of the tile's ``PARTS`` programs: all
+    normalize the whole tile (the same instructions on the same data, so the same scales);
+    each rounds and packs its ``R / PARTS`` rows (step 4) and leaves their fp32 step and zero
+    point in the tile's scratch ``scr_ptr``; the last to arrive (counter ``cnt_ptr``) folds
+    and rebalances the scales of every row (steps 5-6), stores them and resets the counter."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
     if FP8 and not TOKENS_ON_ROWS:
@@ -159,30 +171,138 @@ def _flush_tile(
     best_lr, best_lc = normalize_tile(x * scale, R, C, ITERS, STD_FLOOR)
     balanced = apply_log_scales(x * scale, best_lr, best_lc)
 
-    # Step 4: codes and per-row (step, lo), ties to even.
+    if PARTS == 1:
+        codes, step, lo = _round_rows(balanced, best_lc, BITS, R, C, ROUNDING)
+        pack_codes_store(rec_ptr + CODES_OFF, codes, R, C, BITS, L, NB, NBP)
+        # Step 5: fold the RTN step and offset into the normalization scales.
+        row_mult = tl.exp(best_lr)
+        _store_scales(
+            rec_ptr,
+            row_mult * step,
+            row_mult * lo,
+            best_lc,
+            e,
+            R,
+            C,
+            BITS,
+            CODES_OFF,
+            CODES_PAD,
+            ROW_SCALE_OFF,
+            ROW_SCALE_PAD,
+            ROW_ZP_OFF,
+            ROW_ZP_PAD,
+            COL_SCALE_OFF,
+            COL_SCALE_PAD,
+        )
+    else:
+        # This part's rows of the balanced tile and their log scales, through the tile's
+        # scratch: the search then runs on an [R / PARTS, C] tensor of its own layout.
+        RP: tl.constexpr = R // PARTS
+        mine = (r // RP) == part
+        tl.store(scr_ptr + r[:, None] * C + c[None, :], balanced, mask=mine[:, None])
+        tl.store(scr_ptr + R * C + r, best_lr, mask=mine)
+        tl.debug_barrier()
+        rp = part * RP + tl.arange(0, RP)
+        b = tl.load(scr_ptr + rp[:, None] * C + c[None, :])
+        row_mult = tl.exp(tl.load(scr_ptr + R * C + rp))
+        codes, step, lo = _round_rows(b, best_lc, BITS, RP, C, ROUNDING)
+        pack_codes_store(
+            rec_ptr + CODES_OFF + part * (RP * C * BITS // 8), codes, RP, C, BITS, L, NB, NBP
+        )
+        tl.store(scr_ptr + R * C + R + rp, row_mult * step)
+        tl.store(scr_ptr + R * C + 2 * R + rp, row_mult * lo)
+        # Release this part's stores (every thread, then the barrier), count it in; the last
+        # part acquires all of them.
+        _fence(part, ASM)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == PARTS - 1:
+            _fence(part, ASM)
+            s_all = tl.load(scr_ptr + R * C + R + r, cache_modifier=".cg")
+            z_all = tl.load(scr_ptr + R * C + 2 * R + r, cache_modifier=".cg")
+            _store_scales(
+                rec_ptr,
+                s_all,
+                z_all,
+                best_lc,
+                e,
+                R,
+                C,
+                BITS,
+                CODES_OFF,
+                CODES_PAD,
+                ROW_SCALE_OFF,
+                ROW_SCALE_PAD,
+                ROW_ZP_OFF,
+                ROW_ZP_PAD,
+                COL_SCALE_OFF,
+                COL_SCALE_PAD,
+            )
+            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
+def _fence(x, ASM: tl.constexpr):
+    """``fence.acq_rel.gpu`` in every thread (compiled only; the interpreter runs programs one
+    after another). ``x``: any int32 scalar, passed through so the asm has an operand."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;",
+            "=r,r",
+            [x],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _round_rows(
+    b, lc, BITS: tl.constexpr, R: tl.constexpr, C: tl.constexpr, ROUNDING: tl.constexpr
+):
+    """Step 4: codes (int32) and per-row ``(step, lo)`` of the balanced rows ``b [R, C]``,
+    ties to even."""
     levels: tl.constexpr = (1 << BITS) - 1
     if ROUNDING == 0:
         # Min/max RTN (reference quantize_rows). Its ``levels / rng`` is torch's reversed
         # division, reciprocal(rng) * levels: two IEEE roundings.
-        lo = tl.min(balanced, axis=1)
-        rng = tl.max(balanced, axis=1) - lo
+        lo = tl.min(b, axis=1)
+        rng = tl.max(b, axis=1) - lo
         ones = tl.full([R], 1.0, tl.float32)
         inv = tl.where(rng > 0.0, tl.div_rn(ones, tl.where(rng > 0.0, rng, 1.0)) * levels, 0.0)
-        codes = round_half_even((balanced - lo[:, None]) * inv[:, None])
+        codes = round_half_even((b - lo[:, None]) * inv[:, None])
         codes = tl.minimum(tl.maximum(codes, 0.0), levels * 1.0)
         step = tl.div_rn(rng, tl.full([R], levels, tl.float32))
     else:
         # Clipping search with unbiased refit (reference round_rows, "unbiased_clip").
-        codes, step, lo = unbiased_clip_search(balanced, best_lc, levels, R, C)
-    codes = codes.to(tl.int32)
+        codes, step, lo = unbiased_clip_search(b, lc, levels, R, C)
+    return codes.to(tl.int32), step, lo
 
-    # Step 5: fold the RTN step and offset into the normalization scales.
-    row_mult = tl.exp(best_lr)
-    s = row_mult * step
-    z = row_mult * lo
-    w = tl.exp(best_lc)
 
-    # Step 6: move 2**j between the sides so every fp16 field is normal where possible.
+@triton.jit
+def _store_scales(
+    rec_ptr,
+    s,
+    z,
+    lc,
+    e,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    CODES_OFF: tl.constexpr,
+    CODES_PAD: tl.constexpr,
+    ROW_SCALE_OFF: tl.constexpr,
+    ROW_SCALE_PAD: tl.constexpr,
+    ROW_ZP_OFF: tl.constexpr,
+    ROW_ZP_PAD: tl.constexpr,
+    COL_SCALE_OFF: tl.constexpr,
+    COL_SCALE_PAD: tl.constexpr,
+):
+    """Steps 5 (folded row scale ``s`` and zero point ``z`` [R], column scale ``exp(lc)``
+    [C]) and 6 (move 2**j between the sides so every fp16 field is normal where possible;
+    ``e``: the prescale exponent), then the fp16 stores and the padding after every field but
+    the codes' own bytes."""
+    w = tl.exp(lc)
     mag = tl.maximum(tl.abs(s), tl.abs(z))
     nz = mag > 0.0
     ea = frexp_exponent(mag) + e
@@ -198,8 +318,6 @@ def _flush_tile(
     j = (lower + upper) >> 1  # arithmetic shift: floor division by 2
     shift_a = pow2(e + j)
     shift_b = pow2(-j)
-
-    pack_codes_store(rec_ptr + CODES_OFF, codes, R, C, BITS, L, NB, NBP)
     _zero_pad(rec_ptr + CODES_OFF + R * C * BITS // 8, CODES_PAD)
     _store_fp16(rec_ptr + ROW_SCALE_OFF, s * shift_a, R)
     _zero_pad(rec_ptr + ROW_SCALE_OFF + 2 * R, ROW_SCALE_PAD)
@@ -218,6 +336,8 @@ def _flush_kernel(
     src_ptr,
     dst_ptr,
     packed_ptr,
+    scratch_ptr,
+    counter_ptr,
     num_pool_blocks,
     num_blocks,
     G: tl.constexpr,
@@ -253,10 +373,18 @@ def _flush_kernel(
     STD_FLOOR: tl.constexpr,
     K_ROUNDING: tl.constexpr,
     V_ROUNDING: tl.constexpr,
+    PARTS: tl.constexpr,
+    ASM: tl.constexpr,
+    SCRATCH: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
-    which = tl.program_id(2)
+    which = tl.program_id(2) // PARTS
+    part = tl.program_id(2) % PARTS
+    # the tile's counter and scratch (used when PARTS > 1; scratch_stride(G, D) floats)
+    tile = (i * H + head) * 2 + which
+    cnt_ptr = counter_ptr + tile
+    scr_ptr = scratch_ptr + tile.to(tl.int64) * SCRATCH
     src = tl.load(src_ptr + i).to(tl.int64)
     dst = tl.load(dst_ptr + i).to(tl.int64)
     # Out-of-range indices (rejected on the CPU by the launcher) write nothing on a GPU.
@@ -292,6 +420,11 @@ def _flush_kernel(
                 ITERS,
                 STD_FLOOR,
                 K_ROUNDING,
+                scr_ptr,
+                cnt_ptr,
+                part,
+                PARTS,
+                ASM,
             )
         else:
             # V tile [G, D]: rows = tokens (row_scale/zero_point), columns = channels.
@@ -323,6 +456,11 @@ def _flush_kernel(
                 ITERS,
                 STD_FLOOR,
                 V_ROUNDING,
+                scr_ptr,
+                cnt_ptr,
+                part,
+                PARTS,
+                ASM,
             )
 
 
@@ -360,6 +498,63 @@ def record_constants(layout) -> dict:
 def warps_for(head_dim: int, group: int) -> int:
     """4 warps per 8192-value tile (64 fp32 values per thread), up to 16. Not tuned yet."""
     return max(4, min(16, head_dim * group // 2048))
+
+
+def scratch_stride(group: int, head_dim: int) -> int:
+    """fp32 scratch per tile when a tile takes several programs: its ``G*D`` balanced values,
+    then ``R`` log row scales, ``R`` folded steps and ``R`` zero points (``R <= max(G, D)``)."""
+    return group * head_dim + 3 * max(group, head_dim)
+
+
+#: Programs per SM a split launch may fill. One: a tile's program is latency bound with one
+#: warp per scheduler, and two programs sharing an SM slowed each other down (H200: 1 block
+#: at 8 programs per tile 64 us, 2 blocks at 8 per tile, two per SM, 82 us; at 4 per tile
+#: 73 us).
+PROGRAMS_PER_SM = 1
+#: Fewest rows a program of a split tile rounds.
+MIN_PART_ROWS = 8
+#: Counters of split tiles per device: one per tile, zero between launches (each launch's
+#: last program of a tile resets its own). Enough for every launch that splits.
+MAX_SPLIT_TILES = 4096
+_COUNTERS: dict = {}
+
+
+def parts_for(tiles: int, group: int, head_dim: int, sms: int) -> int:
+    """Programs per tile for a launch of ``tiles`` tiles (N blocks x Hkv x 2) on a GPU with
+    ``sms`` SMs: the largest power of two that keeps tiles x parts within ``sms *
+    PROGRAMS_PER_SM`` programs, at most ``min(G, D) / MIN_PART_ROWS``; 1 when the tiles alone
+    fill half of that or more.
+
+    A tile's program takes about 120 us on an H200 (8 normalization iterations and 15
+    clipping candidates, 64 values per thread, one warp per scheduler), so a flush of a few
+    blocks, as in every decode step where a request fills a block, costs that whatever N is.
+    The programs of a split tile normalize redundantly (about 60 us of the 120) and share the
+    clipping search (BENCHMARKS.md, "2026-12-04: the flush of a decode step")."""
+    slots = sms * PROGRAMS_PER_SM
+    if tiles > MAX_SPLIT_TILES or 2 * tiles > slots:
+        return 1
+    cap = min(group, head_dim) // MIN_PART_ROWS
+    parts = 1
+    while parts * 2 <= cap and tiles * parts * 2 <= slots:
+        parts *= 2
+    return parts
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed split-tile counters, allocated on first use; None while a CUDA graph
+    is being captured and none exist yet (that launch then keeps one program per tile)."""
+    key = (device.type, device.index)
+    cnt = _COUNTERS.get(key)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        cnt = _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return cnt
+
+
+#: Programs per tile chosen for the next launch: None = :func:`parts_for` (GPU) or 1 (the
+#: interpreter); tests set an int.
+FORCE_PARTS: int | None = None
 
 
 ROUNDING_IDS = {"rtn": 0, "unbiased_clip": 1}
@@ -424,7 +619,24 @@ def _launch(
     fp8 = exact_k.dtype == torch.float8_e4m3fn
     ks = k_scale if fp8 else exact_k
     vs = v_scale if fp8 else exact_v
-    _flush_kernel[(n, hkv, 2)](
+    dev = exact_k.device
+    tiles = n * hkv * 2
+    if FORCE_PARTS is not None:
+        parts = FORCE_PARTS
+    elif dev.type == "cuda" and not INTERPRET:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        parts = parts_for(tiles, g, d, sms)
+    else:
+        parts = 1
+    counters = _counters(dev) if parts > 1 else None
+    if counters is None or tiles > counters.numel():
+        parts = 1
+    stride = scratch_stride(g, d)
+    if parts > 1:
+        scratch = torch.empty(tiles * stride, dtype=torch.float32, device=dev)
+    else:  # not read
+        scratch = counters = torch.empty(1, dtype=torch.int32, device=dev).view(torch.float32)
+    _flush_kernel[(n, hkv, 2 * parts)](
         exact_k,
         exact_v,
         ks,
@@ -432,6 +644,8 @@ def _launch(
         src_pool_blocks,
         dst_blocks,
         packed,
+        scratch,
+        counters.view(torch.int32),
         p,
         packed.shape[0],
         G=g,
@@ -442,6 +656,9 @@ def _launch(
         STD_FLOOR=std_floor,
         K_ROUNDING=k_round,
         V_ROUNDING=v_round,
+        PARTS=parts,
+        ASM=not INTERPRET,
+        SCRATCH=stride,
         num_warps=warps_for(d, g),
         **record_constants(layout),
     )
