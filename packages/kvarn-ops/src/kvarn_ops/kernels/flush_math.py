@@ -35,40 +35,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_ops.kernels._common import INTERPRET, clip_codes, clip_ratio
+from kvarn_ops.kernels._common import clip_codes, clip_ratio
 from kvarn_ops.reference.rounding import CLIP_RATIOS
 
 __all__ = ["normalize_tile", "unbiased_clip_search"]
 
 
 _NUM_CLIP_RATIOS = tl.constexpr(len(CLIP_RATIOS))
-# Compiled, reductions of the same values along the same axis are fused into one
-# ``tl.reduce`` of a tuple (the same adds in the same order, one exchange between warps instead
-# of two: 21 -> 12 barriers per normalization iteration, sm_90a). The interpreter applies a
-# tuple's combine function element by element in Python (minutes per tile), so there the sums
-# stay separate; each is the same sum either way.
-_FUSED = tl.constexpr(not INTERPRET)
-
-
-@triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _max_min(a0, a1, b0, b1):
-    return tl.maximum(a0, b0), tl.minimum(a1, b1)
 
 
 @triton.jit
 def _line_moments(u, AXIS: tl.constexpr, N: tl.constexpr):
     """Population variance (two-pass) and mean square of every line of ``u`` along AXIS (N
-    values). The two sums of the first pass are one reduction when compiled (``_FUSED``)."""
-    if _FUSED:
-        s1, s2 = tl.reduce((u, u * u), AXIS, _add2)
-    else:
-        s1 = tl.sum(u, axis=AXIS)
-        s2 = tl.sum(u * u, axis=AXIS)
+    values)."""
+    s1 = tl.sum(u, axis=AXIS)
+    s2 = tl.sum(u * u, axis=AXIS)
     mean = s1 / N
     if AXIS == 0:
         dev = u - mean[None, :]
@@ -91,24 +72,15 @@ def _half_log(var, ms, STD_FLOOR2: tl.constexpr):
 def _log_spread(half_log, pos):
     """Natural log of the reference ``_spread``: ``half_log`` where positive, else the mean of
     those (the log of the geometric mean of the positive spreads; 0 if there are none)."""
-    if _FUSED:
-        count, total = tl.reduce((pos.to(tl.float32), tl.where(pos, half_log, 0.0)), 0, _add2)
-    else:
-        count = tl.sum(pos.to(tl.float32), axis=0)
-        total = tl.sum(tl.where(pos, half_log, 0.0), axis=0)
-    fill = total / tl.maximum(count, 1.0)
+    count = tl.sum(pos.to(tl.int32), axis=0)
+    fill = tl.sum(tl.where(pos, half_log, 0.0), axis=0) / tl.maximum(count, 1).to(tl.float32)
     return tl.where(pos, half_log, fill)
 
 
 @triton.jit
 def _ratio(log_spread):
     """max/min of the spreads, from their logs (one term of the reference ``_imbalance``)."""
-    if _FUSED:
-        hi, lo = tl.reduce((log_spread, log_spread), 0, _max_min)
-    else:
-        hi = tl.max(log_spread, axis=0)
-        lo = tl.min(log_spread, axis=0)
-    return tl.exp(hi - lo)
+    return tl.exp(tl.max(log_spread, axis=0) - tl.min(log_spread, axis=0))
 
 
 @triton.jit
