@@ -269,14 +269,14 @@ def test_flush_few_blocks(gen, request, fmt, dim, hkv, pool_dtype, n):
 
 def test_flush_few_blocks_graph_replay(gen):
     """The split path captured in a CUDA graph and replayed: every replay rewrites whole
-    records equal to an eager call's (the tiles' counters reset themselves; a counter left
-    behind would leave the scales unwritten), for new pool contents each replay."""
+    records equal to an eager call's, for new pool contents each replay (the graph holds the
+    counters' zeroing: a counter left at its last count would leave the scales unwritten)."""
     layout = kf.dense_layout("kvarn_k4v2_g64", 128)
     pools = _flush_pool(gen, layout, 8, 4, torch.bfloat16)
     src = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
     dst = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
     got = torch.empty(4, 8, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
-    kernels.flush(*pools, src, dst, got, layout)  # eager first: allocates the counters
+    kernels.flush(*pools, src, dst, got, layout)  # eager first: compiles
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()

@@ -631,7 +631,7 @@ def test_flush_split_tiles(case, gen, force_parts):
     """Tiles split over several programs (each rounds and packs its rows, the last one stores
     every scale field): against the reference with the checks above, and byte for byte
     against one program per tile (the interpreter's reductions of a row do not depend on how
-    many rows the tensor holds). The tiles' counters are back at zero afterwards."""
+    many rows the tensor holds)."""
     parts, cfg, fmt, d, pdt, hkv, n, p, nb = case
     lay = kf.dense_layout(fmt, d)
     ek, ev, ks, vs = _fill_pool(gen, p, lay.block_size, hkv, d, pdt)
@@ -641,7 +641,6 @@ def test_flush_split_tiles(case, gen, force_parts):
     single = packed.clone()
     force_parts(parts)
     flush(ek, ev, ks, vs, src, dst, packed, lay, config=cfg)
-    assert int(FLUSH_MOD._COUNTERS[("cpu", None)].abs().sum()) == 0
     force_parts(1)
     flush(ek, ev, ks, vs, src, dst, single, lay, config=cfg)
     assert torch.equal(packed, single)

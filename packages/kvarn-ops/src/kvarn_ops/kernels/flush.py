@@ -132,8 +132,8 @@ def _flush_tile(
     With ``PARTS > 1`` this program is part ``part`` of the tile's ``PARTS`` programs: all
     normalize the whole tile (the same instructions on the same data, so the same scales);
     each rounds and packs its ``R / PARTS`` rows (step 4) and leaves their fp32 step and zero
-    point in the tile's scratch ``scr_ptr``; the last to arrive (counter ``cnt_ptr``) folds
-    and rebalances the scales of every row (steps 5-6), stores them and resets the counter."""
+    point in the tile's scratch ``scr_ptr``; the last to arrive (counter ``cnt_ptr``, zero at
+    launch) folds and rebalances the scales of every row (steps 5-6) and stores them."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
     if FP8 and not TOKENS_ON_ROWS:
@@ -238,7 +238,6 @@ def _flush_tile(
                 COL_SCALE_OFF,
                 COL_SCALE_PAD,
             )
-            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -513,10 +512,6 @@ def scratch_stride(group: int, head_dim: int) -> int:
 PROGRAMS_PER_SM = 1
 #: Fewest rows a program of a split tile rounds.
 MIN_PART_ROWS = 8
-#: Counters of split tiles per device: one per tile, zero between launches (each launch's
-#: last program of a tile resets its own). Enough for every launch that splits.
-MAX_SPLIT_TILES = 4096
-_COUNTERS: dict = {}
 
 
 def parts_for(tiles: int, group: int, head_dim: int, sms: int) -> int:
@@ -531,25 +526,13 @@ def parts_for(tiles: int, group: int, head_dim: int, sms: int) -> int:
     The programs of a split tile normalize redundantly (about 60 us of the 120) and share the
     clipping search (BENCHMARKS.md, "2026-12-04: the flush of a decode step")."""
     slots = sms * PROGRAMS_PER_SM
-    if tiles > MAX_SPLIT_TILES or 2 * tiles > slots:
+    if 2 * tiles > slots:
         return 1
     cap = min(group, head_dim) // MIN_PART_ROWS
     parts = 1
     while parts * 2 <= cap and tiles * parts * 2 <= slots:
         parts *= 2
     return parts
-
-
-def _counters(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed split-tile counters, allocated on first use; None while a CUDA graph
-    is being captured and none exist yet (that launch then keeps one program per tile)."""
-    key = (device.type, device.index)
-    cnt = _COUNTERS.get(key)
-    if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        cnt = _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return cnt
 
 
 #: Programs per tile chosen for the next launch: None = :func:`parts_for` (GPU) or 1 (the
@@ -628,11 +611,10 @@ def _launch(
         parts = parts_for(tiles, g, d, sms)
     else:
         parts = 1
-    counters = _counters(dev) if parts > 1 else None
-    if counters is None or tiles > counters.numel():
-        parts = 1
     stride = scratch_stride(g, d)
     if parts > 1:
+        # Zeroed per launch (one memset): launches on several streams never share counters.
+        counters = torch.zeros(tiles, dtype=torch.int32, device=dev)
         scratch = torch.empty(tiles * stride, dtype=torch.float32, device=dev)
     else:  # not read
         scratch = counters = torch.empty(1, dtype=torch.int32, device=dev).view(torch.float32)
