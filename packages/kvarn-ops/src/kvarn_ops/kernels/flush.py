@@ -5,7 +5,10 @@ Memory traffic (E = pool element bytes, s = 4 if fp8 else 0): read
 
 One launch, one program per (block, KV head, K or V): the program loads its tile, normalizes,
 quantizes, folds and bit-packs it, and writes its half of the record, padding bytes included
-(zeros, as the reference writer). The numerical algorithm is that of
+(zeros, as the reference writer). A launch of few tiles (a decode step's flush) is one
+program's latency, so there each tile takes several programs (:func:`parts_for`): all
+normalize the tile, each rounds and packs a slice of its rows, and the last to finish stores
+the scale fields (``_flush_tile``). The numerical algorithm is that of
 ``kvarn_ops.reference.quantize`` (module docstring, steps 1-6) for the ``NormalizeConfig``
 given to :func:`flush` (the reference default unless given), step for step; steps 3 and 4 are
 computed in a cheaper form of the same mathematics (``flush_math.py``: fewer passes over the
