@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import io
 import json
 import math
@@ -47,6 +48,10 @@ OPS = {
     # the Triton kernel's launch for the exact tails beside it
     "materialize_tails": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128: tails"),
     "flush": ("_flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool"),
+    # a decode step's flush: one block, its tiles split over programs (flush.parts_for), and
+    # the same with one program per tile
+    "flush_step": ("_flush_kernel", "k4v2 g64, N=1, Hkv 8, D 128, bf16 pool, split tiles"),
+    "flush_step_p1": ("_flush_kernel", "k4v2 g64, N=1, Hkv 8, D 128, bf16 pool, 1 per tile"),
     "mla_decode_b64": ("_mla_decode_kernel", "k4, B=64, 16 heads, 16K"),
     # the Gluon mma.sync MLA decode kernel (mla_decode_mma.py)
     "mla_mma_b64": ("mla_mma_kernel", "k4, B=64, 16 heads, 16K, 128 splits"),
@@ -126,6 +131,10 @@ def run(op: str) -> None:
         bench_kernels.bench_materialize("kvarn_k4v2_g64", 128, 8, 16, 8192, torch.bfloat16)
     elif op == "flush":
         bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 512, torch.bfloat16)
+    elif op in ("flush_step", "flush_step_p1"):
+        if op == "flush_step_p1":
+            importlib.import_module("kvarn_ops.kernels.flush").FORCE_PARTS = 1
+        bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 1, torch.bfloat16)
     elif op == "mla_decode_b64":
         bench_mla.mla_decode.MMA_KERNEL = False  # the Triton kernel
         bench_mla.bench_decode(4, 64, 16, 16384, 128)
