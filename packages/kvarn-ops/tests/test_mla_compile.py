@@ -92,7 +92,6 @@ def _compile_all(arch: int) -> dict:
                 {**common, "src_ptr": "*i32", "dst_ptr": "*i32"},
                 {"ITERS": 8, "STD_FLOOR": 1e-3, "FP8": fp8, **offs, **geo},
                 num_warps=16,
-                enable_fp_fusion=False,
             )
             build(
                 f"rehydrate-k{bits}-{pname}",

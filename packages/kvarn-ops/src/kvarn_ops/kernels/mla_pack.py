@@ -3,10 +3,11 @@ paged cache) and mla_rehydrate (its inverse: a record back into exact-pool rows)
 
 The latent tile is the dense K orientation ``[512 channels, 64 tokens]``; the kernel follows
 ``kvarn_ops.reference.quantize.quantize_tiles`` step by step (prescale, 8 column/row
-iterations with best-iterate tracking, RTN per channel, fold, fp16 rebalance), in fp32 with FMA
-contraction off. Codes can still differ from the reference where exp/log or a reduction order
-changes the last bit of a value that sits on a rounding boundary (measured in
-tests/test_mla_pack.py).
+iterations with best-iterate tracking, RTN per channel, fold, fp16 rebalance), in fp32. The
+iterations take the dense flush's form of the same mathematics (``flush_math.normalize_tile``:
+two passes per iteration, spreads as logarithms). Codes can differ from the reference where
+exp/log, a fused multiply-add or a reduction order changes the last bit of a value that sits on
+a rounding boundary (measured in tests/test_mla_ops.py and the GPU parity suite).
 
 Memory traffic: pack reads ``N*64*(512*E + s + 128) + 8N`` and writes ``N*R``; rehydrate reads
 ``N*R + 8N`` and writes ``N*64*(512*E + s + 128)`` (E, s of the pool as in the reference).
@@ -23,12 +24,12 @@ from kvarn_ops.kernels._common import (
     check_device,
     frexp_exponent,
     launch_or_op,
-    line_spread,
     pack_geometry,
     pow2,
     round_half_even,
     unpack_codes_load,
 )
+from kvarn_ops.kernels.flush_math import normalize_tile
 from kvarn_ops.kernels.mla_common import field_offsets, pool_round, pool_views
 from kvarn_ops.reference.mla import (
     GROUP,
@@ -42,15 +43,6 @@ __all__ = ["mla_pack", "mla_rehydrate"]
 
 REHYDRATE_T = 16
 """Tokens per rehydrate program (a [512, 16] code window; 4 programs per tile)."""
-
-
-@triton.jit
-def _imbalance(y, R: tl.constexpr, C: tl.constexpr, STD_FLOOR: tl.constexpr):
-    col = line_spread(y, 0, R, STD_FLOOR)
-    row = line_spread(y, 1, C, STD_FLOOR)
-    return tl.div_rn(tl.max(col, axis=0), tl.min(col, axis=0)) + tl.div_rn(
-        tl.max(row, axis=0), tl.min(row, axis=0)
-    )
 
 
 @triton.jit
@@ -117,19 +109,9 @@ def _mla_pack_kernel(
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     e = tl.where(amax > 0.0, frexp_exponent(amax) - 1, 0)
     xp = x * pow2(-e)
-    lr = tl.zeros([512], tl.float32)
-    lc = tl.zeros([64], tl.float32)
-    best_lr = lr
-    best_lc = lc
-    best = _imbalance(xp, 512, 64, STD_FLOOR)
-    for _ in range(ITERS):
-        lc = lc + tl.log(line_spread(apply_log_scales(xp, lr, lc), 0, 512, STD_FLOOR))
-        lr = lr + tl.log(line_spread(apply_log_scales(xp, lr, lc), 1, 64, STD_FLOOR))
-        imb = _imbalance(apply_log_scales(xp, lr, lc), 512, 64, STD_FLOOR)
-        better = imb < best
-        best = tl.where(better, imb, best)
-        best_lr = tl.where(better, lr, best_lr)
-        best_lc = tl.where(better, lc, best_lc)
+    # Alternate column / row division by the spread, keep the best-balanced iterate: the
+    # dense flush's form of the reference's step 3 (flush_math.normalize_tile).
+    best_lr, best_lc = normalize_tile(xp, 512, 64, ITERS, STD_FLOOR)
     b = apply_log_scales(xp, best_lr, best_lc)
     # RTN over each channel (row).
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -252,7 +234,6 @@ def _pack_op_impl(
     offs, geo = _geometry(format_name)
     pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
     cfg = MLA_CONFIG
-    # FMA contraction off: the reference rounds every product and sum separately.
     _mla_pack_kernel[(n,)](
         pl,
         ps,
@@ -265,7 +246,6 @@ def _pack_op_impl(
         STD_FLOOR=cfg.std_floor,
         FP8=fp8,
         num_warps=16,
-        enable_fp_fusion=False,
         **offs,
         **geo,
     )

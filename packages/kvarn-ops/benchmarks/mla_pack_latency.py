@@ -1,0 +1,76 @@
+"""Latency of the MLA pack for the few blocks a serving step packs (CUDA GPU, one JSON).
+
+An MLA model has one latent tile per block and layer, so a decode step in which requests
+fill blocks packs a handful of them per layer: one program per block, and the launch takes
+one program's latency (``flush_latency.py`` says the same of the dense flush). This script
+times ``kernels.mla_pack`` at small and large N as CUDA-graph replays (a graph of
+``--launches`` launches, median over ``--replays`` replays, per launch) and prints a table.
+
+    python benchmarks/mla_pack_latency.py --out results/mla_pack_latency.json
+        [--blocks 1,2,4,8,64,2048] [--bits 4] [--pool bf16,fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_mla import random_cache  # noqa: E402
+from flush_latency import graph_ms  # noqa: E402
+
+from kvarn_ops.kernels import mla_pack  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--blocks", default="1,2,4,8,64,2048")
+    ap.add_argument("--bits", default="4")
+    ap.add_argument("--pool", default="bf16,fp8")
+    ap.add_argument("--launches", type=int, default=10)
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("mla_pack_latency.py needs a CUDA GPU")
+    dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    rows = []
+    for bits in map(int, args.bits.split(",")):
+        for pool in args.pool.split(","):
+            for n in map(int, args.blocks.split(",")):
+                torch.manual_seed(4321 + n)
+                layout, packed, pl, ps, pr = random_cache(bits, max(n, 8), max(n, 8), dtypes[pool])
+                src = torch.randperm(max(n, 8), device="cuda")[:n].int()
+                dst = torch.randperm(max(n, 8), device="cuda")[:n].int()
+
+                def call(pl=pl, ps=ps, pr=pr, src=src, dst=dst, packed=packed, layout=layout):
+                    mla_pack.mla_pack(pl, ps, pr, src, dst, packed, layout)
+
+                us = graph_ms(call, args.launches, args.replays) * 1e3
+                row = dict(bits=bits, pool=pool, blocks=n, us=us, us_per_block=us / n)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        launches=args.launches,
+        replays=args.replays,
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"\n{'bits':>4} {'pool':5} {'N':>5} {'us':>10} {'us/block':>9}")
+    for r in rows:
+        per = r["us_per_block"]
+        print(f"{r['bits']:>4} {r['pool']:5} {r['blocks']:>5} {r['us']:>10.1f} {per:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
