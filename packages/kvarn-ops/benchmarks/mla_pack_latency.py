@@ -4,10 +4,13 @@ An MLA model has one latent tile per block and layer, so a decode step in which 
 fill blocks packs a handful of them per layer: one program per block, and the launch takes
 one program's latency (``flush_latency.py`` says the same of the dense flush). This script
 times ``kernels.mla_pack`` at small and large N as CUDA-graph replays (a graph of
-``--launches`` launches, median over ``--replays`` replays, per launch) and prints a table.
+``--launches`` launches, median over ``--replays`` replays, per launch) for each entry of
+``--parts`` (programs per tile, ``mla_pack_split.FORCE_PARTS``; 0 = the shipped choice, 1 =
+the single-program kernel; list 1 first), compares every configuration's records with the
+single-program kernel's, and prints a table.
 
     python benchmarks/mla_pack_latency.py --out results/mla_pack_latency.json
-        [--blocks 1,2,4,8,64,2048] [--bits 4] [--pool bf16,fp8]
+        [--blocks 1,2,4,8,64,2048] [--bits 4] [--pool bf16,fp8] [--parts 1,0,8]
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from flush_latency import graph_ms  # noqa: E402
 
 from kvarn_ops.kernels import mla_pack  # noqa: E402
 
+try:  # builds before the split pack have no such module
+    from kvarn_ops.kernels import mla_pack_split  # noqa: E402
+except ImportError:
+    mla_pack_split = None
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -34,6 +42,7 @@ def main() -> None:
     ap.add_argument("--blocks", default="1,2,4,8,64,2048")
     ap.add_argument("--bits", default="4")
     ap.add_argument("--pool", default="bf16,fp8")
+    ap.add_argument("--parts", default="0", help="programs per tile; 0 = the shipped choice")
     ap.add_argument("--launches", type=int, default=10)
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
@@ -49,13 +58,35 @@ def main() -> None:
                 src = torch.randperm(max(n, 8), device="cuda")[:n].int()
                 dst = torch.randperm(max(n, 8), device="cuda")[:n].int()
 
-                def call(pl=pl, ps=ps, pr=pr, src=src, dst=dst, packed=packed, layout=layout):
-                    mla_pack.mla_pack(pl, ps, pr, src, dst, packed, layout)
+                single = None
+                for parts in map(int, args.parts.split(",")):
+                    row = dict(bits=bits, pool=pool, blocks=n, parts=parts)
+                    if mla_pack_split is not None:
+                        mla_pack_split.FORCE_PARTS = parts or None
+                    elif parts:
+                        continue
 
-                us = graph_ms(call, args.launches, args.replays) * 1e3
-                row = dict(bits=bits, pool=pool, blocks=n, us=us, us_per_block=us / n)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    def call(pl=pl, ps=ps, pr=pr, src=src, dst=dst, packed=packed, lay=layout):
+                        mla_pack.mla_pack(pl, ps, pr, src, dst, packed, lay)
+
+                    try:
+                        call()
+                        torch.cuda.synchronize()
+                        records = packed[dst.long()].clone()
+                        us = graph_ms(call, args.launches, args.replays) * 1e3
+                        row.update(us=us, us_per_block=us / n)
+                        if parts == 1:
+                            single = records
+                        elif single is not None:
+                            equal = (records == single).float().mean().item()
+                            row["bytes_equal_to_single"] = equal
+                    except ValueError as exc:  # a split that does not fit the GPU
+                        row["error"] = str(exc)[:200]
+                    finally:
+                        if mla_pack_split is not None:
+                            mla_pack_split.FORCE_PARTS = None
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     meta = dict(
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
@@ -66,10 +97,13 @@ def main() -> None:
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"\n{'bits':>4} {'pool':5} {'N':>5} {'us':>10} {'us/block':>9}")
+    print(f"\n{'bits':>4} {'pool':5} {'N':>5} {'parts':>5} {'us':>10} {'us/block':>9}")
     for r in rows:
+        if "us" not in r:
+            continue
         per = r["us_per_block"]
-        print(f"{r['bits']:>4} {r['pool']:5} {r['blocks']:>5} {r['us']:>10.1f} {per:>9.2f}")
+        head = f"{r['bits']:>4} {r['pool']:5} {r['blocks']:>5} {r['parts']:>5}"
+        print(f"{head} {r['us']:>10.1f} {per:>9.2f}")
 
 
 if __name__ == "__main__":

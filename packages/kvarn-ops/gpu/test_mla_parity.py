@@ -115,18 +115,11 @@ def test_scatter(gen, dtype):
         assert rel_err(a, b) < 2**-4
 
 
-@pytest.mark.parametrize("bits", [2, 4, 5])
-@pytest.mark.parametrize("dtype", [BF16, FP8])
-def test_pack_and_rehydrate(gen, bits, dtype):
-    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
-    p, n, nb = 520, 512, 700
-    pool = _filled_pool(gen, p, dtype)
-    src = torch.randperm(p, generator=gen, device=DEVICE)[:n].to(torch.int32)
-    dst = torch.randperm(nb, generator=gen, device=DEVICE)[:n].to(torch.int32)
-    got = poison_(torch.empty(nb, layout.record_bytes, dtype=torch.uint8, device=DEVICE))
-    want = got.clone()
-    kpack.mla_pack(*pool, src, dst, got, layout)
-    ref.mla_pack(*pool, src, dst, want, layout)
+def _check_pack(got, want, dst, layout):
+    """Pack records ``got`` against ``want`` (both poisoned before, written at ``dst``): the
+    same untouched records, codes identical >= 99.5% and never more than 1 apart, RoPE
+    bit-exact, decoded latents within 2% of the tile rms plus one step where a code flipped."""
+    nb = got.shape[0]
     untouched = torch.ones(nb, dtype=torch.bool, device=DEVICE)
     untouched[dst.long()] = False
     assert torch.equal(got[untouched], want[untouched])
@@ -149,6 +142,21 @@ def test_pack_and_rehydrate(gen, bits, dtype):
     assert ((glat - wlat).abs() <= bound).all()
     assert rel_err(glat, wlat) <= 0.02
 
+
+@pytest.mark.parametrize("bits", [2, 4, 5])
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+def test_pack_and_rehydrate(gen, bits, dtype):
+    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
+    p, n, nb = 520, 512, 700
+    pool = _filled_pool(gen, p, dtype)
+    src = torch.randperm(p, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(nb, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    got = poison_(torch.empty(nb, layout.record_bytes, dtype=torch.uint8, device=DEVICE))
+    want = got.clone()
+    kpack.mla_pack(*pool, src, dst, got, layout)
+    ref.mla_pack(*pool, src, dst, want, layout)
+    _check_pack(got, want, dst, layout)
+
     # Rehydrate the reference's records into fresh pool blocks: byte-exact.
     back_k, back_r = _pool(p, dtype), _pool(p, dtype)
     blocks = dst[:64].contiguous()
@@ -158,6 +166,65 @@ def test_pack_and_rehydrate(gen, bits, dtype):
     for a, b in zip(back_k, back_r, strict=True):
         if a is not None:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+_SPLIT = importlib.import_module("kvarn_ops.kernels.mla_pack_split")
+
+
+@pytest.mark.parametrize("bits", [2, 4, 5])
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+@pytest.mark.parametrize("n", [1, 3])
+def test_pack_few_blocks(gen, request, bits, dtype, n):
+    """A decode step's pack (a few blocks): each tile's channels split over several programs
+    (the launch must split), against the reference and against one program per tile."""
+    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    parts = _SPLIT.parts_for(n, sms)
+    assert parts > 1, "this case must take the split path"
+    request.node.user_properties.append(("parts", parts))
+    p, nb = 8, 12
+    pool = _filled_pool(gen, p, dtype)
+    src = torch.randperm(p, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(nb, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    got = poison_(torch.empty(nb, layout.record_bytes, dtype=torch.uint8, device=DEVICE))
+    want, single = got.clone(), got.clone()
+    kpack.mla_pack(*pool, src, dst, got, layout)
+    ref.mla_pack(*pool, src, dst, want, layout)
+    _SPLIT.FORCE_PARTS = 1
+    try:
+        kpack.mla_pack(*pool, src, dst, single, layout)
+    finally:
+        _SPLIT.FORCE_PARTS = None
+    _check_pack(got, want, dst, layout)
+    _check_pack(got, single, dst, layout)
+
+
+def test_pack_few_blocks_graph_replay(gen):
+    """The split pack captured in a CUDA graph and replayed with new pool contents: every
+    replay writes the records an eager call writes (the graph zeroes the counters)."""
+    layout = kf.mla_layout("kvarn_mla_k4_g64")
+    pool = _filled_pool(gen, 4, BF16)
+    src = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    dst = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
+    got = torch.empty(4, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
+    kpack.mla_pack(*pool, src, dst, got, layout)  # eager first: compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        kpack.mla_pack(*pool, src, dst, got, layout)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        fresh = _filled_pool(gen, 4, BF16)
+        for cur, new in zip(pool, fresh, strict=True):
+            if cur is not None:
+                cur.copy_(new)
+        want = poison_(torch.empty_like(got))
+        kpack.mla_pack(*pool, src, dst, want, layout)
+        poison_(got)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[dst.long()], want[dst.long()])
 
 
 @pytest.mark.parametrize("bits", [4, 5])

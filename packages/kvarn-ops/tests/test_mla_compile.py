@@ -27,7 +27,7 @@ def _compile_all(arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
 
     import kvarn_formats as kf
-    from kvarn_ops.kernels import mla_decode, mla_gather, mla_pack, mla_scatter
+    from kvarn_ops.kernels import mla_decode, mla_gather, mla_pack, mla_pack_split, mla_scatter
     from kvarn_ops.kernels._common import pack_geometry
     from kvarn_ops.kernels.mla_common import field_offsets
 
@@ -45,10 +45,15 @@ def _compile_all(arch: int) -> dict:
         }
         src = triton.compiler.ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=target, options=dict(opts))
+        ptx = k.asm.get("ptx", "")
         results[name] = {
-            "ptx": "ptx" in k.asm,
+            "ptx": bool(ptx),
             "cubin": "cubin" in k.asm,
             "shared": int(k.metadata.shared),
+            # the split pack's synchronization (counted for every kernel, asserted for it)
+            "release_add": ptx.count("atom.global.gpu.release.add"),
+            "acquire_load": ptx.count("ld.acquire.gpu.global"),
+            "acq_rel_add": ptx.count("atom.global.gpu.acq_rel.add"),
         }
 
     def fmt(bits):
@@ -174,7 +179,33 @@ def _compile_all(arch: int) -> dict:
         },
         {"ITERS": 8, "STD_FLOOR": 1e-3, "FP8": False, **offs, **geo},
         num_warps=16,
-        enable_fp_fusion=False,
+    )
+    # A decode step's pack: each tile over 16 programs (the launcher's largest split).
+    offs, geo = fmt(4)
+    build(
+        "pack-split-k4-bf16",
+        mla_pack_split._mla_pack_split_kernel,
+        {
+            "pool_ptr": "*bf16",
+            "pscale_ptr": "*bf16",
+            "prope_ptr": "*i16",
+            "rec_ptr": "*u8",
+            "rec16_ptr": "*i16",
+            "src_ptr": "*i32",
+            "dst_ptr": "*i32",
+            "scratch_ptr": "*fp32",
+            "counter_ptr": "*i32",
+        },
+        {
+            "ITERS": 8,
+            "STD_FLOOR": 1e-3,
+            "FP8": False,
+            "PARTS": 16,
+            "EMU": False,
+            "SCRATCH": mla_pack_split.scratch_stride(16, 8),
+            **offs,
+        },
+        num_warps=4,
     )
     build(
         "remap",
@@ -224,10 +255,15 @@ def test_every_mla_kernel_compiles(arch):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 17
+    assert len(results) == 18
     assert all(r["ptx"] for r in results.values()), results
     over = {n: r["shared"] for n, r in results.items() if r["shared"] > SHARED_LIMIT[arch]}
     assert not over, f"shared memory over the sm_{arch} limit {SHARED_LIMIT[arch]}: {over}"
+    # The split pack: three exchange sites (steps 1-2, iterate 0, the iteration loop's body),
+    # each one thread's release increment and an acquire polling loop (a load before and in
+    # the loop); then the final acquire-release count.
+    split = results["pack-split-k4-bf16"]
+    assert (split["release_add"], split["acquire_load"], split["acq_rel_add"]) == (3, 6, 1), split
 
 
 if __name__ == "__main__":

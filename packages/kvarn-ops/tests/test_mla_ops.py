@@ -39,6 +39,7 @@ Tolerance table (kernel vs reference):
 
 from __future__ import annotations
 
+import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -136,16 +137,10 @@ def test_scatter_matches_reference(gen, dtype):
 # ------------------------------------------------------------------------------- pack/rehydrate
 
 
-@pytest.mark.parametrize("bits,dtype", [(5, BF16), (2, FP8), (3, BF16)])
-def test_pack_matches_reference(gen, bits, dtype):
-    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
-    pool, _ = filled_pool(gen, 3, dtype)
-    src, dst = i32(2, 0), i32(1, 3)
-    a = torch.full((4, layout.record_bytes), 0xEE, dtype=torch.uint8)
-    b = a.clone()
-    ref.mla_pack(pool[0], pool[1], pool[2], src, dst, a, layout)
-    kpack.mla_pack(pool[0], pool[1], pool[2], src, dst, b, layout)
-    assert bool((b[[0, 2]] == 0xEE).all()), "pack wrote outside dst_blocks"
+def _check_pack(a, b, dst, layout):
+    """Records ``b`` (kernel) against ``a`` (reference) at blocks ``dst``: RoPE bit-exact,
+    codes at most 1 apart and < 0.5% differing, decoded latents within 2% of the tile rms plus
+    one step where a code differs."""
     fa = ref.record_tensors(a[dst.long()], layout)
     fb = ref.record_tensors(b[dst.long()], layout)
     assert torch.equal(fa["rope"].view(torch.int16), fb["rope"].view(torch.int16))
@@ -160,6 +155,66 @@ def test_pack_matches_reference(gen, bits, dtype):
     lsb = (fa["col_scale"].float()[:, None, :] * fa["row_scale"].float()[:, :, None]).abs()
     allowed = 0.02 * rms + code_diff.transpose(1, 2).float() * lsb * 1.01
     assert bool(((la - lb).abs() <= allowed).all())
+
+
+@pytest.mark.parametrize("bits,dtype", [(5, BF16), (2, FP8), (3, BF16)])
+def test_pack_matches_reference(gen, bits, dtype):
+    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
+    pool, _ = filled_pool(gen, 3, dtype)
+    src, dst = i32(2, 0), i32(1, 3)
+    a = torch.full((4, layout.record_bytes), 0xEE, dtype=torch.uint8)
+    b = a.clone()
+    ref.mla_pack(pool[0], pool[1], pool[2], src, dst, a, layout)
+    kpack.mla_pack(pool[0], pool[1], pool[2], src, dst, b, layout)
+    assert bool((b[[0, 2]] == 0xEE).all()), "pack wrote outside dst_blocks"
+    _check_pack(a, b, dst, layout)
+
+
+SPLIT = importlib.import_module("kvarn_ops.kernels.mla_pack_split")
+
+
+@pytest.fixture
+def force_parts():
+    def force(parts):
+        SPLIT.FORCE_PARTS = parts
+
+    yield force
+    SPLIT.FORCE_PARTS = None
+
+
+@pytest.mark.parametrize("bits,dtype,parts", [(4, BF16, 16), (2, FP8, 4), (5, BF16, 8)])
+def test_pack_split_matches_reference(gen, force_parts, bits, dtype, parts):
+    """A decode step's pack: each tile's channels split over ``parts`` programs (the tokens'
+    statistics exchanged, the last program storing the scale fields), with a non-finite token
+    and an all-zero block among the tiles: against the reference and against one program
+    per tile."""
+    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
+    pool, _ = filled_pool(gen, 4, dtype)
+    if dtype == FP8:
+        pool[1][0, 17] = float("inf")  # a token's scale: the whole token is non-finite
+    else:
+        pool[0][0, 17, 300] = float("nan")  # one channel: another part than channel 0's
+    pool[0][3] = 0.0  # an all-zero tile
+    src, dst = i32(0, 2, 3), i32(1, 4, 0)
+    a = torch.full((5, layout.record_bytes), 0xEE, dtype=torch.uint8)
+    b, single = a.clone(), a.clone()
+    ref.mla_pack(pool[0], pool[1], pool[2], src, dst, a, layout)
+    force_parts(parts)
+    kpack.mla_pack(pool[0], pool[1], pool[2], src, dst, b, layout)
+    force_parts(1)
+    kpack.mla_pack(pool[0], pool[1], pool[2], src, dst, single, layout)
+    assert bool((b[[2, 3]] == 0xEE).all()), "pack wrote outside dst_blocks"
+    _check_pack(a, b, dst, layout)
+    _check_pack(single, b, dst, layout)
+
+
+@pytest.mark.parametrize(
+    ("tiles", "sms", "parts"),
+    [(1, 132, 32), (4, 132, 32), (5, 132, 16), (8, 132, 16), (9, 132, 8), (33, 132, 4)]
+    + [(34, 132, 1), (1, 8, 8), (3, 8, 1)],
+)
+def test_pack_split_parts_for(tiles, sms, parts):
+    assert SPLIT.parts_for(tiles, sms) == parts
 
 
 @pytest.mark.parametrize("bits,dtype", [(4, BF16), (5, FP8)])

@@ -68,6 +68,7 @@ from kvarn_ops.kernels._common import (
     round_half_even,
 )
 from kvarn_ops.kernels.flush_math import normalize_tile, unbiased_clip_search
+from kvarn_ops.kernels.flush_sync import fence
 from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
 from kvarn_ops.reference.rounding import ROUNDING_MODES
 
@@ -216,11 +217,11 @@ def _flush_tile(
         tl.store(scr_ptr + R * C + 2 * R + rp, row_mult * lo)
         # Release this part's stores (every thread, then the barrier), count it in; the last
         # part acquires all of them.
-        _fence(part, ASM)
+        fence(part, ASM)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == PARTS - 1:
-            _fence(part, ASM)
+            fence(part, ASM)
             s_all = tl.load(scr_ptr + R * C + R + r, cache_modifier=".cg")
             z_all = tl.load(scr_ptr + R * C + 2 * R + r, cache_modifier=".cg")
             _store_scales(
@@ -241,21 +242,6 @@ def _flush_tile(
                 COL_SCALE_OFF,
                 COL_SCALE_PAD,
             )
-
-
-@triton.jit
-def _fence(x, ASM: tl.constexpr):
-    """``fence.acq_rel.gpu`` in every thread (compiled only; the interpreter runs programs one
-    after another). ``x``: any int32 scalar, passed through so the asm has an operand."""
-    if ASM:
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;",
-            "=r,r",
-            [x],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit

@@ -38,9 +38,10 @@ import triton
 import triton.language as tl
 
 from kvarn_ops.kernels._common import clip_codes, clip_ratio
+from kvarn_ops.kernels.flush_sync import exchange, partials
 from kvarn_ops.reference.rounding import CLIP_RATIOS
 
-__all__ = ["normalize_tile", "unbiased_clip_search"]
+__all__ = ["normalize_split", "normalize_tile", "unbiased_clip_search"]
 
 
 _NUM_CLIP_RATIOS = tl.constexpr(len(CLIP_RATIOS))
@@ -114,6 +115,93 @@ def normalize_tile(
         hl_c, pos_c = _half_log(var_c, ms_c, FLOOR2)
         lcs = _log_spread(hl_c, pos_c)
         # every row of the new iterate has spread 1 (zero rows: the geometric mean of 1s)
+        imb = _ratio(lcs) + 1.0
+        better = imb < best
+        best = tl.where(better, imb, best)
+        best_lr = tl.where(better, lr, best_lr)
+        best_lc = tl.where(better, lc, best_lc)
+    return best_lr, best_lc
+
+
+@triton.jit
+def _column_log_spreads(g1, g2, R: tl.constexpr, RP: tl.constexpr, FLOOR2: tl.constexpr):
+    """The column log spreads (``_log_spread`` of ``_half_log``) of a tile from its row slices'
+    partials ``[PARTS, C]`` (sums, squared deviations from the slice means): the variance
+    combined as Chan, Golub and LeVeque's pairwise update, ``M2 = sum M2_p + RP * sum (mean_p -
+    mean)**2``, stable where a column's mean dwarfs its spread; the mean square as in
+    :func:`_line_moments`."""
+    mean = tl.sum(g1, axis=0) / R
+    d = g1 / RP - mean[None, :]
+    var = (tl.sum(g2, axis=0) + RP * tl.sum(d * d, axis=0)) / R
+    hl, pos = _half_log(var, var + mean * mean, FLOOR2)
+    return _log_spread(hl, pos)
+
+
+@triton.jit
+def normalize_split(
+    xp,
+    scr,
+    cnt,
+    slot0,
+    part,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    C: tl.constexpr,
+    PARTS: tl.constexpr,
+    EMU: tl.constexpr,
+    ITERS: tl.constexpr,
+    STD_FLOOR: tl.constexpr,
+):
+    """:func:`normalize_tile` of a tile ``[R, C]`` whose rows are split over ``PARTS``
+    programs: ``xp`` holds this program's ``RP = R / PARTS`` rows (the whole tile when
+    ``EMU``, ``flush_sync``). Returns ``(lr, lc)``: the log scales of this program's rows and
+    of every column, the best-balanced iterate's, as :func:`normalize_tile` chooses it.
+
+    Row statistics stay local. Column statistics take one exchange per iteration (slots
+    ``slot0 .. slot0 + ITERS``): each program's column sums and squared deviations, combined
+    by every program in the same order (:func:`_column_log_spreads`), so all of them take the
+    same column scales and the same best iterate. The first exchange also carries each
+    slice's extreme row log spreads (iterate 0's row imbalance, the only one not equal to 1).
+    A zero row's log scale stays 0 instead of the other rows' mean: it scales zeros, and its
+    folded scale and zero point are 0 either way."""
+    FLOOR2: tl.constexpr = STD_FLOOR * STD_FLOOR
+    M: tl.constexpr = R if EMU else RP
+    lr = tl.zeros([M], dtype=tl.float32)
+    lc = tl.zeros([C], dtype=tl.float32)
+    # Iterate 0: the rows' extreme log spreads ride in the first exchange (entries 0 and 1 of
+    # a third partial, as -max and min, so that the parts' entries combine by min).
+    var_r, ms_r = _line_moments(xp, 1, C)
+    hl_r, pos_r = _half_log(var_r, ms_r, FLOOR2)
+    c = tl.arange(0, C)
+    if EMU:
+        hl3 = tl.reshape(hl_r, [PARTS, RP])
+        pos3 = tl.reshape(pos_r, [PARTS, RP])
+        neg_hi = tl.min(tl.where(pos3, -hl3, float("inf")), axis=1)[:, None]
+        lo = tl.min(tl.where(pos3, hl3, float("inf")), axis=1)[:, None]
+        ext = tl.where(c[None, :] == 0, neg_hi, tl.where(c[None, :] == 1, lo, 0.0))
+    else:
+        neg_hi = tl.min(tl.where(pos_r, -hl_r, float("inf")), axis=0)
+        lo = tl.min(tl.where(pos_r, hl_r, float("inf")), axis=0)
+        ext = tl.where(c == 0, neg_hi, tl.where(c == 1, lo, 0.0))
+    s1, m2 = partials(xp, RP, C, PARTS, EMU)
+    g1, g2, g3 = exchange(scr, cnt, slot0, part, s1, m2, ext, 3, C, PARTS, EMU)
+    lcs = _column_log_spreads(g1, g2, R, RP, FLOOR2)
+    neg_hi = tl.min(tl.min(tl.where(c[None, :] == 0, g3, float("inf")), axis=1), axis=0)
+    lo = tl.min(tl.min(tl.where(c[None, :] == 1, g3, float("inf")), axis=1), axis=0)
+    # No positive row: every log spread 0 (the fill of an empty mean), ratio 1.
+    row_ratio = tl.where(lo < float("inf"), tl.exp(-neg_hi - lo), 1.0)
+    best = _ratio(lcs) + row_ratio
+    best_lr = lr
+    best_lc = lc
+    for it in range(ITERS):
+        lc = lc + lcs
+        b = tl.exp(-lc)
+        var_r, ms_r = _line_moments((xp * tl.exp(-lr)[:, None]) * b[None, :], 1, C)
+        hl_r, pos_r = _half_log(var_r, ms_r, FLOOR2)
+        lr = lr + tl.where(pos_r, hl_r, 0.0)
+        s1, m2 = partials((xp * tl.exp(-lr)[:, None]) * b[None, :], RP, C, PARTS, EMU)
+        g1, g2, _ = exchange(scr, cnt, slot0 + 1 + it, part, s1, m2, s1, 2, C, PARTS, EMU)
+        lcs = _column_log_spreads(g1, g2, R, RP, FLOOR2)
         imb = _ratio(lcs) + 1.0
         better = imb < best
         best = tl.where(better, imb, best)

@@ -19,18 +19,26 @@ import torch
 import triton
 import triton.language as tl
 
+from kvarn_ops.kernels import mla_pack_split
 from kvarn_ops.kernels._common import (
+    INTERPRET,
     apply_log_scales,
     check_device,
     frexp_exponent,
     launch_or_op,
     pack_geometry,
     pow2,
-    round_half_even,
     unpack_codes_load,
 )
 from kvarn_ops.kernels.flush_math import normalize_tile
 from kvarn_ops.kernels.mla_common import field_offsets, pool_round, pool_views
+from kvarn_ops.kernels.mla_pack_math import (
+    copy_rope,
+    load_rows,
+    rtn_rows,
+    store_code_rows,
+    store_scales,
+)
 from kvarn_ops.reference.mla import (
     GROUP,
     MLA_CONFIG,
@@ -43,32 +51,6 @@ __all__ = ["mla_pack", "mla_rehydrate"]
 
 REHYDRATE_T = 16
 """Tokens per rehydrate program (a [512, 16] code window; 4 programs per tile)."""
-
-
-@triton.jit
-def _store_code_rows(ptr, codes, BITS: tl.constexpr):
-    """Bit-pack int32 ``codes [512, 64]`` (values < 2**BITS) as stream ``d*64 + t`` at uint8
-    ``ptr``, one store per byte and no reshape.
-
-    Row ``d`` fills exactly the ``8*BITS`` bytes ``[d*8*BITS, (d+1)*8*BITS)``. Code ``t`` starts
-    at bit ``o = BITS*t``: its low piece ``(code << o%8) & 0xFF`` belongs to byte ``o // 8`` of
-    the row, its high piece ``code >> (8 - o%8)`` (0 unless the code straddles) to the next
-    byte. Byte ``j`` of every row is the sum (= OR, the pieces hold disjoint bits) of the
-    pieces that belong to it: one row reduction and one [512] store per ``j``."""
-    t = tl.arange(0, 64)
-    d = tl.arange(0, 512)
-    o = t * BITS
-    first = o >> 3
-    sh = o & 7
-    lo_piece = (codes << sh[None, :]) & 0xFF
-    hi_piece = codes >> (8 - sh)[None, :]
-    ROW_BYTES: tl.constexpr = 8 * BITS
-    for j in range(ROW_BYTES):
-        piece = tl.where(first[None, :] == j, lo_piece, 0) + tl.where(
-            first[None, :] + 1 == j, hi_piece, 0
-        )
-        byte = tl.sum(piece, axis=1)
-        tl.store(ptr + d * ROW_BYTES + j, byte.to(tl.uint8))
 
 
 @triton.jit
@@ -99,9 +81,7 @@ def _mla_pack_kernel(
     d = tl.arange(0, 512)
     t = tl.arange(0, 64)
     # K-orientation tile x[d, t] (rows = channels).
-    x = tl.load(pool_ptr + (src * 64 + t[None, :]) * 512 + d[:, None]).to(tl.float32)
-    if FP8:
-        x = x * tl.load(pscale_ptr + src * 64 + t)[None, :]
+    x = load_rows(pool_ptr, pscale_ptr, src, d, t, FP8)
     # A token (column) holding NaN/Inf is quantized as zeros.
     finite = tl.min((tl.abs(x) < float("inf")).to(tl.int32), axis=0) > 0
     x = tl.where(finite[None, :], x, 0.0)
@@ -113,57 +93,13 @@ def _mla_pack_kernel(
     # dense flush's form of the reference's step 3 (flush_math.normalize_tile).
     best_lr, best_lc = normalize_tile(xp, 512, 64, ITERS, STD_FLOOR)
     b = apply_log_scales(xp, best_lr, best_lc)
-    # RTN over each channel (row).
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    lo = tl.min(b, axis=1)
-    rng = tl.max(b, axis=1) - lo
-    # The reference's ``levels / rng`` is torch's reversed division: reciprocal(rng) * levels
-    # (two IEEE roundings, on every device).
-    inv = tl.where(
-        rng > 0.0,
-        tl.div_rn(tl.full([512], 1.0, tl.float32), tl.where(rng > 0.0, rng, 1.0)) * LEVELS,
-        0.0,
-    )
-    q = round_half_even((b - lo[:, None]) * inv[:, None])
-    codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
-    step = tl.div_rn(rng, tl.full([512], LEVELS, tl.float32))
-    # Fold the RTN step and zero point into the channel scale.
+    # RTN over each channel (row); fold the step and zero point into the channel scale.
+    codes, step, lo = rtn_rows(b, (1 << BITS) - 1)
     row_mult = tl.exp(best_lr)
-    s = row_mult * step
-    z = row_mult * lo
-    w = tl.exp(best_lc)
-    # Move a power of two between the sides so every fp16 field stays normal.
-    mag = tl.maximum(tl.abs(s), tl.abs(z))
-    nz = mag > 0.0
-    big = 536870911
-    ea = frexp_exponent(mag) + e
-    a_lo = tl.min(tl.where(nz, ea, big), axis=0)
-    a_hi = tl.max(tl.where(nz, ea, -big), axis=0)
-    eb = frexp_exponent(w)
-    b_lo = tl.min(eb, axis=0)
-    b_hi = tl.max(eb, axis=0)
-    has_a = tl.max(nz.to(tl.int32), axis=0) > 0
-    lower = tl.where(has_a, tl.maximum(-13 - a_lo, b_hi - 15), b_hi - 15)
-    upper = tl.where(has_a, tl.minimum(15 - a_hi, b_lo + 13), b_lo + 13)
-    j = (lower + upper) >> 1
-    base = dst * REC
-    _store_code_rows(rec_ptr + base, codes, BITS)
+    store_code_rows(rec_ptr + dst * REC, codes, BITS, 512)
     b16 = dst * (REC // 2)
-    tl.store(
-        rec16_ptr + b16 + CS_OFF // 2 + d,
-        (s * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True),
-    )
-    tl.store(
-        rec16_ptr + b16 + ZP_OFF // 2 + d,
-        (z * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True),
-    )
-    tl.store(
-        rec16_ptr + b16 + RS_OFF // 2 + t, (w * pow2(-j)).to(tl.float16).to(tl.int16, bitcast=True)
-    )
-    # RoPE: bit copy of the pool rows.
-    rr = tl.arange(0, 64)
-    rope = tl.load(prope_ptr + (src * 64 + t[:, None]) * 64 + rr[None, :])
-    tl.store(rec16_ptr + b16 + ROPE_OFF // 2 + t[:, None] * 64 + rr[None, :], rope)
+    store_scales(rec16_ptr, b16, row_mult * step, row_mult * lo, best_lc, e, CS_OFF, ZP_OFF, RS_OFF)
+    copy_rope(prope_ptr, rec16_ptr, src, b16, ROPE_OFF)
 
 
 @triton.jit
@@ -219,6 +155,17 @@ def _geometry(format_name: str):
     return offs, {"L": lg, "NB": nbytes, "NBP": nbp}
 
 
+def _split_parts(n: int, device) -> int:
+    """Programs per tile: ``mla_pack_split.FORCE_PARTS`` if set, else its ``parts_for`` on a
+    GPU, else 1 (the single-program kernel)."""
+    if mla_pack_split.FORCE_PARTS is not None:
+        return mla_pack_split.FORCE_PARTS
+    if device.type == "cuda" and not INTERPRET:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return mla_pack_split.parts_for(n, sms)
+    return 1
+
+
 def _pack_op_impl(
     pool_latent: torch.Tensor,
     pool_scale: torch.Tensor | None,
@@ -234,6 +181,22 @@ def _pack_op_impl(
     offs, geo = _geometry(format_name)
     pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
     cfg = MLA_CONFIG
+    parts = _split_parts(n, pool_latent.device)
+    if parts > 1:  # a decode step's few blocks: each tile over several programs
+        mla_pack_split.launch(
+            pl,
+            ps,
+            pr,
+            src_pool_blocks,
+            dst_blocks,
+            packed,
+            parts,
+            cfg.iters,
+            cfg.std_floor,
+            fp8,
+            offs,
+        )
+        return
     _mla_pack_kernel[(n,)](
         pl,
         ps,
