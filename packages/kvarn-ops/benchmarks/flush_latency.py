@@ -69,6 +69,20 @@ def graph_ms(fn, launches: int, replays: int) -> float:
     return statistics.median(times)
 
 
+def write_results(out, rows: list, **meta) -> None:
+    """``{"meta": ..., "rows": rows}`` as JSON at ``out``; the meta names the GPU and the
+    software, plus ``meta``."""
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        **meta,
+    )
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
 def run_case(args, n, pool, warps, parts, reference=None):
     """One configuration at N = ``n``: its row and the records it wrote."""
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -147,16 +161,7 @@ def main() -> None:
                 ref = rec
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
-        launches=args.launches,
-        replays=args.replays,
-    )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    write_results(args.out, rows, launches=args.launches, replays=args.replays)
     head = " ".join(f"{f'w{w}/p{pt}':>10}" for w, pt in configs)
     print(f"\n{'pool':5} {'N':>5} {'tiles':>6} {head}   (w0/p0: shipped)")
     for pool, n in itertools.product(args.pool.split(","), blocks):

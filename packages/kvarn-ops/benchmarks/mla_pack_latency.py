@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_mla import random_cache  # noqa: E402
-from flush_latency import graph_ms  # noqa: E402
+from flush_latency import graph_ms, write_results  # noqa: E402
 
 from kvarn_ops.kernels import mla_pack  # noqa: E402
 
@@ -87,16 +85,7 @@ def main() -> None:
                             mla_pack_split.FORCE_PARTS = None
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
-        launches=args.launches,
-        replays=args.replays,
-    )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    write_results(args.out, rows, launches=args.launches, replays=args.replays)
     print(f"\n{'bits':>4} {'pool':5} {'N':>5} {'parts':>5} {'us':>10} {'us/block':>9}")
     for r in rows:
         if "us" not in r:

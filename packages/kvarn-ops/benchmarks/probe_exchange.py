@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flush_latency import graph_ms  # noqa: E402
+from flush_latency import graph_ms, write_results  # noqa: E402
 
 
 @triton.jit
@@ -137,14 +136,7 @@ def main() -> None:
                     row.update(nx=nx, us=us, programs_agree=agree)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
-    )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    write_results(args.out, rows)
     print(f"\n{'variant':8} {'parts':>5} {'warps':>5} {'us per exchange':>16} {'agree':>6}")
     nxs = sorted({r["nx"] for r in rows})
     for variant in args.variants.split(","):

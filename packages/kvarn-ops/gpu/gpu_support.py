@@ -1,4 +1,5 @@
-"""Helpers of the GPU parity suite: the device, error measures, poison, realistic K/V."""
+"""Helpers of the GPU parity suite: the device, error measures, poison, realistic K/V, CUDA-graph
+replays."""
 
 from __future__ import annotations
 
@@ -32,3 +33,26 @@ def realistic_kv(gen: torch.Generator, shape: tuple[int, ...], dtype=torch.float
     outliers = torch.randperm(d, generator=gen, device=DEVICE)[: max(1, d // 32)]
     chan[outliers] *= 8
     return (x * chan).to(dtype)
+
+
+def check_graph_replays(call, refresh, got: torch.Tensor, rows: torch.Tensor, replays: int = 3):
+    """``call(out)`` (an op writing ``out``) captured in a CUDA graph writing ``got``, then
+    ``replays`` times: ``refresh()`` new inputs in place, an eager ``call`` into a poisoned
+    tensor, the graph replayed into a poisoned ``got``; ``got[rows]`` must equal the eager
+    result bit for bit (what the graph holds, e.g. a counter's zeroing, must be replayed
+    too)."""
+    call(got)  # eager first: compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        call(got)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(replays):
+        refresh()
+        want = poison_(torch.empty_like(got))
+        call(want)
+        poison_(got)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[rows], want[rows])

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 from cache_builder import build_cache
-from gpu_support import DEVICE, poison_, realistic_kv, rel_err
+from gpu_support import DEVICE, check_graph_replays, poison_, realistic_kv, rel_err
 
 import kvarn_formats as kf
 from kvarn_ops import kernels, reference
@@ -276,24 +276,16 @@ def test_flush_few_blocks_graph_replay(gen):
     src = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
     dst = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
     got = torch.empty(4, 8, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
-    kernels.flush(*pools, src, dst, got, layout)  # eager first: compiles
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        kernels.flush(*pools, src, dst, got, layout)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
+
+    def refresh():
         fresh = _flush_pool(gen, layout, 8, 4, torch.bfloat16)
         for pool, new in zip(pools, fresh, strict=True):
             if pool is not None:
                 pool.copy_(new)
-        want = poison_(torch.empty_like(got))
-        kernels.flush(*pools, src, dst, want, layout)
-        poison_(got)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got[dst.long()], want[dst.long()])
+
+    check_graph_replays(
+        lambda out: kernels.flush(*pools, src, dst, out, layout), refresh, got, dst.long()
+    )
 
 
 DECODE_GEOMETRIES = [  # (Hq, Hkv, D): Llama-3.1-8B, Qwen-style GQA 8, small d64, d256, MHA

@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from gpu_support import DEVICE, poison_, rel_err
+from gpu_support import DEVICE, check_graph_replays, poison_, rel_err
 
 import kvarn_formats as kf
 from kvarn_ops.reference import mla as ref
@@ -207,24 +207,16 @@ def test_pack_few_blocks_graph_replay(gen):
     src = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
     dst = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
     got = torch.empty(4, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
-    kpack.mla_pack(*pool, src, dst, got, layout)  # eager first: compiles
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        kpack.mla_pack(*pool, src, dst, got, layout)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
+
+    def refresh():
         fresh = _filled_pool(gen, 4, BF16)
         for cur, new in zip(pool, fresh, strict=True):
             if cur is not None:
                 cur.copy_(new)
-        want = poison_(torch.empty_like(got))
-        kpack.mla_pack(*pool, src, dst, want, layout)
-        poison_(got)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got[dst.long()], want[dst.long()])
+
+    check_graph_replays(
+        lambda out: kpack.mla_pack(*pool, src, dst, out, layout), refresh, got, dst.long()
+    )
 
 
 @pytest.mark.parametrize("bits", [4, 5])

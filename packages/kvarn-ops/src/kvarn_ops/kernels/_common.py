@@ -51,6 +51,7 @@ __all__ = [
     "cuda_feature",
     "exact_in_tf32",
     "f16_parts",
+    "fp16_balance_shift",
     "frexp_exponent",
     "gluon_modules",
     "hadamard_signs",
@@ -178,6 +179,28 @@ def frexp_exponent(v):
     ``torch.frexp``); 0 for ``v == 0``. Subnormal ``v`` give -126."""
     field = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
     return tl.where(v == 0.0, 0, field - 126)
+
+
+@triton.jit
+def fp16_balance_shift(s, z, w, e):
+    """Reference quantizer step 6 for one tile: the power-of-two exponent ``j`` to move between
+    its sides so every fp16 field is normal where possible. Row side: folded scales ``s`` and
+    zero points ``z`` in prescaled units (stored as ``* 2**(e + j)``, ``e`` the prescale
+    exponent); column side: scales ``w`` (stored as ``* 2**-j``). Rows that are all zero do
+    not constrain ``j``."""
+    mag = tl.maximum(tl.abs(s), tl.abs(z))
+    nz = mag > 0.0
+    ea = frexp_exponent(mag) + e
+    big = 536870911  # int32 max // 4, as the reference
+    a_lo = tl.min(tl.where(nz, ea, big), axis=0)
+    a_hi = tl.max(tl.where(nz, ea, -big), axis=0)
+    eb = frexp_exponent(w)
+    b_lo = tl.min(eb, axis=0)
+    b_hi = tl.max(eb, axis=0)
+    has_a = tl.max(nz.to(tl.int32), axis=0) > 0
+    lower = tl.where(has_a, tl.maximum(-13 - a_lo, b_hi - 15), b_hi - 15)
+    upper = tl.where(has_a, tl.minimum(15 - a_hi, b_lo + 13), b_lo + 13)
+    return (lower + upper) >> 1  # arithmetic shift: floor division by 2
 
 
 @triton.jit

@@ -60,6 +60,7 @@ from kvarn_ops.kernels._common import (
     INTERPRET,
     apply_log_scales,
     check_device,
+    fp16_balance_shift,
     frexp_exponent,
     launch_or_op,
     pack_codes_store,
@@ -291,19 +292,7 @@ def _store_scales(
     ``e``: the prescale exponent), then the fp16 stores and the padding after every field but
     the codes' own bytes."""
     w = tl.exp(lc)
-    mag = tl.maximum(tl.abs(s), tl.abs(z))
-    nz = mag > 0.0
-    ea = frexp_exponent(mag) + e
-    big = 536870911  # int32 max // 4, as the reference
-    a_lo = tl.min(tl.where(nz, ea, big), axis=0)
-    a_hi = tl.max(tl.where(nz, ea, -big), axis=0)
-    eb = frexp_exponent(w)
-    b_lo = tl.min(eb, axis=0)
-    b_hi = tl.max(eb, axis=0)
-    has_a = tl.max(nz.to(tl.int32), axis=0) > 0
-    lower = tl.where(has_a, tl.maximum(-13 - a_lo, b_hi - 15), b_hi - 15)
-    upper = tl.where(has_a, tl.minimum(15 - a_hi, b_lo + 13), b_lo + 13)
-    j = (lower + upper) >> 1  # arithmetic shift: floor division by 2
+    j = fp16_balance_shift(s, z, w, e)
     shift_a = pow2(e + j)
     shift_b = pow2(-j)
     _zero_pad(rec_ptr + CODES_OFF + R * C * BITS // 8, CODES_PAD)

@@ -7,7 +7,9 @@ iterations with best-iterate tracking, RTN per channel, fold, fp16 rebalance), i
 iterations take the dense flush's form of the same mathematics (``flush_math.normalize_tile``:
 two passes per iteration, spreads as logarithms). Codes can differ from the reference where
 exp/log, a fused multiply-add or a reduction order changes the last bit of a value that sits on
-a rounding boundary (measured in tests/test_mla_ops.py and the GPU parity suite).
+a rounding boundary (measured in tests/test_mla_ops.py and the GPU parity suite). A launch of
+few blocks (a decode step's) splits each tile over several programs instead
+(``mla_pack_split.py``).
 
 Memory traffic: pack reads ``N*64*(512*E + s + 128) + 8N`` and writes ``N*R``; rehydrate reads
 ``N*R + 8N`` and writes ``N*64*(512*E + s + 128)`` (E, s of the pool as in the reference).

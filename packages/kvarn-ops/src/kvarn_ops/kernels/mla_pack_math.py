@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_ops.kernels._common import frexp_exponent, pow2, round_half_even
+from kvarn_ops.kernels._common import fp16_balance_shift, pow2, round_half_even
 
 __all__ = ["copy_rope", "load_rows", "rtn_rows", "store_code_rows", "store_scales"]
 
@@ -86,19 +86,7 @@ def store_scales(
     d = tl.arange(0, 512)
     t = tl.arange(0, 64)
     w = tl.exp(lc)
-    mag = tl.maximum(tl.abs(s), tl.abs(z))
-    nz = mag > 0.0
-    big = 536870911
-    ea = frexp_exponent(mag) + e
-    a_lo = tl.min(tl.where(nz, ea, big), axis=0)
-    a_hi = tl.max(tl.where(nz, ea, -big), axis=0)
-    eb = frexp_exponent(w)
-    b_lo = tl.min(eb, axis=0)
-    b_hi = tl.max(eb, axis=0)
-    has_a = tl.max(nz.to(tl.int32), axis=0) > 0
-    lower = tl.where(has_a, tl.maximum(-13 - a_lo, b_hi - 15), b_hi - 15)
-    upper = tl.where(has_a, tl.minimum(15 - a_hi, b_lo + 13), b_lo + 13)
-    j = (lower + upper) >> 1
+    j = fp16_balance_shift(s, z, w, e)
     tl.store(
         rec16_ptr + b16 + CS_OFF // 2 + d,
         (s * pow2(e + j)).to(tl.float16).to(tl.int16, bitcast=True),
