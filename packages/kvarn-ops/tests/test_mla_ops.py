@@ -185,15 +185,17 @@ def force_parts():
 @pytest.mark.parametrize("bits,dtype,parts", [(4, BF16, 16), (2, FP8, 4), (5, BF16, 8)])
 def test_pack_split_matches_reference(gen, force_parts, bits, dtype, parts):
     """A decode step's pack: each tile's channels split over ``parts`` programs (the tokens'
-    statistics exchanged, the last program storing the scale fields), with a non-finite token
-    and an all-zero block among the tiles: against the reference and against one program
-    per tile."""
+    statistics exchanged, the last program storing the scale fields), with a non-finite token,
+    tokens whose mean over the channels dwarfs their spread (bf16: the slices' variances are
+    combined around very different means) and an all-zero block among the tiles: against the
+    reference and against one program per tile."""
     layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
     pool, _ = filled_pool(gen, 4, dtype)
     if dtype == FP8:
         pool[1][0, 17] = float("inf")  # a token's scale: the whole token is non-finite
     else:
         pool[0][0, 17, 300] = float("nan")  # one channel: another part than channel 0's
+        pool[0][2, :8] += 200.0  # 8 tokens: mean 200, spread a few units
     pool[0][3] = 0.0  # an all-zero tile
     src, dst = i32(0, 2, 3), i32(1, 4, 0)
     a = torch.full((5, layout.record_bytes), 0xEE, dtype=torch.uint8)
