@@ -35,12 +35,13 @@ def realistic_kv(gen: torch.Generator, shape: tuple[int, ...], dtype=torch.float
     return (x * chan).to(dtype)
 
 
-def check_graph_replays(call, refresh, got: torch.Tensor, rows: torch.Tensor, replays: int = 3):
-    """``call(out)`` (an op writing ``out``) captured in a CUDA graph writing ``got``, then
-    ``replays`` times: ``refresh()`` new inputs in place, an eager ``call`` into a poisoned
-    tensor, the graph replayed into a poisoned ``got``; ``got[rows]`` must equal the eager
-    result bit for bit (what the graph holds, e.g. a counter's zeroing, must be replayed
-    too)."""
+def check_graph_replays(call, inputs, make, got: torch.Tensor, rows: torch.Tensor, replays=3):
+    """``call(out)`` (an op reading the tensors ``inputs`` and writing ``out``) captured in a
+    CUDA graph writing ``got``, then ``replays`` times: new values from ``make()`` (a tuple
+    like ``inputs``) copied into ``inputs`` in place, an eager ``call`` into a poisoned tensor,
+    the graph replayed into a poisoned ``got``; ``got[rows]`` must equal the eager result bit
+    for bit (what the graph holds, e.g. a counter's zeroing, must be replayed too). ``None``
+    entries of ``inputs`` are skipped."""
     call(got)  # eager first: compiles
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -49,7 +50,9 @@ def check_graph_replays(call, refresh, got: torch.Tensor, rows: torch.Tensor, re
         call(got)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(replays):
-        refresh()
+        for cur, new in zip(inputs, make(), strict=True):
+            if cur is not None:
+                cur.copy_(new)
         want = poison_(torch.empty_like(got))
         call(want)
         poison_(got)

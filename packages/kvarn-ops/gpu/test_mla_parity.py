@@ -207,15 +207,12 @@ def test_pack_few_blocks_graph_replay(gen):
     src = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
     dst = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
     got = torch.empty(4, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
-
-    def refresh():
-        fresh = _filled_pool(gen, 4, BF16)
-        for cur, new in zip(pool, fresh, strict=True):
-            if cur is not None:
-                cur.copy_(new)
-
     check_graph_replays(
-        lambda out: kpack.mla_pack(*pool, src, dst, out, layout), refresh, got, dst.long()
+        lambda out: kpack.mla_pack(*pool, src, dst, out, layout),
+        pool,
+        lambda: _filled_pool(gen, 4, BF16),
+        got,
+        dst.long(),
     )
 
 
