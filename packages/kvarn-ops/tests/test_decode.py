@@ -167,9 +167,8 @@ Four were too few: the output channel the inverse Hadamard sums with equal signs
 weight's rounding coherently (the codes are non-negative), so one element carries the largest
 error and it is a single draw, which the largest of four realizations can undercut by 2x.
 Measured under the interpreter on the k2v2 d512 case of ``test_large_head_dims_and_bf16_query``
-(where CI once failed at 2.3x): kernel error over the largest of 4 realizations up to 2.09 in
-430 seeds, over the largest of 16 at most 1.25 in 422 seeds (1.56 over 4 on those seeds).
-Sixteen emulations of that case take 0.06 s on the CPU."""
+(where CI once failed at 2.3x), 734 seeds: kernel error over the largest of 4 realizations up
+to 2.09, over the largest of 16 at most 1.25. Sixteen emulations of that case take 0.06 s."""
 
 
 def emulated_error(q, args, ref, operand_precision="fp16", compute_dtype=torch.float64):
