@@ -122,7 +122,8 @@ def main() -> None:
         "--kernels",
         default="default",
         help="decode kernels, comma list: default (the Gluon kernel where it applies: wgmma on "
-        "sm_90), mma (the mma.sync Gluon kernel), triton",
+        "sm_90), mma (the mma.sync Gluon kernel), wgmma (the wgmma kernel at 4 and 5 bits), "
+        "triton",
     )
     args = ap.parse_args()
     ops = set(args.ops.split(","))
@@ -142,6 +143,7 @@ def main() -> None:
             }
         )
 
+    default_wgmma_bits = mla_decode.WGMMA_BITS
     for bits in (int(b) for b in args.bits.split(",")):
         for dt in (torch.bfloat16, torch.float8_e4m3fn) if "pack" in ops else ():
             record("pack", f"k{bits} N=2048 pool={str(dt)[6:]}", *bench_pack(bits, 2048, dt))
@@ -159,7 +161,8 @@ def main() -> None:
         )
         for kern in args.kernels.split(",") if "decode" in ops else ():
             mla_decode.MMA_KERNEL = kern != "triton"
-            mla_decode.WGMMA_KERNEL = kern == "default"
+            mla_decode.WGMMA_KERNEL = kern in ("default", "wgmma")
+            mla_decode.WGMMA_BITS = (4, 5) if kern == "wgmma" else default_wgmma_bits
             tag = ("" if kern == "default" else f" [{kern}]") + (" graph" if args.graph else "")
             for batch, heads, ctx, splits in full:
                 ms, nbytes = bench_decode(bits, batch, heads, ctx, splits, graph=args.graph)
@@ -168,6 +171,7 @@ def main() -> None:
                 )
                 record("decode", f"k{bits} B={batch} H={heads} L={ctx} S={s_used}{tag}", ms, nbytes)
         mla_decode.MMA_KERNEL = mla_decode.WGMMA_KERNEL = True
+        mla_decode.WGMMA_BITS = default_wgmma_bits
         for batch, heads in ((8, 16), (64, 16), (32, 128)) if "sparse" in ops else ():
             record(
                 "sparse",

@@ -276,23 +276,29 @@ DECODE_CASES = [
     (5, BF16, [20000, 9000], 64, True),
     (4, FP8, [32768 + 5] * 4, 128, True),
     (3, BF16, [2100, 4097, 64], 16, True),
-    # the Gluon kernel's cases (4-bit, full context): short and exact-multiple requests,
-    # a partial head group, and both pools
+    # the Gluon kernels' cases (4- and 5-bit, full context): short and exact-multiple
+    # requests, a partial head group, and both pools
     (4, BF16, [1, 64, 65, 3000, 4096], 16, False),
     (4, FP8, [20000, 777], 20, False),
     (4, BF16, [8192 + 17] * 16, 16, False),
+    (5, BF16, [1, 64, 65, 3000, 4096], 16, False),
+    (5, FP8, [20000, 777], 20, False),
 ]
-#: 4-bit full-context cases run through both kernels: the Gluon one (default, checked to be
-#: the one chosen) and the Triton one
+#: full-context cases run through every kernel that serves them: the library's choice
+#: (``default``, checked to be the one chosen), the mma.sync Gluon kernel (``mma``, 4 bits)
+#: and the Triton one at 4 bits, the wgmma kernel at 5 bits (``wgmma``: not the default yet)
 DECODE_PARAMS = [(*c, "default") for c in DECODE_CASES] + [
-    (*c, k) for c in DECODE_CASES if c[0] == 4 and not c[4] for k in ("mma", "triton")
+    (*c, k)
+    for c in DECODE_CASES
+    if c[0] in (4, 5) and not c[4]
+    for k in (("mma", "triton") if c[0] == 4 else ("wgmma",))
 ]
 
 
 @pytest.mark.parametrize(("bits", "dtype", "lens", "heads", "sparse", "kernel"), DECODE_PARAMS)
 def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
-    """Every case against the fp64 oracle; 4-bit full-context cases through the Gluon kernel
-    (checked to be the one chosen) and, as ``triton``, through the Triton kernel too."""
+    """Every case against the fp64 oracle; 4- and 5-bit full-context cases through the Gluon
+    kernel (checked to be the one chosen) and, as ``triton``, through the Triton kernel too."""
     _pick_kernel(monkeypatch, kernel)
     layout, pool, packed, table, block_pool_map = _decode_cache(gen, bits, dtype, lens)
     b = len(lens)
@@ -326,9 +332,12 @@ def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
 
 
 def _pick_kernel(monkeypatch, kernel):
-    """``default``: the library's choice (the ``wgmma`` kernel on sm_90, the ``mma.sync`` one
-    on other sm_80+ GPUs, for 4-bit full context); ``mma``: the ``mma.sync`` Gluon kernel;
-    ``triton``: the Triton kernel."""
+    """``default``: the library's choice (for full context: the ``wgmma`` kernel on sm_90 for
+    the widths in ``WGMMA_BITS``, the ``mma.sync`` one on other sm_80+ GPUs at 4 bits);
+    ``mma``: the ``mma.sync`` Gluon kernel (the Triton one at 5 bits); ``wgmma``: the
+    ``wgmma`` kernel at 4 and 5 bits; ``triton``: the Triton kernel."""
+    if kernel == "wgmma":
+        monkeypatch.setattr(kdec, "WGMMA_BITS", (4, 5))
     if kernel == "triton":
         monkeypatch.setattr(kdec, "MMA_KERNEL", False)
     if kernel == "mma":
@@ -337,16 +346,20 @@ def _pick_kernel(monkeypatch, kernel):
 
 def _check_wgmma_choice(q, bits, sparse, kernel):
     hopper = torch.cuda.get_device_capability(q.device)[0] == 9
-    want = kernel == "default" and bits == 4 and not sparse and hopper
+    chosen = kernel == "wgmma" or (kernel == "default" and bits in kdec.WGMMA_BITS)
+    want = chosen and not sparse and hopper
     assert kdec._use_wgmma_kernel(bits, q, sparse) == want
 
 
-@pytest.mark.parametrize("kernel", ["default", "mma", "triton"])
-def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
-    """4-bit full context over latent records whose zero-point term nearly cancels the code
-    term (the CPU suite's ``make_ill_conditioned``): both kernels must keep ``q * cs / cmax``
-    to about 2^-22 (two fp16 operands; one fp16 operand fails the CPU version of this test
-    65-120x over its allowance)."""
+@pytest.mark.parametrize(
+    ("bits", "kernel"), [(4, "default"), (4, "mma"), (4, "triton"), (5, "default"), (5, "wgmma")]
+)
+def test_decode_ill_conditioned_latents(gen, monkeypatch, bits, kernel):
+    """Full context over latent records whose zero-point term nearly cancels the code term
+    (the CPU suite's ``make_ill_conditioned``): the ``mma.sync`` and Triton kernels must keep
+    ``q * cs / cmax`` to about 2^-22 (two fp16 operands; one fp16 operand fails the CPU version
+    of this test 65-120x over its allowance), the ``wgmma`` kernel rounds ``cs code + zp``
+    once, after the cancellation."""
     import os
     import sys
     from pathlib import Path
@@ -357,7 +370,7 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
 
     _pick_kernel(monkeypatch, kernel)
     lens = [3000, 8192 + 17, 640]
-    layout, pool, packed, table, block_pool_map = _decode_cache(gen, 4, BF16, lens)
+    layout, pool, packed, table, block_pool_map = _decode_cache(gen, bits, BF16, lens)
     host = packed.cpu()
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen, device=DEVICE))
     tm.make_ill_conditioned(torch.Generator().manual_seed(seed), host, layout, range(len(host)))
@@ -369,8 +382,8 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, kernel):
     args = (packed, table, seq, block_pool_map, *pool, layout, scale)
     out = poison_(torch.empty(b, heads, 512, dtype=BF16, device=DEVICE))
     ws = kdec.mla_decode_workspace(b, heads, device=DEVICE)
-    assert kdec._use_mma_kernel(4, q, False) == (kernel != "triton")
-    _check_wgmma_choice(q, 4, False, kernel)
+    assert kdec._use_mma_kernel(bits, q, False) == (kernel not in ("triton", "wgmma") and bits == 4)
+    _check_wgmma_choice(q, bits, False, kernel)
     kdec.mla_decode(q, *args, out, ws, None)
     oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
     ref.mla_decode(q, *args, oracle, None, None)

@@ -398,20 +398,21 @@ def test_mma_decode_transposed_compiles(target, case):
 MLA_MMA_SPILL = {(90, "bf16"): 192, (90, "fp8"): 192, (120, "bf16"): 448, (120, "fp8"): 448}
 
 
-def _mla_mma_source(pool: str, nbuf: int | None):
+def _mla_mma_source(pool: str, nbuf: int | None, bits: int = 4):
     """The Gluon MLA decode kernel's source: ``mla_decode_mma`` with ``nbuf`` stages, or
-    ``mla_decode_wgmma`` with ``nbuf=None``."""
+    ``mla_decode_wgmma`` with ``nbuf=None`` (``bits``-bit codes)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     import kvarn_formats as kf
     from kvarn_ops.kernels import mla_decode_mma, mla_decode_wgmma
     from kvarn_ops.kernels.mla_common import field_offsets
 
-    offs = field_offsets(kf.mla_layout("kvarn_mla_k4_g64"))
-    offs.pop("BITS")
+    offs = field_offsets(kf.mla_layout(f"kvarn_mla_k{bits}_g64"))
+    width = offs.pop("BITS")
     consts = dict(offs, FP8=pool == "fp8", MIN_BLOCKS=2)
     if nbuf is None:
         kern = mla_decode_wgmma.mla_wgmma_kernel
+        consts["BITS"] = width
     else:
         kern = mla_decode_mma.mla_mma_kernel
         consts["NBUF"] = nbuf
@@ -492,25 +493,26 @@ def _ptxas_info(ptx: str, arch: str) -> str:
 
 
 MLA_WGMMA_SPILL = 64
-"""Spill frame allowed (bytes; 32 / 40 measured offline for the bf16 / fp8 pool, values kept
-from the prologue for the epilogue). With the shared-memory views indexed outside the loop
-the compiler hoisted all 72 wgmma descriptors and spilled 216 B of them, reloaded every
-block."""
+"""Spill frame allowed (bytes; 32 / 40 measured offline for the bf16 / fp8 pool at 4 bits,
+8 / 16 at 5 bits, values kept from the prologue for the epilogue). With the shared-memory
+views indexed outside the loop the compiler hoisted all 72 wgmma descriptors and spilled
+216 B of them, reloaded every block."""
 
 
+@pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("pool", ["bf16", "fp8"])
-def test_mla_wgmma_decode_compiles(pool):
+def test_mla_wgmma_decode_compiles(pool, bits):
     """Each block's codes are unpacked once (one ``fma.rn.f16x2`` per two codes) into one
     shared-memory tile that both products read with ``wgmma`` (the tile transposed for the
     scores), and the launcher sends only sm_90 devices there."""
     from kvarn_ops.kernels import mla_decode, mla_decode_wgmma
 
-    src = _mla_mma_source(pool, None)
+    src = _mla_mma_source(pool, None, bits)
     nw = mla_decode_wgmma.NUM_WARPS
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw))
     regs, frame = cubin_resources(k.asm["cubin"])
     ptx = k.asm["ptx"]
-    print(f"mla wgmma {pool} sm90: {regs} registers, {frame} B spill frame")
+    print(f"mla wgmma k{bits} {pool} sm90: {regs} registers, {frame} B spill frame")
     assert regs <= 255 and frame <= MLA_WGMMA_SPILL
     # the fp16 tile [512, 64] (64 KB), the query latent (16 KB), RoPE rows (8 KB), the
     # weights and the query's two RoPE terms; two programs fit an SM
@@ -520,9 +522,18 @@ def test_mla_wgmma_decode_compiles(pool):
     wg = [x for x in ptx.splitlines() if "wgmma.mma_async" in x]
     assert len(wg) == 32 + 8 + 32
     assert all("m64n16k16.f32" in x for x in wg)
-    # one unpack per block: 4 chunks x 8 words x 4 code pairs per thread
-    assert ptx.count("fma.rn.f16x2") == 128
-    assert ptx.count("prmt.b32") == 128
+    if bits == 4:
+        # one unpack per block: 4 chunks x 8 words x 4 code pairs per thread
+        assert ptx.count("fma.rn.f16x2") == 128
+        assert ptx.count("prmt.b32") == 128
+    else:
+        # 4 chunks x 32 code pairs, two fmas each (the exact codes, then the scaling); of the
+        # 16 pairs of a half-row, 12 straddle two words (a funnel shift), none needs a prmt
+        assert ptx.count("fma.rn.f16x2") == 256
+        assert ptx.count("shf.r.clamp.b32") == 96
+        assert ptx.count("prmt.b32") == 0
+    # the tile's stores are the same at both widths (vectors of a channel's 64 tokens)
+    assert ptx.count("st.shared") <= 406
     # ptxas keeps the wgmmas asynchronous: it serializes every one of them (info C7514) when
     # it cannot prove the accumulators untouched while they run (so it did with the value
     # product split into four commit groups waited on one by one)
@@ -531,4 +542,5 @@ def test_mla_wgmma_decode_compiles(pool):
     import torch
 
     assert not mla_decode._use_wgmma_kernel(4, torch.zeros(1), False)
-    assert mla_decode_wgmma.mla_wgmma_supported(4) and not mla_decode_wgmma.mla_wgmma_supported(5)
+    supported = [b for b in range(2, 9) if mla_decode_wgmma.mla_wgmma_supported(b)]
+    assert supported == [4, 5]

@@ -139,6 +139,12 @@ WGMMA_KERNEL = True
 """On sm_90 (Hopper), full-context decode of 4-bit codes runs the ``wgmma`` kernel of
 ``mla_decode_wgmma.py`` (each tile unpacked once into shared memory) instead of the
 ``mma.sync`` one (False, or ``KVARN_MLA_WGMMA=0``: the ``mma.sync`` kernel)."""
+WGMMA_BITS: tuple[int, ...] = (4,)
+"""Code widths the ``wgmma`` kernel serves. It also compiles for 5-bit codes (offline for
+sm_90a: the same instruction count per block as at 4 bits, 8-16 B of spill frame instead of
+32-40), and its 5-bit unpack is checked on the CPU against the reference's dequantization by
+emulating its PTX; 5 joins the default once GPU parity has run it (``gpu/test_mla_parity.py``,
+kernel ``wgmma``). Until then 5-bit codes take the Triton kernel."""
 MMA_NBUF = 2
 """cp.async stages of the Gluon kernel (the current block and the next; 3 measured the same on
 the H200)."""
@@ -792,22 +798,29 @@ def _wgmma_module():
     return None if mods is None else mods[0]
 
 
+def _gluon_call(q: torch.Tensor, sparse: bool) -> bool:
+    """Whether a Gluon kernel may serve this call (full context, sm_80+, not switched off)."""
+    return MMA_KERNEL and not sparse and cuda_feature(q, "KVARN_MLA_MMA", (8, 0))
+
+
 def _use_mma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
-    """Whether a Gluon kernel (``wgmma`` or ``mma.sync``) serves this call."""
-    if not MMA_KERNEL or sparse or not cuda_feature(q, "KVARN_MLA_MMA", (8, 0)):
+    """Whether the ``mma.sync`` Gluon kernel could serve this call (4-bit codes; on sm_90 the
+    ``wgmma`` kernel takes precedence, :func:`_use_wgmma_kernel`)."""
+    if not _gluon_call(q, sparse):
         return False
     mod = _mma_module()
     return mod is not None and mod.mla_mma_supported(bits)
 
 
 def _use_wgmma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
-    """Whether the ``wgmma`` kernel serves this call: a Gluon call on an sm_90 device."""
-    if not WGMMA_KERNEL or not _use_mma_kernel(bits, q, sparse):
+    """Whether the ``wgmma`` kernel serves this call: a Gluon call of a code width in
+    ``WGMMA_BITS`` on an sm_90 device."""
+    if not WGMMA_KERNEL or not _gluon_call(q, sparse):
         return False
     if os.environ.get("KVARN_MLA_WGMMA") == "0" or device_capability(q.device.index)[0] != 9:
         return False
     mod = _wgmma_module()
-    return mod is not None and mod.mla_wgmma_supported(bits)
+    return bits in WGMMA_BITS and mod is not None and mod.mla_wgmma_supported(bits)
 
 
 @functools.cache
@@ -918,7 +931,9 @@ def _decode_op_impl(
         grid = (bsz, ns, triton.cdiv(heads, BLOCK_H))
         if wgmma:
             mod = _wgmma_module()
-            mod.mla_wgmma_kernel[grid](*gluon_args, num_warps=mod.NUM_WARPS, **consts)
+            mod.mla_wgmma_kernel[grid](
+                *gluon_args, num_warps=mod.NUM_WARPS, BITS=offs["BITS"], **consts
+            )
         else:
             opts = {} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}
             _mma_module().mla_mma_kernel[grid](

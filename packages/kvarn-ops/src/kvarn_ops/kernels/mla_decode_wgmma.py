@@ -1,6 +1,6 @@
-"""MLA decode main kernel for sm_90 (Gluon, ``wgmma``): each 4-bit latent tile is unpacked
-once into shared memory and both products read it from there, for full-context decode (no
-``indices``) of ``kvarn_mla_k4_g64``.
+"""MLA decode main kernel for sm_90 (Gluon, ``wgmma``): each 4- or 5-bit latent tile is
+unpacked once into shared memory and both products read it from there, for full-context decode
+(no ``indices``) of ``kvarn_mla_k4_g64`` and ``kvarn_mla_k5_g64``.
 
 The ``mma.sync`` kernel (``mla_decode_mma.py``) puts the 16 heads on the MMA's M axis, so the
 code tile is a B operand of both products, in two orientations: it is unpacked twice per block
@@ -9,9 +9,17 @@ bound at 17% of copy bandwidth on the H200). Here the tokens and the channels ar
 
 - the block's codes become the fp16 tile ``T[c, t] = fp16(2^-e (cs[c] code[c, t] + zp[c]))``
   (one ``fma.rn.f16x2`` per two codes, one rounding; ``2^e`` a power of two per block that
-  puts the largest possible magnitude ``max_c 15 |cs[c]| + |zp[c]|`` in ``[2^14, 2^15)``, so
-  no record overflows or underflows fp16), stored once into shared memory ``[512, 64]``,
-  tokens contiguous, 128-byte swizzle;
+  puts the largest possible magnitude ``max_c (2^b - 1) |cs[c]| + |zp[c]|`` in
+  ``[2^14, 2^15)``, so no record overflows or underflows fp16), stored once into shared
+  memory ``[512, 64]``, tokens contiguous, 128-byte swizzle. 4-bit codes: one ``prmt`` picks
+  two nibbles, a ``lop3`` puts them into the mantissas of 1024.0, a ``sub.f16x2`` leaves the
+  codes. 5-bit codes (a channel's 64 codes are 10 words, tokens ``32 h .. 32 h + 31`` in words
+  ``5 h .. 5 h + 4``): codes ``i`` and ``i + 4`` sit 20 bits apart, so one 32-bit window (a
+  shift, or a funnel shift where it straddles two words) and one ``lop3`` put them into the
+  mantissas of 1024.0 as ``code`` and ``16 code``, and an exact ``fma.rn.f16x2`` by
+  ``(1, 1/16)`` less ``(1024, 64)`` leaves the codes: the same four instructions per two
+  codes as 4 bits (the 5-bit path has not run on a GPU yet: ``mla_decode.WGMMA_BITS`` keeps
+  5-bit codes on the Triton kernel until GPU parity has run it);
 - scores ``S^T[64 tokens, 16 heads] = T^T @ q^T`` (``wgmma`` m64n16k16, ``T`` read transposed
   from shared memory), times ``2^e rs[t]`` in fp32, plus the RoPE part ``rope @ q_rope^T``
   (bf16 operands, the query's RoPE part as two bf16 terms);
@@ -60,7 +68,7 @@ from kvarn_ops.kernels.decode_mma import _joined, _stack4
 
 __all__ = ["MLA_WGMMA_BITS", "mla_wgmma_kernel", "mla_wgmma_supported"]
 
-MLA_WGMMA_BITS = 4
+MLA_WGMMA_BITS = (4, 5)
 
 _ACC: gl.constexpr = gl.NVMMADistributedLayout(
     version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]
@@ -68,9 +76,13 @@ _ACC: gl.constexpr = gl.NVMMADistributedLayout(
 _TOK: gl.constexpr = gl.SliceLayout(1, _ACC)  # [64] tokens of S^T, or [512] channels of O^T
 _HEAD: gl.constexpr = gl.SliceLayout(0, _ACC)  # [16] heads
 _SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-# code words of a 128-channel chunk [128, 8]: one channel's 8 words (32 B) per thread
+# code words of a 128-channel chunk [128, 8]: one channel's 8 words (32 B) per thread (4-bit
+# codes: all of them; 5-bit: the first 8 of 10, the last two in [128, 2])
 _LW: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 8], threads_per_warp=[32, 1], warps_per_cta=[4, 1], order=[1, 0]
+)
+_LW2: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 2], threads_per_warp=[32, 1], warps_per_cta=[4, 1], order=[1, 0]
 )
 _CH: gl.constexpr = gl.SliceLayout(1, _LW)
 # [64, 64] RoPE rows and [128, 64] pool latents (16-byte runs), [16, 512] / [16, 64] queries
@@ -85,7 +97,7 @@ NUM_WARPS = 4
 
 def mla_wgmma_supported(bits: int) -> bool:
     """Whether a latent code width takes this kernel (full-context decode, sm_90 only)."""
-    return bits == MLA_WGMMA_BITS
+    return bits in MLA_WGMMA_BITS
 
 
 @gluon.jit
@@ -106,9 +118,18 @@ def _dq_pair(w, cs2, zp2, BYTE: gl.constexpr):
 
 
 @gluon.jit
-def _chunk_tile(w, cs, zp):
-    """The fp16 tile rows [128 channels, 64 tokens] of one chunk's words ``w`` [128, 8] and
-    its (scaled) fp16 channel scales and zero points [128]."""
+def _chunk_tile(w, w89, cs, zp, BITS: gl.constexpr):
+    """The fp16 tile rows [128 channels, 64 tokens] of one chunk's code words ``w`` [128, 8]
+    (and, at 5 bits, ``w89`` [128, 2]) and its (scaled) fp16 channel scales and zero points
+    [128]."""
+    if BITS == 5:
+        return _chunk_tile5(w, w89, cs, zp)
+    else:
+        return _chunk_tile4(w, cs, zp)
+
+
+@gluon.jit
+def _chunk_tile4(w, cs, zp):
     csb = gl.broadcast(gl.expand_dims(cs, 1), w)[0]
     zpb = gl.broadcast(gl.expand_dims(zp, 1), w)[0]
     cs2 = _joined(csb, csb)
@@ -122,12 +143,141 @@ def _chunk_tile(w, cs, zp):
     return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [128, 64])
 
 
+@gluon.constexpr_function
+def pair5_word(i):
+    """Word (of the five of a half-row) where 5-bit code ``i``'s pair window starts."""
+    return (5 * i) // 32
+
+
+@gluon.constexpr_function
+def pair5_straddles(i):
+    """Whether the window of codes ``i`` and ``i + 4`` (bits ``5 i .. 5 i + 24``) runs into
+    the next word."""
+    return (5 * i) % 32 + 25 > 32
+
+
+@gluon.constexpr_function
+def dq5_asm(i):
+    """PTX of :func:`_pair5` for codes ``i`` and ``i + 4`` of a half-row: ``$1`` the word
+    the window starts in, ``$2`` the next one, ``$3`` / ``$4`` the fp16 pairs of the channel's
+    scale and zero point; ``$0`` the fp16 pair ``fma(code, cs, zp)`` of both codes."""
+    sh = (5 * i) % 32
+    if pair5_straddles(i):
+        win = f"shf.r.clamp.b32 t, $1, $2, {sh}; "
+    elif sh > 0:
+        win = f"shr.u32 t, $1, {sh}; "
+    else:
+        win = "mov.b32 t, $1; "
+    return (
+        "{ .reg .b32 t, o, s; " + win + "lop3.b32 t, t, 0x01F0001F, 0x64006400, 0xea; "
+        "mov.b32 o, 0x2C003C00; mov.b32 s, 0xD400E400; fma.rn.f16x2 t, t, o, s; "
+        "fma.rn.f16x2 $0, t, $3, $4; }"
+    )
+
+
 @gluon.jit
-def _load_words(rec32_ptr, blk, CQ: gl.constexpr, REC: gl.constexpr):
+def _word(w0, w1, w2, w3, w4, K: gl.constexpr):
+    if K == 0:
+        x = w0
+    elif K == 1:
+        x = w1
+    elif K == 2:
+        x = w2
+    elif K == 3:
+        x = w3
+    else:
+        x = w4
+    return x
+
+
+@gluon.jit
+def _pair5(w0, w1, w2, w3, w4, cs2, zp2, I: gl.constexpr):
+    """Codes ``I`` and ``I + 4`` of the half-row in words ``w0..w4`` [128] as the fp16 pair
+    ``fma(code, cs, zp)`` [128, 2]: code ``I`` at window bits 0-4, code ``I + 4`` at 20-24,
+    masked into the mantissas of 1024.0 (``1024 + code``, ``1024 + 16 code``), an exact
+    ``fma.rn.f16x2`` by ``(1, 1/16)`` less ``(1024, 64)``, then the scaling one
+    (:func:`dq5_asm`)."""
+    K: gl.constexpr = pair5_word(I)
+    lo = _word(w0, w1, w2, w3, w4, K)
+    if pair5_straddles(I):
+        hi = _word(w0, w1, w2, w3, w4, K + 1)
+    else:
+        hi = lo
+    return gl.inline_asm_elementwise(
+        dq5_asm(I), "=r,r,r,r,r", [_joined(lo, hi), cs2, zp2], dtype=gl.float16,
+        is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _group5(w0, w1, w2, w3, w4, cs2, zp2, G: gl.constexpr):
+    """Codes ``8 G .. 8 G + 7`` of a half-row: ``[128, 2 r, 4 i]``, code ``8 G + i + 4 r``."""
+    return _stack4(
+        _pair5(w0, w1, w2, w3, w4, cs2, zp2, 8 * G),
+        _pair5(w0, w1, w2, w3, w4, cs2, zp2, 8 * G + 1),
+        _pair5(w0, w1, w2, w3, w4, cs2, zp2, 8 * G + 2),
+        _pair5(w0, w1, w2, w3, w4, cs2, zp2, 8 * G + 3),
+    )
+
+
+@gluon.jit
+def _half5(w0, w1, w2, w3, w4, cs2, zp2):
+    """The 32 codes of a half-row: ``[128, 2 r, 4 i, 4 G]``, code ``8 G + 4 r + i``."""
+    return _stack4(
+        _group5(w0, w1, w2, w3, w4, cs2, zp2, 0),
+        _group5(w0, w1, w2, w3, w4, cs2, zp2, 1),
+        _group5(w0, w1, w2, w3, w4, cs2, zp2, 2),
+        _group5(w0, w1, w2, w3, w4, cs2, zp2, 3),
+    )
+
+
+@gluon.jit
+def _halves(x):
+    """Elements of even and of odd index along the last axis."""
+    return gl.split(gl.reshape(x, x.shape[:-1] + [x.shape[-1] // 2, 2]))
+
+
+@gluon.jit
+def _ch(x):
+    return gl.convert_layout(x, _CH, assert_trivial=True)
+
+
+@gluon.jit
+def _chunk_tile5(w, w89, cs, zp):
+    """:func:`_chunk_tile` for 5-bit codes: words ``w`` [128, 8] (0-7 of each channel) and
+    ``w89`` [128, 2] (8-9)."""
+    ev, od = _halves(w)
+    e0, e1 = _halves(ev)
+    o0, o1 = _halves(od)
+    a0, a4 = gl.split(e0)
+    a2, a6 = gl.split(e1)
+    a1, a5 = gl.split(o0)
+    a3, a7 = gl.split(o1)
+    a8, a9 = gl.split(w89)
+    cs2 = _joined(cs, cs)
+    zp2 = _joined(zp, zp)
+    x = gl.join(
+        _half5(_ch(a0), _ch(a1), _ch(a2), _ch(a3), _ch(a4), cs2, zp2),
+        _half5(_ch(a5), _ch(a6), _ch(a7), _ch(a8), _ch(a9), cs2, zp2),
+    )  # [128, 2 r, 4 i, 4 G, 2 h]: token 32 h + 8 G + 4 r + i
+    return gl.reshape(gl.permute(x, [0, 4, 3, 1, 2]), [128, 64])
+
+
+@gluon.jit
+def _load_words(rec32_ptr, blk, CQ: gl.constexpr, REC: gl.constexpr, BITS: gl.constexpr):
+    """Chunk ``CQ``'s code words: ``[128, 8]`` (a channel's 2 * BITS words start at word
+    ``2 * BITS * c``), and at 5 bits words 8-9 ``[128, 2]`` (else a constant)."""
     c = gl.arange(0, 128, layout=_CH)
     j = gl.arange(0, 8, layout=gl.SliceLayout(0, _LW))
-    off = (128 * CQ + c)[:, None] * 8 + j[None, :]
-    return gl.load(rec32_ptr + blk * (REC // 4) + off)
+    row = rec32_ptr + blk * (REC // 4) + (128 * CQ) * (2 * BITS)
+    w = gl.load(row + c[:, None] * (2 * BITS) + j[None, :])
+    c2 = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW2))
+    if BITS == 5:
+        j2 = gl.arange(0, 2, layout=gl.SliceLayout(0, _LW2))
+        w89 = gl.load(row + c2[:, None] * 10 + 8 + j2[None, :])
+    else:
+        w89 = gl.full([128, 2], 0, gl.int32, _LW2)
+    return w, w89
 
 
 @gluon.jit
@@ -148,15 +298,23 @@ def _load_rope(base_ptr, valid):
 @gluon.jit
 def _load_record(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.constexpr,
                  CS_OFF: gl.constexpr, ZP_OFF: gl.constexpr, RS_OFF: gl.constexpr,
-                 ROPE_OFF: gl.constexpr):  # fmt: skip
-    """Block ``blk``'s record in registers: code words and channel scales and zero points of
-    the four chunks, RoPE rows, row scales, and its pool-map entry."""
+                 ROPE_OFF: gl.constexpr, BITS: gl.constexpr):  # fmt: skip
+    """Block ``blk``'s record in registers: code words (two tensors a chunk) and channel scales
+    and zero points of the four chunks, RoPE rows, row scales, and its pool-map entry."""
     r16 = rec16_ptr + blk * (REC // 2)
+    w0, v0 = _load_words(rec32_ptr, blk, 0, REC, BITS)
+    w1, v1 = _load_words(rec32_ptr, blk, 1, REC, BITS)
+    w2, v2 = _load_words(rec32_ptr, blk, 2, REC, BITS)
+    w3, v3 = _load_words(rec32_ptr, blk, 3, REC, BITS)
     return (
-        _load_words(rec32_ptr, blk, 0, REC),
-        _load_words(rec32_ptr, blk, 1, REC),
-        _load_words(rec32_ptr, blk, 2, REC),
-        _load_words(rec32_ptr, blk, 3, REC),
+        w0,
+        w1,
+        w2,
+        w3,
+        v0,
+        v1,
+        v2,
+        v3,
         _load_chan(rec16_ptr, blk, CS_OFF, 0, REC),
         _load_chan(rec16_ptr, blk, CS_OFF, 1, REC),
         _load_chan(rec16_ptr, blk, CS_OFF, 2, REC),
@@ -172,8 +330,8 @@ def _load_record(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.con
 
 
 @gluon.jit
-def _chan_mag(cs, zp):
-    return gl.abs(cs) * 15.0 + gl.abs(zp)
+def _chan_mag(cs, zp, BITS: gl.constexpr):
+    return gl.abs(cs) * ((1 << BITS) - 1) + gl.abs(zp)
 
 
 @gluon.jit
@@ -228,6 +386,7 @@ def mla_wgmma_kernel(
     ROPE_OFF: gl.constexpr,
     FP8: gl.constexpr,
     MIN_BLOCKS: gl.constexpr,
+    BITS: gl.constexpr,
 ):
     """Grid ``(B, splits, ceil(H / 16))``, four warps (one warpgroup): split
     ``program_id(1)`` of request ``program_id(0)``'s blocks for 16 heads; writes normalized
@@ -285,9 +444,9 @@ def mla_wgmma_kernel(
     zs = gl.full([64, 16], 0.0, gl.float32, _ACC)
 
     # block lo's record in registers
-    w0, w1, w2, w3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, pb = _load_record(
+    w0, w1, w2, w3, v0, v1, v2, v3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, pb = _load_record(
         rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, gl.load(bt_row + lo).to(gl.int64), t64,
-        REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF,
+        REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF, BITS,
     )  # fmt: skip
     for u in range(lo, hi):
         valid = gl.minimum(seq_len - u * 64, 64)
@@ -309,23 +468,23 @@ def mla_wgmma_kernel(
         if pb < 0:
             amax = gl.max(
                 gl.maximum(
-                    gl.maximum(_chan_mag(c0, z0), _chan_mag(c1, z1)),
-                    gl.maximum(_chan_mag(c2, z2), _chan_mag(c3, z3)),
+                    gl.maximum(_chan_mag(c0, z0, BITS), _chan_mag(c1, z1, BITS)),
+                    gl.maximum(_chan_mag(c2, z2, BITS), _chan_mag(c3, z3, BITS)),
                 ),
                 axis=0,
             )
             inv = _pow2_scale(amax)
             tile.slice(0, 128, dim=0).store(
-                _chunk_tile(w0, (c0 * inv).to(gl.float16), (z0 * inv).to(gl.float16))
+                _chunk_tile(w0, v0, (c0 * inv).to(gl.float16), (z0 * inv).to(gl.float16), BITS)
             )
             tile.slice(128, 128, dim=0).store(
-                _chunk_tile(w1, (c1 * inv).to(gl.float16), (z1 * inv).to(gl.float16))
+                _chunk_tile(w1, v1, (c1 * inv).to(gl.float16), (z1 * inv).to(gl.float16), BITS)
             )
             tile.slice(256, 128, dim=0).store(
-                _chunk_tile(w2, (c2 * inv).to(gl.float16), (z2 * inv).to(gl.float16))
+                _chunk_tile(w2, v2, (c2 * inv).to(gl.float16), (z2 * inv).to(gl.float16), BITS)
             )
             tile.slice(384, 128, dim=0).store(
-                _chunk_tile(w3, (c3 * inv).to(gl.float16), (z3 * inv).to(gl.float16))
+                _chunk_tile(w3, v3, (c3 * inv).to(gl.float16), (z3 * inv).to(gl.float16), BITS)
             )
             rope_s.store(rope)
             rw = rs
@@ -356,9 +515,11 @@ def mla_wgmma_kernel(
                 rw = gl.full([64], 1.0, gl.float32, _TOK)
         # the next block's record (this one's registers are free now), read during the products
         nb = gl.load(bt_row + gl.minimum(u + 1, hi - 1)).to(gl.int64)
-        w0, w1, w2, w3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, pb = _load_record(
-            rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, nb, t64,
-            REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF,
+        w0, w1, w2, w3, v0, v1, v2, v3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, pb = (
+            _load_record(
+                rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, nb, t64,
+                REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF, BITS,
+            )
         )  # fmt: skip
 
         fence_async_shared()

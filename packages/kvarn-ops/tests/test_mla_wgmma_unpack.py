@@ -1,0 +1,151 @@
+"""The ``wgmma`` MLA decode kernel's 5-bit unpack, on the CPU: the PTX each code pair runs
+(``mla_decode_wgmma.dq5_asm``) executed by a small emulator of its instructions on the code
+words of real records, against the reference's codes and one rounding of ``cs code + zp``.
+
+The Gluon kernel itself runs only on an sm_90 GPU (``gpu/test_mla_parity.py``); this checks
+the part most likely to be wrong in a new code width, the bit windows (which word, which
+shift, which pairs straddle two words) and the fp16 arithmetic of the inline assembly."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import kvarn_formats as kf
+from kvarn_ops.kernels import mla_decode_wgmma as kw
+from kvarn_ops.reference.mla import encode_mla_records, record_tensors
+
+M32 = np.uint64(0xFFFFFFFF)
+
+
+def _imm(tok: str) -> np.uint64:
+    return np.uint64(int(tok, 0))
+
+
+def _f16x2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two fp16 halves (low, high) of 32-bit registers, as float64."""
+    lo = (x & np.uint64(0xFFFF)).astype(np.uint16).view(np.float16).astype(np.float64)
+    hi = (x >> np.uint64(16)).astype(np.uint16).view(np.float16).astype(np.float64)
+    return lo, hi
+
+
+def _pack_f16x2(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """fp16 round-to-nearest of both halves (exact float64 inputs), packed."""
+    bl = lo.astype(np.float16).view(np.uint16).astype(np.uint64)
+    bh = hi.astype(np.float16).view(np.uint16).astype(np.uint64)
+    return bl | (bh << np.uint64(16))
+
+
+def run_ptx(asm: str, args: list[np.ndarray]) -> np.ndarray:
+    """Execute the inline-assembly block ``asm`` (``$0`` its output, ``$1..`` its inputs as
+    uint32 arrays) for the instructions the kernel uses; anything else fails the test."""
+    regs: dict[str, np.ndarray] = {f"${k + 1}": a.astype(np.uint64) for k, a in enumerate(args)}
+
+    def val(tok: str) -> np.ndarray:
+        return regs[tok] if tok in regs else np.full_like(args[0], _imm(tok), dtype=np.uint64)
+
+    body = asm.strip().removeprefix("{").removesuffix("}")
+    for ins in (x.strip() for x in body.split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        ops = [t.strip() for t in rest.split(",")]
+        d = ops[0]
+        if op == "mov.b32":
+            regs[d] = val(ops[1]) & M32
+        elif op == "shr.u32":
+            regs[d] = val(ops[1]) >> _imm(ops[2])
+        elif op == "shf.r.clamp.b32":
+            sh = min(int(ops[3], 0), 32)
+            wide = val(ops[1]) | (val(ops[2]) << np.uint64(32))
+            regs[d] = (wide >> np.uint64(sh)) & M32
+        elif op == "lop3.b32":
+            a, b, c, lut = val(ops[1]), val(ops[2]), val(ops[3]), int(ops[4], 0)
+            out = np.zeros_like(a)
+            for bit in range(32):
+                sel = (
+                    (((a >> np.uint64(bit)) & np.uint64(1)) << np.uint64(2))
+                    | (((b >> np.uint64(bit)) & np.uint64(1)) << np.uint64(1))
+                    | ((c >> np.uint64(bit)) & np.uint64(1))
+                )
+                out |= ((np.uint64(lut) >> sel) & np.uint64(1)) << np.uint64(bit)
+            regs[d] = out
+        elif op == "fma.rn.f16x2":
+            (al, ah), (bl, bh), (cl, ch) = (_f16x2(val(t)) for t in ops[1:4])
+            # fp16 products are exact in float64, and so are these sums (operands within
+            # 2^-24 .. 2^16): one rounding, to fp16, as the instruction
+            regs[d] = _pack_f16x2(al * bl + cl, ah * bh + ch)
+        else:
+            raise AssertionError(f"instruction the emulator does not know: {ins!r}")
+    return regs["$0"]
+
+
+def _records(bits: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    layout = kf.mla_layout(f"kvarn_mla_k{bits}_g64")
+    n = 3
+    latent = torch.randn(n, 64, 512, generator=gen) * torch.rand(n, 1, 512, generator=gen) * 4
+    latent[1] += 5 * torch.randn(1, 512, generator=gen)  # offsets: zero points of both signs
+    rope = torch.randn(n, 64, 64, generator=gen).to(torch.bfloat16)
+    return encode_mla_records(latent, rope, layout), layout
+
+
+def test_pairs_cover_every_token_once():
+    """The kernel's pairs (codes ``8 G + i`` and ``+ 4``, i < 4, of each half-row) name each of
+    a half-row's 32 codes once, and every window lies in the half-row's five words."""
+    seen = []
+    for g in range(4):
+        for i in range(4):
+            c = 8 * g + i
+            seen += [c, c + 4]
+            assert kw.pair5_word(c) + kw.pair5_straddles(c) <= 4
+            assert 5 * c + 25 <= 32 * (kw.pair5_word(c) + 1 + kw.pair5_straddles(c))
+    assert sorted(seen) == list(range(32))
+    assert sum(kw.pair5_straddles(8 * g + i) for g in range(4) for i in range(4)) == 12
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dq5_asm_matches_reference_codes(seed):
+    """Every code pair of every channel of real 5-bit records through the emulated PTX:
+    ``fp16(cs code + zp)`` with one rounding, for the reference's codes of the tokens the
+    pair names, with the record's own fp16 scales and zero points."""
+    rec, layout = _records(5, seed)
+    f = record_tensors(rec, layout)
+    codes = f["codes"].numpy().astype(np.int64)  # [N, 512, 64]
+    cs = f["col_scale"].numpy()  # [N, 512] fp16
+    zp = f["zero_point"].numpy()
+    assert len(np.unique(codes)) == 32  # every code value occurs
+    fl = layout.field("codes")
+    words = rec[:, fl.offset : fl.end].contiguous().view(torch.int32).numpy()
+    words = words.reshape(rec.shape[0], 512, 10).view(np.uint32)
+    cs2 = np.uint32(cs.view(np.uint16)) * np.uint32(0x10001)  # the pair (cs, cs)
+    zp2 = np.uint32(zp.view(np.uint16)) * np.uint32(0x10001)
+    exact = cs.astype(np.float64)[..., None] * codes + zp.astype(np.float64)[..., None]
+    want = exact.astype(np.float16)
+    got = np.full(codes.shape, np.nan, np.float16)
+    for h in range(2):
+        for g in range(4):
+            for i in range(4):
+                c = 8 * g + i
+                k = 5 * h + kw.pair5_word(c)
+                lo = words[..., k]
+                hi = words[..., k + 1] if kw.pair5_straddles(c) else lo
+                out = run_ptx(kw.dq5_asm(c), [lo, hi, cs2, zp2])
+                pair = out.astype(np.uint32).view(np.float16).reshape(*lo.shape, 2)
+                got[..., 32 * h + c] = pair[..., 0]
+                got[..., 32 * h + c + 4] = pair[..., 1]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_emulator_runs_the_kernels_asm_only():
+    """The emulator knows exactly the instructions of the 5-bit asm (so a new instruction in
+    the kernel fails the test above instead of being skipped)."""
+    ops = set()
+    for c in range(28):
+        for ins in kw.dq5_asm(c).strip("{} ").split(";"):
+            if ins.strip() and not ins.strip().startswith(".reg"):
+                ops.add(re.split(r"\s+", ins.strip())[0])
+    assert ops == {"mov.b32", "shr.u32", "shf.r.clamp.b32", "lop3.b32", "fma.rn.f16x2"}
