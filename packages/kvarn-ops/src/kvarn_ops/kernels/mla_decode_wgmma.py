@@ -176,31 +176,16 @@ def dq5_asm(i):
 
 
 @gluon.jit
-def _word(w0, w1, w2, w3, w4, K: gl.constexpr):
-    if K == 0:
-        x = w0
-    elif K == 1:
-        x = w1
-    elif K == 2:
-        x = w2
-    elif K == 3:
-        x = w3
-    else:
-        x = w4
-    return x
-
-
-@gluon.jit
-def _pair5(w0, w1, w2, w3, w4, cs2, zp2, I: gl.constexpr):
-    """Codes ``I`` and ``I + 4`` of the half-row in words ``w0..w4`` [128] as the fp16 pair
-    ``fma(code, cs, zp)`` [128, 2]: code ``I`` at window bits 0-4, code ``I + 4`` at 20-24,
-    masked into the mantissas of 1024.0 (``1024 + code``, ``1024 + 16 code``), an exact
-    ``fma.rn.f16x2`` by ``(1, 1/16)`` less ``(1024, 64)``, then the scaling one
-    (:func:`dq5_asm`)."""
+def _pair5(ws, cs2, zp2, I: gl.constexpr):
+    """Codes ``I`` and ``I + 4`` of the half-row in words ``ws`` (a tuple of five [128]) as
+    the fp16 pair ``fma(code, cs, zp)`` [128, 2]: code ``I`` at window bits 0-4, code
+    ``I + 4`` at 20-24, masked into the mantissas of 1024.0 (``1024 + code``,
+    ``1024 + 16 code``), an exact ``fma.rn.f16x2`` by ``(1, 1/16)`` less ``(1024, 64)``, then
+    the scaling one (:func:`dq5_asm`)."""
     K: gl.constexpr = pair5_word(I)
-    lo = _word(w0, w1, w2, w3, w4, K)
+    lo = ws[K]
     if pair5_straddles(I):
-        hi = _word(w0, w1, w2, w3, w4, K + 1)
+        hi = ws[K + 1]
     else:
         hi = lo
     return gl.inline_asm_elementwise(
@@ -210,24 +195,24 @@ def _pair5(w0, w1, w2, w3, w4, cs2, zp2, I: gl.constexpr):
 
 
 @gluon.jit
-def _group5(w0, w1, w2, w3, w4, cs2, zp2, G: gl.constexpr):
+def _group5(ws, cs2, zp2, G: gl.constexpr):
     """Codes ``8 G .. 8 G + 7`` of a half-row: ``[128, 2 r, 4 i]``, code ``8 G + i + 4 r``."""
     return _stack4(
-        _pair5(w0, w1, w2, w3, w4, cs2, zp2, 8 * G),
-        _pair5(w0, w1, w2, w3, w4, cs2, zp2, 8 * G + 1),
-        _pair5(w0, w1, w2, w3, w4, cs2, zp2, 8 * G + 2),
-        _pair5(w0, w1, w2, w3, w4, cs2, zp2, 8 * G + 3),
+        _pair5(ws, cs2, zp2, 8 * G),
+        _pair5(ws, cs2, zp2, 8 * G + 1),
+        _pair5(ws, cs2, zp2, 8 * G + 2),
+        _pair5(ws, cs2, zp2, 8 * G + 3),
     )
 
 
 @gluon.jit
-def _half5(w0, w1, w2, w3, w4, cs2, zp2):
+def _half5(ws, cs2, zp2):
     """The 32 codes of a half-row: ``[128, 2 r, 4 i, 4 G]``, code ``8 G + 4 r + i``."""
     return _stack4(
-        _group5(w0, w1, w2, w3, w4, cs2, zp2, 0),
-        _group5(w0, w1, w2, w3, w4, cs2, zp2, 1),
-        _group5(w0, w1, w2, w3, w4, cs2, zp2, 2),
-        _group5(w0, w1, w2, w3, w4, cs2, zp2, 3),
+        _group5(ws, cs2, zp2, 0),
+        _group5(ws, cs2, zp2, 1),
+        _group5(ws, cs2, zp2, 2),
+        _group5(ws, cs2, zp2, 3),
     )
 
 
@@ -257,8 +242,8 @@ def _chunk_tile5(w, w89, cs, zp):
     cs2 = _joined(cs, cs)
     zp2 = _joined(zp, zp)
     x = gl.join(
-        _half5(_ch(a0), _ch(a1), _ch(a2), _ch(a3), _ch(a4), cs2, zp2),
-        _half5(_ch(a5), _ch(a6), _ch(a7), _ch(a8), _ch(a9), cs2, zp2),
+        _half5((_ch(a0), _ch(a1), _ch(a2), _ch(a3), _ch(a4)), cs2, zp2),
+        _half5((_ch(a5), _ch(a6), _ch(a7), _ch(a8), _ch(a9)), cs2, zp2),
     )  # [128, 2 r, 4 i, 4 G, 2 h]: token 32 h + 8 G + 4 r + i
     return gl.reshape(gl.permute(x, [0, 4, 3, 1, 2]), [128, 64])
 
