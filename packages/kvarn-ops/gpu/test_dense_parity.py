@@ -11,8 +11,8 @@ Tolerances (relative Frobenius error against the reference computed in fp32 or f
   reference's own quantization error.
 - decode: the flash-attention rule. err(kernel vs fp64 oracle) <= 2 * err(the reference with
   the kernel's operand roundings, ``operand_precision="fp16_tf32"``, vs the fp64 oracle; the
-  largest of sixteen realizations, as in ``tests/test_decode.py``) plus the output dtype's rounding (half an ulp) and 2e-5 for
-  fp32 accumulation order.
+  largest of sixteen realizations, as in ``tests/test_decode.py``) plus the output dtype's
+  rounding (half an ulp) and 2e-5 for fp32 accumulation order.
 """
 
 from __future__ import annotations
