@@ -23,7 +23,7 @@ import torch
 import triton
 
 import kvarn_formats as kf
-from kvarn_ops.kernels import mla_decode, mla_gather, mla_pack
+from kvarn_ops.kernels import mla_decode, mla_decode_wgmma, mla_gather, mla_pack
 
 
 def copy_bandwidth() -> float:
@@ -122,7 +122,7 @@ def main() -> None:
         "--kernels",
         default="default",
         help="decode kernels, comma list: default (the Gluon kernel where it applies: wgmma on "
-        "sm_90), mma (the mma.sync Gluon kernel), wgmma (the wgmma kernel at 4 and 5 bits), "
+        "sm_90), mma (the mma.sync Gluon kernel), wgmma (the wgmma kernel at 2, 4 and 5 bits), "
         "triton",
     )
     args = ap.parse_args()
@@ -162,7 +162,9 @@ def main() -> None:
         for kern in args.kernels.split(",") if "decode" in ops else ():
             mla_decode.MMA_KERNEL = kern != "triton"
             mla_decode.WGMMA_KERNEL = kern in ("default", "wgmma")
-            mla_decode.WGMMA_BITS = (4, 5) if kern == "wgmma" else default_wgmma_bits
+            mla_decode.WGMMA_BITS = (
+                mla_decode_wgmma.MLA_WGMMA_BITS if kern == "wgmma" else default_wgmma_bits
+            )
             tag = ("" if kern == "default" else f" [{kern}]") + (" graph" if args.graph else "")
             for batch, heads, ctx, splits in full:
                 ms, nbytes = bench_decode(bits, batch, heads, ctx, splits, graph=args.graph)

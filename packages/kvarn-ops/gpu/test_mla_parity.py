@@ -276,29 +276,31 @@ DECODE_CASES = [
     (5, BF16, [20000, 9000], 64, True),
     (4, FP8, [32768 + 5] * 4, 128, True),
     (3, BF16, [2100, 4097, 64], 16, True),
-    # the Gluon kernels' cases (4- and 5-bit, full context): short and exact-multiple
+    # the Gluon kernels' cases (2-, 4- and 5-bit, full context): short and exact-multiple
     # requests, a partial head group, and both pools
     (4, BF16, [1, 64, 65, 3000, 4096], 16, False),
     (4, FP8, [20000, 777], 20, False),
     (4, BF16, [8192 + 17] * 16, 16, False),
     (5, BF16, [1, 64, 65, 3000, 4096], 16, False),
     (5, FP8, [20000, 777], 20, False),
+    (2, FP8, [20000, 777], 20, False),
 ]
 #: full-context cases run through every kernel that serves them: the library's choice
 #: (``default``, checked to be the one chosen), the mma.sync Gluon kernel (``mma``, 4 bits)
-#: and the Triton one at 4 bits, the wgmma kernel at 5 bits (``wgmma``: not the default yet)
+#: and the Triton one at 4 bits, the wgmma kernel at 2 and 5 bits (``wgmma``: not the default
+#: there yet)
 DECODE_PARAMS = [(*c, "default") for c in DECODE_CASES] + [
     (*c, k)
     for c in DECODE_CASES
-    if c[0] in (4, 5) and not c[4]
+    if c[0] in (2, 4, 5) and not c[4]
     for k in (("mma", "triton") if c[0] == 4 else ("wgmma",))
 ]
 
 
 @pytest.mark.parametrize(("bits", "dtype", "lens", "heads", "sparse", "kernel"), DECODE_PARAMS)
 def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
-    """Every case against the fp64 oracle; 4- and 5-bit full-context cases through the Gluon
-    kernel (checked to be the one chosen) and, as ``triton``, through the Triton kernel too."""
+    """Every case against the fp64 oracle; full-context cases through each kernel that serves
+    them (checked to be the one chosen)."""
     _pick_kernel(monkeypatch, kernel)
     layout, pool, packed, table, block_pool_map = _decode_cache(gen, bits, dtype, lens)
     b = len(lens)
@@ -334,10 +336,12 @@ def test_decode(gen, monkeypatch, bits, dtype, lens, heads, sparse, kernel):
 def _pick_kernel(monkeypatch, kernel):
     """``default``: the library's choice (for full context: the ``wgmma`` kernel on sm_90 for
     the widths in ``WGMMA_BITS``, the ``mma.sync`` one on other sm_80+ GPUs at 4 bits);
-    ``mma``: the ``mma.sync`` Gluon kernel (the Triton one at 5 bits); ``wgmma``: the
-    ``wgmma`` kernel at 4 and 5 bits; ``triton``: the Triton kernel."""
+    ``mma``: the ``mma.sync`` Gluon kernel (the Triton one at 2 and 5 bits); ``wgmma``: the
+    ``wgmma`` kernel at every width it compiles for; ``triton``: the Triton kernel."""
     if kernel == "wgmma":
-        monkeypatch.setattr(kdec, "WGMMA_BITS", (4, 5))
+        from kvarn_ops.kernels import mla_decode_wgmma
+
+        monkeypatch.setattr(kdec, "WGMMA_BITS", mla_decode_wgmma.MLA_WGMMA_BITS)
     if kernel == "triton":
         monkeypatch.setattr(kdec, "MMA_KERNEL", False)
     if kernel == "mma":
@@ -352,7 +356,8 @@ def _check_wgmma_choice(q, bits, sparse, kernel):
 
 
 @pytest.mark.parametrize(
-    ("bits", "kernel"), [(4, "default"), (4, "mma"), (4, "triton"), (5, "default"), (5, "wgmma")]
+    ("bits", "kernel"),
+    [(4, "default"), (4, "mma"), (4, "triton"), (5, "default"), (5, "wgmma"), (2, "wgmma")],
 )
 def test_decode_ill_conditioned_latents(gen, monkeypatch, bits, kernel):
     """Full context over latent records whose zero-point term nearly cancels the code term

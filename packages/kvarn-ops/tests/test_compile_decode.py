@@ -494,12 +494,12 @@ def _ptxas_info(ptx: str, arch: str) -> str:
 
 MLA_WGMMA_SPILL = 64
 """Spill frame allowed (bytes; 32 / 40 measured offline for the bf16 / fp8 pool at 4 bits,
-8 / 16 at 5 bits, values kept from the prologue for the epilogue). With the shared-memory
-views indexed outside the loop the compiler hoisted all 72 wgmma descriptors and spilled
-216 B of them, reloaded every block."""
+8 / 16 at 5 bits, 32 / 8 at 2 bits, values kept from the prologue for the epilogue). With
+the shared-memory views indexed outside the loop the compiler hoisted all 72 wgmma
+descriptors and spilled 216 B of them, reloaded every block."""
 
 
-@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("bits", [2, 4, 5])
 @pytest.mark.parametrize("pool", ["bf16", "fp8"])
 def test_mla_wgmma_decode_compiles(pool, bits):
     """Each block's codes are unpacked once (one ``fma.rn.f16x2`` per two codes) into one
@@ -526,6 +526,11 @@ def test_mla_wgmma_decode_compiles(pool, bits):
         # one unpack per block: 4 chunks x 8 words x 4 code pairs per thread
         assert ptx.count("fma.rn.f16x2") == 128
         assert ptx.count("prmt.b32") == 128
+    elif bits == 2:
+        # 4 chunks x 4 words x 8 code pairs (16 bits apart in a word): a sub and an fma each
+        assert ptx.count("fma.rn.f16x2") == 128
+        assert ptx.count("sub.f16x2") == 128
+        assert ptx.count("prmt.b32") == 0
     else:
         # 4 chunks x 32 code pairs, two fmas each (the exact codes, then the scaling); of the
         # 16 pairs of a half-row, 12 straddle two words (a funnel shift), none needs a prmt
@@ -543,4 +548,4 @@ def test_mla_wgmma_decode_compiles(pool, bits):
 
     assert not mla_decode._use_wgmma_kernel(4, torch.zeros(1), False)
     supported = [b for b in range(2, 9) if mla_decode_wgmma.mla_wgmma_supported(b)]
-    assert supported == [4, 5]
+    assert supported == [2, 4, 5]

@@ -1,6 +1,7 @@
-"""The ``wgmma`` MLA decode kernel's 5-bit unpack, on the CPU: the PTX each code pair runs
-(``mla_decode_wgmma.dq5_asm``) executed by a small emulator of its instructions on the code
-words of real records, against the reference's codes and one rounding of ``cs code + zp``.
+"""The ``wgmma`` MLA decode kernel's 5- and 2-bit unpacks, on the CPU: the PTX each code pair
+runs (``mla_decode_wgmma.dq5_asm``, ``dq2_asm``) executed by a small emulator of its
+instructions on the code words of real records, against the reference's codes and one rounding
+of ``cs code + zp``.
 
 The Gluon kernel itself runs only on an sm_90 GPU (``gpu/test_mla_parity.py``); this checks
 the part most likely to be wrong in a new code width, the bit windows (which word, which
@@ -73,6 +74,9 @@ def run_ptx(asm: str, args: list[np.ndarray]) -> np.ndarray:
                 )
                 out |= ((np.uint64(lut) >> sel) & np.uint64(1)) << np.uint64(bit)
             regs[d] = out
+        elif op == "sub.f16x2":
+            (al, ah), (bl, bh) = (_f16x2(val(t)) for t in ops[1:3])
+            regs[d] = _pack_f16x2(al - bl, ah - bh)
         elif op == "fma.rn.f16x2":
             (al, ah), (bl, bh), (cl, ch) = (_f16x2(val(t)) for t in ops[1:4])
             # fp16 products are exact in float64, and so are these sums (operands within
@@ -91,6 +95,25 @@ def _records(bits: int, seed: int):
     latent[1] += 5 * torch.randn(1, 512, generator=gen)  # offsets: zero points of both signs
     rope = torch.randn(n, 64, 64, generator=gen).to(torch.bfloat16)
     return encode_mla_records(latent, rope, layout), layout
+
+
+def _fields(bits: int, seed: int):
+    """The code words [N, 512, 2 bits] of real ``bits``-bit records, their fp16 pairs (cs, cs)
+    and (zp, zp) as uint32 [N, 512], and the tile ``fp16(cs code + zp)`` [N, 512, 64] of the
+    reference's codes."""
+    rec, layout = _records(bits, seed)
+    f = record_tensors(rec, layout)
+    codes = f["codes"].numpy().astype(np.int64)
+    cs = f["col_scale"].numpy()
+    zp = f["zero_point"].numpy()
+    assert len(np.unique(codes)) == 1 << bits  # every code value occurs
+    fl = layout.field("codes")
+    words = rec[:, fl.offset : fl.end].contiguous().view(torch.int32).numpy()
+    words = words.reshape(rec.shape[0], 512, 2 * bits).view(np.uint32)
+    cs2 = np.uint32(cs.view(np.uint16)) * np.uint32(0x10001)
+    zp2 = np.uint32(zp.view(np.uint16)) * np.uint32(0x10001)
+    exact = cs.astype(np.float64)[..., None] * codes + zp.astype(np.float64)[..., None]
+    return words, cs2, zp2, exact.astype(np.float16)
 
 
 def test_pairs_cover_every_token_once():
@@ -112,20 +135,8 @@ def test_dq5_asm_matches_reference_codes(seed):
     """Every code pair of every channel of real 5-bit records through the emulated PTX:
     ``fp16(cs code + zp)`` with one rounding, for the reference's codes of the tokens the
     pair names, with the record's own fp16 scales and zero points."""
-    rec, layout = _records(5, seed)
-    f = record_tensors(rec, layout)
-    codes = f["codes"].numpy().astype(np.int64)  # [N, 512, 64]
-    cs = f["col_scale"].numpy()  # [N, 512] fp16
-    zp = f["zero_point"].numpy()
-    assert len(np.unique(codes)) == 32  # every code value occurs
-    fl = layout.field("codes")
-    words = rec[:, fl.offset : fl.end].contiguous().view(torch.int32).numpy()
-    words = words.reshape(rec.shape[0], 512, 10).view(np.uint32)
-    cs2 = np.uint32(cs.view(np.uint16)) * np.uint32(0x10001)  # the pair (cs, cs)
-    zp2 = np.uint32(zp.view(np.uint16)) * np.uint32(0x10001)
-    exact = cs.astype(np.float64)[..., None] * codes + zp.astype(np.float64)[..., None]
-    want = exact.astype(np.float16)
-    got = np.full(codes.shape, np.nan, np.float16)
+    words, cs2, zp2, want = _fields(5, seed)
+    got = np.full(want.shape, np.nan, np.float16)
     for h in range(2):
         for g in range(4):
             for i in range(4):
@@ -140,6 +151,22 @@ def test_dq5_asm_matches_reference_codes(seed):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dq2_asm_matches_reference_codes(seed):
+    """The 2-bit pairs (codes ``i`` and ``i + 8`` of each word, 16 bits apart) of every
+    channel of real records through the emulated PTX: ``fp16(cs code + zp)``, one rounding."""
+    words, cs2, zp2, want = _fields(2, seed)
+    got = np.full(want.shape, np.nan, np.float16)
+    for j in range(4):
+        for i in range(8):
+            w = words[..., j]
+            out = run_ptx(kw.dq2_asm(i), [w, w, cs2, zp2])
+            pair = out.astype(np.uint32).view(np.float16).reshape(*w.shape, 2)
+            got[..., 16 * j + i] = pair[..., 0]
+            got[..., 16 * j + i + 8] = pair[..., 1]
+    np.testing.assert_array_equal(got, want)
+
+
 def test_emulator_runs_the_kernels_asm_only():
     """The emulator knows exactly the instructions of the 5-bit asm (so a new instruction in
     the kernel fails the test above instead of being skipped)."""
@@ -149,3 +176,9 @@ def test_emulator_runs_the_kernels_asm_only():
             if ins.strip() and not ins.strip().startswith(".reg"):
                 ops.add(re.split(r"\s+", ins.strip())[0])
     assert ops == {"mov.b32", "shr.u32", "shf.r.clamp.b32", "lop3.b32", "fma.rn.f16x2"}
+    ops2 = set()
+    for i in range(8):
+        for ins in kw.dq2_asm(i).strip("{} ").split(";"):
+            if ins.strip() and not ins.strip().startswith(".reg"):
+                ops2.add(re.split(r"\s+", ins.strip())[0])
+    assert ops2 == {"mov.b32", "shr.u32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2"}

@@ -140,11 +140,11 @@ WGMMA_KERNEL = True
 ``mla_decode_wgmma.py`` (each tile unpacked once into shared memory) instead of the
 ``mma.sync`` one (False, or ``KVARN_MLA_WGMMA=0``: the ``mma.sync`` kernel)."""
 WGMMA_BITS: tuple[int, ...] = (4,)
-"""Code widths the ``wgmma`` kernel serves. It also compiles for 5-bit codes (offline for
-sm_90a: the same instruction count per block as at 4 bits, 8-16 B of spill frame instead of
-32-40), and its 5-bit unpack is checked on the CPU against the reference's dequantization by
-emulating its PTX; 5 joins the default once GPU parity has run it (``gpu/test_mla_parity.py``,
-kernel ``wgmma``). Until then 5-bit codes take the Triton kernel."""
+"""Code widths the ``wgmma`` kernel serves. It also compiles for 5- and 2-bit codes (offline
+for sm_90a: about the instruction count per block of 4 bits, spill frames of 8-32 B), and
+their unpacks are checked on the CPU against the reference's dequantization by emulating
+their PTX; they join the default once GPU parity has run them (``gpu/test_mla_parity.py``,
+kernel ``wgmma``). Until then 5- and 2-bit codes take the Triton kernel."""
 MMA_NBUF = 2
 """cp.async stages of the Gluon kernel (the current block and the next; 3 measured the same on
 the H200)."""

@@ -1,6 +1,6 @@
-"""MLA decode main kernel for sm_90 (Gluon, ``wgmma``): each 4- or 5-bit latent tile is
+"""MLA decode main kernel for sm_90 (Gluon, ``wgmma``): each latent tile (2, 4 or 5 bits) is
 unpacked once into shared memory and both products read it from there, for full-context decode
-(no ``indices``) of ``kvarn_mla_k4_g64`` and ``kvarn_mla_k5_g64``.
+(no ``indices``) of ``kvarn_mla_k{2,4,5}_g64``.
 
 The ``mma.sync`` kernel (``mla_decode_mma.py``) puts the 16 heads on the MMA's M axis, so the
 code tile is a B operand of both products, in two orientations: it is unpacked twice per block
@@ -18,8 +18,10 @@ bound at 17% of copy bandwidth on the H200). Here the tokens and the channels ar
   shift, or a funnel shift where it straddles two words) and one ``lop3`` put them into the
   mantissas of 1024.0 as ``code`` and ``16 code``, and an exact ``fma.rn.f16x2`` by
   ``(1, 1/16)`` less ``(1024, 64)`` leaves the codes: the same four instructions per two
-  codes as 4 bits (the 5-bit path has not run on a GPU yet: ``mla_decode.WGMMA_BITS`` keeps
-  5-bit codes on the Triton kernel until GPU parity has run it);
+  codes as 4 bits. 2-bit codes (4 words a channel, word ``j`` tokens ``16 j .. 16 j + 15``):
+  codes ``i`` and ``i + 8`` sit 16 bits apart in one word: a shift, a ``lop3``, a
+  ``sub.f16x2``, the scaling ``fma``. (The 5- and 2-bit paths have not run on a GPU yet:
+  ``mla_decode.WGMMA_BITS`` keeps them on the Triton kernel until GPU parity has run them.);
 - scores ``S^T[64 tokens, 16 heads] = T^T @ q^T`` (``wgmma`` m64n16k16, ``T`` read transposed
   from shared memory), times ``2^e rs[t]`` in fp32, plus the RoPE part ``rope @ q_rope^T``
   (bf16 operands, the query's RoPE part as two bf16 terms);
@@ -68,7 +70,7 @@ from kvarn_ops.kernels.decode_mma import _joined, _stack4
 
 __all__ = ["MLA_WGMMA_BITS", "mla_wgmma_kernel", "mla_wgmma_supported"]
 
-MLA_WGMMA_BITS = (4, 5)
+MLA_WGMMA_BITS = (2, 4, 5)
 
 _ACC: gl.constexpr = gl.NVMMADistributedLayout(
     version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]
@@ -83,6 +85,10 @@ _LW: gl.constexpr = gl.BlockedLayout(
 )
 _LW2: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 2], threads_per_warp=[32, 1], warps_per_cta=[4, 1], order=[1, 0]
+)
+# 2-bit codes: a channel's 4 words (16 B) per thread
+_LW4: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1], order=[1, 0]
 )
 _CH: gl.constexpr = gl.SliceLayout(1, _LW)
 # [64, 64] RoPE rows and [128, 64] pool latents (16-byte runs), [16, 512] / [16, 64] queries
@@ -120,10 +126,12 @@ def _dq_pair(w, cs2, zp2, BYTE: gl.constexpr):
 @gluon.jit
 def _chunk_tile(w, w89, cs, zp, BITS: gl.constexpr):
     """The fp16 tile rows [128 channels, 64 tokens] of one chunk's code words ``w`` [128, 8]
-    (and, at 5 bits, ``w89`` [128, 2]) and its (scaled) fp16 channel scales and zero points
-    [128]."""
+    ([128, 4] at 2 bits; at 5 bits also ``w89`` [128, 2]) and its (scaled) fp16 channel
+    scales and zero points [128]."""
     if BITS == 5:
         return _chunk_tile5(w, w89, cs, zp)
+    elif BITS == 2:
+        return _chunk_tile2(w, cs, zp)
     else:
         return _chunk_tile4(w, cs, zp)
 
@@ -248,14 +256,74 @@ def _chunk_tile5(w, w89, cs, zp):
     return gl.reshape(gl.permute(x, [0, 4, 3, 1, 2]), [128, 64])
 
 
+@gluon.constexpr_function
+def dq2_asm(i):
+    """PTX of the 2-bit pair ``i``, ``i + 8`` of a word (``i < 8``): ``$1`` the word (``$2``,
+    its copy, unused), ``$3`` / ``$4`` the fp16 pairs of the channel's scale and zero point;
+    ``$0`` the fp16 pair
+    ``fma(code, cs, zp)`` of both codes (they sit 16 bits apart: one shift, one ``lop3`` into
+    the mantissas of 1024.0, an exact ``sub.f16x2`` of 1024, the scaling ``fma``)."""
+    win = f"shr.u32 t, $1, {2 * i}; " if i > 0 else "mov.b32 t, $1; "
+    return (
+        "{ .reg .b32 t, o; " + win + "lop3.b32 t, t, 0x00030003, 0x64006400, 0xea; "
+        "mov.b32 o, 0x64006400; sub.f16x2 t, t, o; fma.rn.f16x2 $0, t, $3, $4; }"
+    )
+
+
+@gluon.jit
+def _pair2(w, cs2, zp2, I: gl.constexpr):
+    """2-bit codes ``I`` and ``I + 8`` of word ``w`` [128] (tokens ``16 j + I``, ``+ 8`` of
+    word ``j``): ``[128, 2]``."""
+    return gl.inline_asm_elementwise(
+        dq2_asm(I), "=r,r,r,r,r", [_joined(w, w), cs2, zp2], dtype=gl.float16, is_pure=True,
+        pack=2,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _word2(w, cs2, zp2):
+    """The 16 codes of one 2-bit word: ``[128, 2 r, 4 a, 2 b]``, code ``8 r + 4 b + a``."""
+    return gl.join(
+        _stack4(_pair2(w, cs2, zp2, 0), _pair2(w, cs2, zp2, 1), _pair2(w, cs2, zp2, 2),
+                _pair2(w, cs2, zp2, 3)),
+        _stack4(_pair2(w, cs2, zp2, 4), _pair2(w, cs2, zp2, 5), _pair2(w, cs2, zp2, 6),
+                _pair2(w, cs2, zp2, 7)),
+    )  # fmt: skip
+
+
+@gluon.jit
+def _chunk_tile2(w, cs, zp):
+    """:func:`_chunk_tile` for 2-bit codes: words ``w`` [128, 4] (word ``j``: tokens ``16 j ..
+    16 j + 15``)."""
+    ev, od = _halves(w)
+    a0, a2 = gl.split(ev)
+    a1, a3 = gl.split(od)
+    cs2 = _joined(cs, cs)
+    zp2 = _joined(zp, zp)
+    # each word's codes with the two fp16 halves of the register in the last axis
+    x = _stack4(
+        _word2(_ch(a0), cs2, zp2),
+        _word2(_ch(a1), cs2, zp2),
+        _word2(_ch(a2), cs2, zp2),
+        _word2(_ch(a3), cs2, zp2),
+    )  # [128, 2 r, 4 a, 2 b, 4 j]: token 16 j + 8 r + 4 b + a
+    return gl.reshape(gl.permute(x, [0, 4, 1, 3, 2]), [128, 64])
+
+
 @gluon.jit
 def _load_words(rec32_ptr, blk, CQ: gl.constexpr, REC: gl.constexpr, BITS: gl.constexpr):
-    """Chunk ``CQ``'s code words: ``[128, 8]`` (a channel's 2 * BITS words start at word
-    ``2 * BITS * c``), and at 5 bits words 8-9 ``[128, 2]`` (else a constant)."""
-    c = gl.arange(0, 128, layout=_CH)
-    j = gl.arange(0, 8, layout=gl.SliceLayout(0, _LW))
+    """Chunk ``CQ``'s code words: ``[128, 8]`` (``[128, 4]`` at 2 bits; a channel's 2 * BITS
+    words start at word ``2 * BITS * c``), and at 5 bits words 8-9 ``[128, 2]`` (else a
+    constant)."""
     row = rec32_ptr + blk * (REC // 4) + (128 * CQ) * (2 * BITS)
-    w = gl.load(row + c[:, None] * (2 * BITS) + j[None, :])
+    if BITS == 2:
+        c4 = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW4))
+        j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, _LW4))
+        w = gl.load(row + c4[:, None] * 4 + j4[None, :])
+    else:
+        c = gl.arange(0, 128, layout=_CH)
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, _LW))
+        w = gl.load(row + c[:, None] * (2 * BITS) + j[None, :])
     c2 = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW2))
     if BITS == 5:
         j2 = gl.arange(0, 2, layout=gl.SliceLayout(0, _LW2))
