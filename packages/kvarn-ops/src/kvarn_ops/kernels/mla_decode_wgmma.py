@@ -260,9 +260,9 @@ def _chunk_tile5(w, w89, cs, zp):
 def dq2_asm(i):
     """PTX of the 2-bit pair ``i``, ``i + 8`` of a word (``i < 8``): ``$1`` the word (``$2``,
     its copy, unused), ``$3`` / ``$4`` the fp16 pairs of the channel's scale and zero point;
-    ``$0`` the fp16 pair
-    ``fma(code, cs, zp)`` of both codes (they sit 16 bits apart: one shift, one ``lop3`` into
-    the mantissas of 1024.0, an exact ``sub.f16x2`` of 1024, the scaling ``fma``)."""
+    ``$0`` the fp16 pair ``fma(code, cs, zp)`` of both codes (they sit 16 bits apart: one
+    shift, one ``lop3`` into the mantissas of 1024.0, an exact ``sub.f16x2`` of 1024, the
+    scaling ``fma``)."""
     win = f"shr.u32 t, $1, {2 * i}; " if i > 0 else "mov.b32 t, $1; "
     return (
         "{ .reg .b32 t, o; " + win + "lop3.b32 t, t, 0x00030003, 0x64006400, 0xea; "
