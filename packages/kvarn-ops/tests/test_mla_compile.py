@@ -164,19 +164,20 @@ def _compile_all(arch: int) -> dict:
                     maxnreg=mla_decode.MAXNREG,
                 )
     # The widest codes (the pack kernel's byte loop is longest), bf16 pool.
+    pack_types = {
+        "pool_ptr": "*bf16",
+        "pscale_ptr": "*bf16",
+        "prope_ptr": "*i16",
+        "rec_ptr": "*u8",
+        "rec16_ptr": "*i16",
+        "src_ptr": "*i32",
+        "dst_ptr": "*i32",
+    }
     offs, geo = fmt(8)
     build(
         "pack-k8-bf16",
         mla_pack._mla_pack_kernel,
-        {
-            "pool_ptr": "*bf16",
-            "pscale_ptr": "*bf16",
-            "prope_ptr": "*i16",
-            "rec_ptr": "*u8",
-            "rec16_ptr": "*i16",
-            "src_ptr": "*i32",
-            "dst_ptr": "*i32",
-        },
+        pack_types,
         {"ITERS": 8, "STD_FLOOR": 1e-3, "FP8": False, **offs, **geo},
         num_warps=16,
     )
@@ -185,17 +186,7 @@ def _compile_all(arch: int) -> dict:
     build(
         "pack-split-k4-bf16",
         mla_pack_split._mla_pack_split_kernel,
-        {
-            "pool_ptr": "*bf16",
-            "pscale_ptr": "*bf16",
-            "prope_ptr": "*i16",
-            "rec_ptr": "*u8",
-            "rec16_ptr": "*i16",
-            "src_ptr": "*i32",
-            "dst_ptr": "*i32",
-            "scratch_ptr": "*fp32",
-            "counter_ptr": "*i32",
-        },
+        {**pack_types, "scratch_ptr": "*fp32", "counter_ptr": "*i32"},
         {
             "ITERS": 8,
             "STD_FLOOR": 1e-3,
