@@ -136,15 +136,12 @@ MMA_KERNEL = True
 ``mla_decode_mma.py`` (False, or ``KVARN_MLA_MMA=0`` in the environment: this file's Triton
 kernel for every case)."""
 WGMMA_KERNEL = True
-"""On sm_90 (Hopper), full-context decode of 4-bit codes runs the ``wgmma`` kernel of
-``mla_decode_wgmma.py`` (each tile unpacked once into shared memory) instead of the
-``mma.sync`` one (False, or ``KVARN_MLA_WGMMA=0``: the ``mma.sync`` kernel)."""
-WGMMA_BITS: tuple[int, ...] = (4,)
-"""Code widths the ``wgmma`` kernel serves. It also compiles for 5- and 2-bit codes (offline
-for sm_90a: about the instruction count per block of 4 bits, spill frames of 8-32 B), and
-their unpacks are checked on the CPU against the reference's dequantization by emulating
-their PTX; they join the default once GPU parity has run them (``gpu/test_mla_parity.py``,
-kernel ``wgmma``). Until then 5- and 2-bit codes take the Triton kernel."""
+"""On sm_90 (Hopper), full-context decode of 2-, 4- and 5-bit codes runs the ``wgmma`` kernel
+of ``mla_decode_wgmma.py`` (each tile unpacked once into shared memory) (False, or
+``KVARN_MLA_WGMMA=0``: the ``mma.sync`` kernel at 4 bits, the Triton one at 2 and 5)."""
+WGMMA_BITS: tuple[int, ...] = (2, 4, 5)
+"""Code widths the ``wgmma`` kernel serves (every width it compiles for; narrow it to send a
+width back to the ``mma.sync`` or Triton kernel)."""
 MMA_NBUF = 2
 """cp.async stages of the Gluon kernel (the current block and the next; 3 measured the same on
 the H200)."""

@@ -20,8 +20,7 @@ bound at 17% of copy bandwidth on the H200). Here the tokens and the channels ar
   ``(1, 1/16)`` less ``(1024, 64)`` leaves the codes: the same four instructions per two
   codes as 4 bits. 2-bit codes (4 words a channel, word ``j`` tokens ``16 j .. 16 j + 15``):
   codes ``i`` and ``i + 8`` sit 16 bits apart in one word: a shift, a ``lop3``, a
-  ``sub.f16x2``, the scaling ``fma``. (The 5- and 2-bit paths have not run on a GPU yet:
-  ``mla_decode.WGMMA_BITS`` keeps them on the Triton kernel until GPU parity has run them.);
+  ``sub.f16x2``, the scaling ``fma``;
 - scores ``S^T[64 tokens, 16 heads] = T^T @ q^T`` (``wgmma`` m64n16k16, ``T`` read transposed
   from shared memory), times ``2^e rs[t]`` in fp32, plus the RoPE part ``rope @ q_rope^T``
   (bf16 operands, the query's RoPE part as two bf16 terms);
