@@ -54,6 +54,8 @@ GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     (8, 32768, 16, 1, 128, "kvarn_k4v2_g64"),
     (1, 32768, 16, 1, 128, "kvarn_k4v2_g64"),
     (32, 16384, 64, 2, 128, "kvarn_k4v2_g64"),
+    # GQA 8 (Qwen-style 64 / 8 heads), for verify runs of more than 16 rows per KV head
+    (8, 32768, 64, 8, 128, "kvarn_k4v2_g64"),
 ]
 QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
 #: ``--grid``: the issue's sweep. Llama-3.1-8B geometry, k4v2 g64, every context x batch; the
@@ -230,7 +232,9 @@ def main() -> None:
         "byte-load loop), asm=0 (plain-Triton unpack on the GPU), splits=N "
         "(workspace split count; batch-1 geometries only), pdl=0 (the combine launched "
         "after the main kernel, not as its programmatic dependent), pdl_trigger=0 (the main "
-        "kernel's programs signal the combine at their exit, not their start)",
+        "kernel's programs signal the combine at their exit, not their start), mma_chunks=0 (runs "
+        "of more than 16 query rows per KV head in one Triton launch of up to 32 rows, not in "
+        "16-row chunks through the MMA kernel)",
     )
     which.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
     which.add_argument(
@@ -293,6 +297,7 @@ def main() -> None:
 
             kd._MMA_STAGES, kd._MMA_MAXNREG, kd._MMA_TRANSPOSED = 2, None, True
             kd._PDL_TRIGGER = v != "pdl_trigger=0"
+            kd.DECODE_MMA_CHUNKS = v != "mma_chunks=0"
             os.environ.pop("KVARN_DECODE_PDL", None)
             if v == "pdl=0":
                 os.environ["KVARN_DECODE_PDL"] = "0"

@@ -236,6 +236,7 @@ def test_flush(gen, request, fmt, dim, hkv, pool_dtype):
 
 
 _FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
+kd = importlib.import_module("kvarn_ops.kernels.decode")
 
 
 @pytest.mark.parametrize(("fmt", "dim", "hkv"), FLUSH_CASES)
@@ -340,7 +341,7 @@ ILL_CONDITIONED_CASES = [
 ]
 
 
-def _cpu_suite_case(request, case, seqs, **kwargs):
+def _cpu_suite_case(request, case, seqs, pool=torch.bfloat16, **kwargs):
     """One case of the CPU decode suite (``tests/test_decode.py``: its records, fp64 oracle
     and emulated yardstick) on this GPU, with a fresh seed recorded in the report."""
     import os
@@ -357,7 +358,7 @@ def _cpu_suite_case(request, case, seqs, **kwargs):
     request.node.user_properties.append(("np_seed", seed))
     fmt, d, hkv, gqa, t = case
     td.run_and_check(
-        np.random.default_rng(seed), fmt, d, hkv, gqa, t, seqs, torch.bfloat16,
+        np.random.default_rng(seed), fmt, d, hkv, gqa, t, seqs, pool,
         device="cuda", operand_precision="fp16_tf32", **kwargs,
     )  # fmt: skip
 
@@ -388,11 +389,81 @@ MANY_ROWS_CASES = [
 
 @pytest.mark.parametrize("case", range(len(MANY_ROWS_CASES)))
 def test_decode_many_query_rows(request, case):
-    """32 query rows per KV head with the CPU suite's cases and yardstick: 64-row tiles
-    computed wrong results on the H200 and are refused, so the largest accepted tile is
-    checked across the kernel's code paths."""
+    """32 query rows per KV head with the CPU suite's cases and yardstick: the largest tile a
+    launch computes, across the Triton kernel's code paths."""
     t = MANY_ROWS_CASES[case][4]
     _cpu_suite_case(request, MANY_ROWS_CASES[case], [t, 130, 2100])
+
+
+CHUNKED_CASES = [
+    # (format, D, Hkv, GQA, T, pool): more rows per KV head than a launch computes, in chunks
+    # of query tokens (16-row chunks through the MMA kernel at k4v2 / k4v4 d128 with GQA <= 16,
+    # 32-row chunks through the Triton kernel elsewhere); the first four computed wrong results
+    # or faulted as 64-row tiles (2026-12-02)
+    ("kvarn_k4v2_g64", 128, 2, 16, 4, torch.float8_e4m3fn),
+    ("kvarn_k4v4_g64", 128, 2, 32, 2, torch.bfloat16),
+    ("kvarn_k4v2_g64", 128, 2, 8, 8, torch.bfloat16),
+    ("kvarn_k4v2_g64", 64, 2, 16, 4, torch.bfloat16),
+    ("kvarn_k2v2_g64", 128, 2, 16, 4, torch.bfloat16),
+    ("kvarn_k4v4_g64", 128, 1, 4, 8, torch.float8_e4m3fn),
+    ("kvarn_k4v2_g64", 256, 1, 8, 8, torch.bfloat16),
+]
+
+
+#: every case as the library chunks it, and the MMA kernel's cases also in 32-row Triton chunks
+CHUNKED_PARAMS = [(i, True) for i in range(len(CHUNKED_CASES))] + [
+    (i, False)
+    for i, c in enumerate(CHUNKED_CASES)
+    if c[0] in ("kvarn_k4v2_g64", "kvarn_k4v4_g64") and c[1] == 128 and c[3] <= 16
+]
+
+
+@pytest.mark.parametrize(("case", "mma_chunks"), CHUNKED_PARAMS)
+def test_decode_chunked_query_rows(request, monkeypatch, case, mma_chunks):
+    """33 to 64 query rows per KV head (T up to 8 at GQA 8, 4 at GQA 16, 2 at GQA 32), in
+    chunks of query tokens, each launch's keys ending at its last token's position; without
+    ``DECODE_MMA_CHUNKS`` every chunk takes the Triton kernel's 32-row tile."""
+    fmt, d, hkv, gqa, t, pool = CHUNKED_CASES[case]
+    monkeypatch.setattr(kd, "DECODE_MMA_CHUNKS", mma_chunks)
+    q = torch.empty(1, t, hkv * gqa, d, device=DEVICE)
+    mma = mma_chunks and gqa <= 16 and kd._use_mma_kernel(fmt, q, hkv, 16 // gqa)
+    assert kd.chunk_tokens(fmt, q, hkv) == (16 // gqa if mma else max(1, 32 // gqa))
+    _cpu_suite_case(request, CHUNKED_CASES[case][:5], [t, 130, 2100, 4097], pool=pool)
+
+
+def test_decode_chunked_cuda_graph_replay(gen):
+    """A verify run of 8 tokens at GQA 8 (four 16-row chunks through the MMA kernel, with
+    their query copies) captured once and replayed with new queries and longer contexts:
+    equal to eager calls and within the error bound."""
+    hq, hkv, d, t = 16, 2, 128, 8
+    lens = [3000, 70, 9000]
+    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, [n + 80 for n in lens])
+    cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    q = torch.randn(len(lens), t, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    assert kd.chunk_tokens("kvarn_k4v2_g64", q, hkv) == 2
+    ws = kernels.decode_workspace(len(lens), t, hq, hkv, d, 9000 + 80, 64, device=DEVICE)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(d)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            kernels.decode(q, *cache.args(), scale, out, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.decode(q, *cache.args(), scale, out, ws)
+    for step in range(1, 4):
+        q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE))
+        cache.seq_lens.add_(step * 13)
+        poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _run_decode(cache, q, scale)
+        assert torch.equal(out, eager), f"replay {step} differs from an eager call"
+        ref = torch.empty_like(q, dtype=torch.float32)
+        reference.decode(q, *cache.args(), scale, ref, None, compute_dtype=torch.float64)
+        assert_decode_error(out, q, cache, scale, ref)
 
 
 def _run_decode(cache, q, scale):
@@ -419,7 +490,6 @@ def test_decode(gen, case):
     cache = build_cache(gen, fmt, d, hkv, lens, pool_dtype)
     q = torch.randn(len(lens), t, hq, d, generator=gen, device=DEVICE).to(q_dtype)
     scale = 1 / math.sqrt(d)
-    kd = importlib.import_module("kvarn_ops.kernels.decode")
     assert kd._use_mma_kernel(fmt, q, hkv) == (case in MMA_DECODE_CASES)
     out = _run_decode(cache, q, scale)
     # The fp64 oracle, stored in fp32 (its rounding, ~6e-8, is far below every bound).

@@ -100,8 +100,8 @@ SPILL_ALLOWANCE = {
 }
 
 
-def _split_source(fmt, d, gqa, t, pool, qdt, pdl=False):
-    consts, opts = KD.kernel_config(fmt, d, gqa, t, 16, pool == "float8_e4m3fn")
+def _split_source(fmt, d, gqa, t, pool, qdt, pdl=False, lag=0):
+    consts, opts = KD.kernel_config(fmt, d, gqa, t, 16, pool == "float8_e4m3fn", lag)
     consts["PDL"] = pdl
     sig = {}
     for name in KD._decode_split_kernel.arg_names:
@@ -206,7 +206,33 @@ def test_programmatic_dependent_launch_compiles(target):
                 assert "ex2.approx" in ptx[:wait]  # the tail's softmax before the wait
 
 
-def _compile_combine(d, out, tail, pool, splits, target, g, pdl=False):
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+def test_chunk_launches_compile(target):
+    """The launches of a chunk of a long verify run (keys ending ``LAG`` tokens before the
+    run's last): the Triton kernel's 32-row tile (``mma.sync``, never ``wgmma``, which computed
+    wrong results as the 64-row tile on sm_90), both MMA kernels and the combine; the masks
+    that ``LAG`` switches on for a chunk of one token are there."""
+    src, opts = _split_source("kvarn_k4v2_g64", 128, 8, 4, "bfloat16", "bfloat16", lag=4)
+    k = triton.compile(src, target=target, options=opts)
+    assert "wgmma" not in k.asm["ptx"] and "mma.sync" in k.asm["ptx"]
+    plain = triton.compile(
+        _mma_source("kvarn_k4v2_g64", 16, 1, "*bf16", nbuf=2), target=target,
+        options={"num_warps": 1},
+    )  # fmt: skip
+    lagged = triton.compile(
+        _mma_source("kvarn_k4v2_g64", 16, 1, "*bf16", nbuf=2, lag=3), target=target,
+        options={"num_warps": 1},
+    )  # fmt: skip
+    # a one-token chunk followed by 3 more tokens masks its keys (a comparison per score)
+    assert lagged.asm["ptx"].count("setp.") > plain.asm["ptx"].count("setp.")
+    triton.compile(
+        _mma_source("kvarn_k4v2_g64", 4, 2, "*bf16", nbuf=2, transposed=True, lag=2),
+        target=target, options={"num_warps": 1},
+    )  # fmt: skip
+    _compile_combine(128, "bfloat16", True, "bfloat16", 16, target, 64, lag=4)
+
+
+def _compile_combine(d, out, tail, pool, splits, target, g, pdl=False, lag=0):
     cc, copts = KD.combine_config(d, splits)
     if d == 128 and splits == 128:
         assert cc["SC"] == 128 and copts["num_warps"] == 8  # the whole row in one round trip
@@ -221,6 +247,7 @@ def _compile_combine(d, out, tail, pool, splits, target, g, pdl=False):
         GQA=4,
         POOL_FP8=pool == "float8_e4m3fn",
         PDL=pdl,
+        LAG=lag,
         **cc,
     )
     types = {
@@ -275,7 +302,7 @@ MMA_SPILL = {
 }
 
 
-def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False):
+def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kvarn_ops.kernels import decode_mma, decode_mma_t
@@ -284,8 +311,9 @@ def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False):
 
     c = KD._layout_consts(fmt, 128)
     consts = dict(
-        T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2, NBUF=nbuf, G=c["G"], PDL=pdl
-    )
+        T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2, NBUF=nbuf, G=c["G"], PDL=pdl,
+        LAG=lag,
+    )  # fmt: skip
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
         consts[name] = c[name]
     consts["VZP_OFF"] = c["VZP_OFF"]

@@ -387,6 +387,43 @@ def test_combine_reads_splits_by_tiles(tail_in_combine, monkeypatch):
     run_and_check(rng, "kvarn_k4v2_g64", 64, 1, 2, 1, [2, 200, 700], torch.bfloat16, num_splits=64)
 
 
+CHUNKED_CASES = [
+    # (format, D, Hkv, GQA, T, program rows, pool dtype, seqs): runs of more query rows per KV
+    # head than a launch computes, in chunks of query tokens; with programs of 8 rows the
+    # chunks are 2 + 2 + 1 tokens (lags 3, 1, 0), so a chunk's last token is not the run's
+    ("kvarn_k4v2_g64", 64, 1, 8, 8, 32, torch.bfloat16, [8, 66, 200]),
+    ("kvarn_k4v4_g64", 64, 2, 16, 3, 32, torch.float8_e4m3fn, [3, 64, 130]),
+    ("kvarn_k2v4_g64", 64, 1, 32, 2, 32, torch.float16, [2, 129]),
+    ("kvarn_k4v2_g64", 64, 1, 4, 5, 8, torch.bfloat16, [5, 63, 64, 68, 200]),
+]
+
+
+@pytest.mark.parametrize(
+    "case", CHUNKED_CASES, ids=lambda c: f"{c[0]}-h{c[2]}x{c[3]}-T{c[4]}-rows{c[5]}"
+)
+@pytest.mark.parametrize("tail_in_combine", [False, True], ids=["split_tail", "combine_tail"])
+def test_long_runs_in_chunks_of_query_tokens(case, tail_in_combine, monkeypatch):
+    """Up to 64 query rows per KV head: chunks of query tokens, each launch's keys ending where
+    its last token sits in the run (a request's exact tail and last full block seen by some of
+    a chunk's tokens and not others)."""
+    fmt, d, hkv, gqa, t, rows, pool, seqs = case
+    monkeypatch.setattr(kd, "DECODE_PROGRAM_ROWS", rows)
+    monkeypatch.setattr(kd, "_TAIL_IN_COMBINE", tail_in_combine)
+    q = torch.empty(1, t, hkv * gqa, d)
+    assert kd.chunk_tokens(fmt, q, hkv) == max(1, rows // gqa) < t
+    rng = np.random.default_rng([SEED, 600 + 2 * CHUNKED_CASES.index(case) + tail_in_combine])
+    run_and_check(rng, fmt, d, hkv, gqa, t, seqs, pool)
+
+
+def test_chunk_tokens():
+    """Where the MMA kernel does not serve the call (here: the CPU), a run is one launch up to
+    32 rows per KV head, else chunks of 32 rows."""
+    for gqa, t, step in [(4, 4, 4), (4, 8, 8), (8, 4, 4), (8, 5, 4), (8, 8, 4), (16, 4, 2),
+                         (32, 1, 1), (32, 2, 1), (1, 8, 8)]:  # fmt: skip
+        q = torch.empty(2, t, 2 * gqa, 128)
+        assert kd.chunk_tokens("kvarn_k4v2_g64", q, 2) == step, (gqa, t)
+
+
 def test_large_head_dims_and_bf16_query():
     rng = np.random.default_rng([SEED, 7])
     run_and_check(
@@ -451,16 +488,21 @@ def test_bad_input_raises_value_error_naming_argument(name, mutate):
         kd.decode(**args)
 
 
-def test_query_rows_limit_is_the_references():
-    """Both implementations accept up to ``MAX_QUERY_ROWS`` query rows per KV head (32) and
-    refuse more the same way (here 2 tokens of 17 heads per KV head)."""
+@pytest.mark.parametrize(
+    ("t", "heads", "match"), [(5, 32, "q: T"), (1, 66, "query heads per KV head")]
+)
+def test_query_rows_limit_is_the_references(t, heads, match):
+    """Both implementations accept up to ``MAX_QUERY_ROWS`` query rows per KV head (64) and
+    ``MAX_GQA`` query heads per KV head (32), and refuse more the same way (here 5 tokens of
+    16 heads per KV head, and 33 heads per KV head)."""
     from kvarn_ops import reference
 
-    assert kd.DECODE_MAX_ROWS == reference.MAX_QUERY_ROWS == 32
+    assert kd.DECODE_MAX_ROWS == reference.MAX_QUERY_ROWS == 64 and reference.MAX_GQA == 32
     args = _good_args()
-    args["q"] = torch.randn(2, 2, 34, 64)
-    args["out"] = torch.empty(2, 2, 34, 64)
-    with pytest.raises(ValueError, match="q: T"):
+    args["q"] = torch.randn(2, t, heads, 64)
+    args["out"] = torch.empty(2, t, heads, 64)
+    args["workspace"] = torch.empty(2 * t * heads * 65)
+    with pytest.raises(ValueError, match=match):
         kd.decode(**args)
-    with pytest.raises(ValueError, match="q: T"):
+    with pytest.raises(ValueError, match=match):
         reference.decode(**{k: v for k, v in args.items() if k != "workspace"}, workspace=None)

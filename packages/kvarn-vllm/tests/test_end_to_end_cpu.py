@@ -293,10 +293,11 @@ def test_speculative_ngram_equals_plain_decoding(tiny_llama, k4v4, tmp_path):
 
 
 def test_gqa16_speculative_ngram_equals_plain_decoding(tmp_path_factory):
-    """16 query heads per KV head (Llama-3.1-405B's ratio): single-token steps go through
-    ``decode`` (16 query rows), verify runs of 4 tokens (64 rows, over kvarn_ops' 32) through
-    the prefill path, chosen by the builder from vLLM's model config; the reference ops refuse
-    a 64-row decode, so a wrong route fails the run. Greedy decoding matches plain decoding:
+    """16 query heads per KV head (Llama-3.1-405B's ratio), 4 drafts: single-token steps and
+    verify runs of up to 4 tokens go through ``decode`` (16 to 64 query rows), runs of 5
+    (80 rows, over kvarn_ops' 64) through the prefill path, chosen by the builder from vLLM's
+    model config; the reference ops refuse an 80-row decode, so a wrong route fails the run.
+    Greedy decoding matches plain decoding:
     the same tokens up to the first divergence and, at every position up to and including it,
     the chosen token's logprob within ``SPEC_LOGPROB_BOUND`` (a divergence is then a near-tie
     of the two runs' argmax, which this random 16-head model meets within 64 tokens; measured
@@ -312,7 +313,12 @@ def test_gqa16_speculative_ngram_equals_plain_decoding(tmp_path_factory):
         tmp_path_factory.mktemp("gqa16-plain"),
     )
     spec = run_engine(
-        {"model": model, "mode": "kvarn_k4v4_g64", "speculative_config": NGRAM, "jobs": [job]},
+        {
+            "model": model,
+            "mode": "kvarn_k4v4_g64",
+            "speculative_config": dict(NGRAM, num_speculative_tokens=4),
+            "jobs": [job],
+        },
         tmp_path_factory.mktemp("gqa16-spec"),
     )
     compared = 0

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvarn_ops.reference import decode as _ops_decode
 from kvarn_ops.reference.decode import MAX_QUERY_ROWS, MAX_QUERY_TOKENS
 from kvarn_vllm.exact_pool import NULL_BLOCK, ExactPoolAllocator, StepPlan
 
@@ -100,13 +101,21 @@ def _decode_batch(
     )
 
 
+MAX_GQA = getattr(_ops_decode, "MAX_GQA", MAX_QUERY_ROWS)
+"""Most query heads per KV head kvarn_ops' decode serves (32; kvarn-ops 1.0.0 has no name for
+it: there it is its row limit, also 32)."""
+
+
 def decode_token_limit(gqa: int) -> int:
     """Longest run (query tokens) that goes through ``decode`` for a model with ``gqa`` query
-    heads per KV head: ``MAX_QUERY_TOKENS``, and ``T * gqa <= MAX_QUERY_ROWS`` (32, what one
-    decode program holds): 8 up to GQA 4, 4 at GQA 8, 2 at GQA 16, 1 at GQA 32, 0 beyond
-    (every run then takes the prefill path, which gives the same attention)."""
+    heads per KV head: ``MAX_QUERY_TOKENS``, and ``T * gqa <= MAX_QUERY_ROWS`` (64 since
+    kvarn-ops computes longer runs in chunks; 32 with kvarn-ops 1.0.0): with 64, 8 up to GQA 8,
+    4 at GQA 16, 2 at GQA 32, and 0 beyond ``MAX_GQA`` (every run then takes the prefill path,
+    which gives the same attention)."""
     if gqa < 1:
         raise ValueError(f"gqa: must be >= 1, got {gqa}")
+    if gqa > MAX_GQA:
+        return 0
     return min(MAX_QUERY_TOKENS, MAX_QUERY_ROWS // gqa)
 
 
@@ -117,9 +126,9 @@ def decode_route_note(gqa: int, drafts: int = 0) -> str | None:
     limit = decode_token_limit(gqa)
     if limit == 0:
         return (
-            f"{gqa} query heads per KV head exceed kvarn_ops' decode limit of {MAX_QUERY_ROWS} "
-            "query rows: every step takes the prefill path (materialize + attention, the same "
-            "result, much slower per generated token)"
+            f"{gqa} query heads per KV head exceed kvarn_ops' decode limit of {MAX_GQA}: every "
+            "step takes the prefill path (materialize + attention, the same result, much slower "
+            "per generated token)"
         )
     if 1 + drafts > limit:
         return (

@@ -78,7 +78,7 @@ import triton.language as tl
 import kvarn_formats as kf
 from kvarn_ops import _validate as V
 from kvarn_ops.kernels._common import cuda_feature, f16_parts, gluon_modules, launch_or_op
-from kvarn_ops.reference.decode import MAX_QUERY_ROWS
+from kvarn_ops.reference.decode import MAX_GQA, MAX_QUERY_ROWS
 
 __all__ = [
     "DECODE_MAX_QUERY_LEN",
@@ -86,16 +86,24 @@ __all__ = [
     "DECODE_MIN_UNITS_PER_SPLIT",
     "decode",
     "decode_workspace",
+    "chunk_tokens",
     "decode_num_splits",
 ]
 
 DECODE_MAX_QUERY_LEN = 8
 """Largest T (speculative verify) the kernel serves."""
 DECODE_MAX_ROWS = MAX_QUERY_ROWS
-"""Largest ``T * GQA`` (query rows per KV head) a program serves: 32 (GQA 16 up to T = 2, GQA
-32 at T = 1), the reference's limit. 64-row tiles (T 8 at GQA 8, accepted before the limit
-was written as rows) computed wrong results on the H200 (k4v2, GQA 16, T 4: relative error
-1.46; k4v4, GQA 32, T 2: an illegal memory access) and are refused."""
+"""Largest ``T * GQA`` (query rows per KV head) of a call: 64, the reference's limit (GQA 8 up
+to T = 8, GQA 16 up to T = 4, GQA 32 up to T = 2)."""
+DECODE_PROGRAM_ROWS = 32
+"""Most query rows per KV head one launch computes: a run with more is computed in chunks of
+query tokens (:func:`chunk_tokens`). The Triton kernel's 64-row tile compiles to ``wgmma``
+at 4 and 8 warps on sm_90 and computed wrong results there (k4v2, GQA 16, T 4: relative error
+1.46; k4v4, GQA 32, T 2: an illegal memory access; BENCHMARKS.md, "2026-12-02, night"); its
+32-row tile (``mma.sync``) is right."""
+DECODE_MMA_CHUNKS = True
+"""Where the MMA kernel serves 16 query rows per KV head, a run of more rows (T > 1 at GQA
+>= 4) is computed in chunks of 16 rows through it rather than in one Triton launch."""
 DECODE_MIN_UNITS_PER_SPLIT = 2
 """A split gets at least this many work units (blocks) when the context allows: below that the
 fixed per-program cost (rotating q, writing a partial row) outweighs the blocks it reads."""
@@ -313,6 +321,7 @@ def _decode_split_kernel(
     ASM: tl.constexpr,
     TAIL_IN_COMBINE: tl.constexpr,
     PDL: tl.constexpr = False,
+    LAG: tl.constexpr = 0,
 ):
     if PDL:  # the combine may launch now (it waits for this grid before reading its output)
         tl.extra.cuda.gdc_launch_dependents()
@@ -339,12 +348,13 @@ def _decode_split_kernel(
     u0 = split * per
     u1 = tl.minimum(u0 + per, n_units)
 
-    # rows r = t * GQA + g: query token t (position seq_len - T + t), head h * GQA + g
+    # rows r = t * GQA + g: query token t (position seq_len - T - LAG + t: LAG more query
+    # tokens of the request follow these T), head h * GQA + g
     r = tl.arange(0, R_PAD)
     row_ok = r < T * GQA
     tq = r // GQA
     hq = h * GQA + (r % GQA)
-    q_pos = tl.where(row_ok, seq_len - T + tq, -1)
+    q_pos = tl.where(row_ok, seq_len - (T + LAG) + tq, -1)
     q_row = ((b * T + tq) * num_q_heads + hq).to(tl.int64)
 
     # q_rot = (q * qk_scale) @ H_D, by chunks of QC input channels on the tensor cores
@@ -813,6 +823,7 @@ def _decode_combine_kernel(
     GQA: tl.constexpr,
     POOL_FP8: tl.constexpr,
     PDL: tl.constexpr = False,
+    LAG: tl.constexpr = 0,
 ):
     """One program per query row: merge the live splits' partial rows (and, with ``TAIL``, the
     exact tail's attention, computed here in fp32) and rotate back to the model frame.
@@ -847,7 +858,7 @@ def _decode_combine_kernel(
     if TAIL:
         # the exact tail (seq_len % G newest tokens of pool block tail_pool_block[b]) in fp32
         h = (row % num_q_heads) // GQA
-        q_pos = seq_len - T + (row % rows_per_request) // num_q_heads
+        q_pos = seq_len - (T + LAG) + (row % rows_per_request) // num_q_heads
         tok = tl.arange(0, G)
         t_ok = (tok < tail) & (n_full * G + tok <= q_pos)
         slot = (pb * G + tok) * num_kv_heads + h
@@ -944,9 +955,10 @@ def kernel_config(
     query_len: int,
     num_splits: int,
     pool_fp8: bool,
+    lag: int = 0,
 ) -> tuple[dict, dict]:
     """Constexprs and launch options of the split kernel for one geometry (also used by the
-    offline compile tests)."""
+    offline compile tests); ``lag``: query tokens of the run after these ``query_len``."""
     c = _layout_consts(format_name, head_dim)
     kb, g, d = c["KB"], c["G"], head_dim
     npk = 8 // kb if 8 % kb == 0 else 1
@@ -980,6 +992,7 @@ def kernel_config(
         FAST=fast,
         ASM=fast and not _interpreting(),
         TAIL_IN_COMBINE=False,
+        LAG=lag,
         **c,
     )
     # warps per program, measured on the H200 (CUDA-graph replay, 12 geometries of at most 16
@@ -1084,6 +1097,11 @@ def _check_decode_args(
         )
     if hkv < 1 or hq % hkv != 0 or hq < hkv:
         raise ValueError(f"q: {hq} query heads for {hkv} KV heads (packed dim 1); need a multiple")
+    if hq // hkv > MAX_GQA:
+        raise ValueError(
+            f"q: {hq // hkv} query heads per KV head exceed {MAX_GQA} (one query token's rows "
+            "must fit one program)"
+        )
     if t * (hq // hkv) > DECODE_MAX_ROWS:
         raise ValueError(
             f"q: T * (query heads per KV head) = {t} * {hq // hkv} exceeds {DECODE_MAX_ROWS} "
@@ -1144,13 +1162,13 @@ _TAIL_IN_COMBINE = False
 always does (tests set it to check that combine path under the interpreter)."""
 
 
-def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int) -> bool:
+def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int, t: int | None = None) -> bool:
     """The Gluon kernel (``decode_mma.py``) serves 4-bit K, 2/4-bit V, G 64 or 128, d128 on
-    sm_80+."""
+    sm_80+, up to 16 query rows per KV head (``t`` query tokens; default: q's)."""
     if not cuda_feature(q, "KVARN_DECODE_MMA", (8, 0)):
         return False
     c = _layout_consts(format_name, q.shape[3])
-    rows = q.shape[1] * (q.shape[2] // hkv)
+    rows = (q.shape[1] if t is None else t) * (q.shape[2] // hkv)
     mods = _mma_module()
     return mods is not None and mods[0].mma_decode_supported(
         c["KB"], c["VB"], c["G"], q.shape[3], rows
@@ -1177,11 +1195,12 @@ def _launch(
     out,
     workspace,
     num_splits,
+    q_lag=0,
 ):
     b, t, hq, d = q.shape
     hkv = packed.shape[1]
     pool_fp8 = exact_k.dtype == torch.float8_e4m3fn
-    consts, opts = kernel_config(format_name, d, hq // hkv, t, num_splits, pool_fp8)
+    consts, opts = kernel_config(format_name, d, hq // hkv, t, num_splits, pool_fp8, q_lag)
     lse_numel = num_splits * b * t * hq
     ks = k_scale if pool_fp8 else exact_k
     vs = v_scale if pool_fp8 else exact_v
@@ -1223,6 +1242,7 @@ def _launch(
             NBUF=_MMA_STAGES,
             G=c["G"],
             PDL=pdl and _PDL_TRIGGER,
+            LAG=q_lag,
             num_warps=1,
             **({} if _MMA_MAXNREG is None else {"maxnreg": _MMA_MAXNREG}),
         )
@@ -1278,6 +1298,7 @@ def _launch(
         GQA=hq // hkv,
         POOL_FP8=pool_fp8,
         PDL=pdl,
+        LAG=q_lag,
         launch_pdl=pdl,
         **cc,
         **copts,
@@ -1300,6 +1321,7 @@ def _decode_op(
     out: torch.Tensor,
     workspace: torch.Tensor,
     num_splits: int,
+    q_lag: int,
 ) -> None:
     _launch(
         q,
@@ -1316,6 +1338,7 @@ def _decode_op(
         out,
         workspace,
         num_splits,
+        q_lag,
     )
 
 
@@ -1335,6 +1358,7 @@ def _decode_op_fake(
     out,
     workspace,
     num_splits,
+    q_lag,
 ) -> None:
     return None
 
@@ -1374,7 +1398,10 @@ def decode(
     out : Tensor [B, T, Hq, D], float16 / bfloat16 / float32, written in the model frame.
     workspace : float32 Tensor from :func:`decode_workspace` (the only scratch).
 
-    Two kernel launches; no allocation and no host synchronization on the GPU.
+    Two kernel launches and no allocation when ``T * GQA`` fits one launch
+    (:func:`chunk_tokens`); a longer run is computed in chunks of query tokens, each two
+    launches into a contiguous copy of its queries and outputs. No host synchronization on
+    the GPU.
     """
     splits = _check_decode_args(
         q,
@@ -1391,21 +1418,36 @@ def decode(
         out,
         workspace,
     )
-    launch_or_op(
-        _decode_op,
-        _launch,
-        q,
-        packed,
-        block_table,
-        seq_lens,
-        exact_k,
-        exact_v,
-        k_scale,
-        v_scale,
-        tail_pool_block,
-        layout.format_name,
-        float(softmax_scale),
-        out,
-        workspace,
-        splits,
-    )
+    t = q.shape[1]
+    step = chunk_tokens(layout.format_name, q, packed.shape[1])
+    cache = (packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block)
+    scale = float(softmax_scale)
+    if step >= t:
+        launch_or_op(
+            _decode_op, _launch, q, *cache, layout.format_name, scale, out, workspace, splits, 0
+        )
+        return
+    # chunks of query tokens; each one's keys end ``t - t1`` tokens before the run's last
+    # (the workspace is sized for all T rows, so each chunk fits, and they run in order)
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        qc = q[:, t0:t1].contiguous()
+        oc = torch.empty(qc.shape, dtype=out.dtype, device=out.device)
+        launch_or_op(
+            _decode_op, _launch, qc, *cache, layout.format_name, scale, oc, workspace, splits,
+            t - t1,
+        )  # fmt: skip
+        out[:, t0:t1].copy_(oc)
+
+
+def chunk_tokens(format_name: str, q: torch.Tensor, num_kv_heads: int) -> int:
+    """Query tokens per launch of a decode of ``q`` [B, T, Hq, D]: all T when ``T * GQA``
+    rows per KV head fit one program (16 where the MMA kernel serves the call, else
+    ``DECODE_PROGRAM_ROWS``); else the most tokens whose rows fit 16 where the MMA kernel
+    serves 16 rows (``DECODE_MMA_CHUNKS``), or ``DECODE_PROGRAM_ROWS`` (the Triton kernel)."""
+    t, gqa = q.shape[1], q.shape[2] // num_kv_heads
+    if t * gqa <= 16:
+        return t
+    if DECODE_MMA_CHUNKS and gqa <= 16 and _use_mma_kernel(format_name, q, num_kv_heads, 16 // gqa):
+        return 16 // gqa
+    return t if t * gqa <= DECODE_PROGRAM_ROWS else max(1, DECODE_PROGRAM_ROWS // gqa)

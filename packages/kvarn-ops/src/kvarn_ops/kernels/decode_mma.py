@@ -911,10 +911,13 @@ def mma_decode_kernel(
     NBUF: gl.constexpr,
     G: gl.constexpr = 64,
     PDL: gl.constexpr = False,
+    LAG: gl.constexpr = 0,
 ):
     """Grid ``(S, B * Hkv)``, one warp: split ``program_id(0)`` of request ``b``'s full blocks
     for KV head ``h``; writes the normalized partial rows and their base-2 log-sum-exp to the
-    workspace exactly as the Triton split kernel does (the tail is left to the combine)."""
+    workspace exactly as the Triton split kernel does (the tail is left to the combine).
+    ``LAG``: query tokens of the request that follow these ``T`` (a chunk of a longer verify
+    run; their keys are masked)."""
     if PDL:
         launch_dependents()
     split = gl.program_id(0)
@@ -988,7 +991,7 @@ def mma_decode_kernel(
 
     r = gl.arange(0, 16, layout=_ROWS)
     row_ok = r < T * GQA
-    q_pos = seq_len - T + r // GQA
+    q_pos = seq_len - (T + LAG) + r // GQA
     lt = gl.arange(0, 64, layout=_COLS)
     tok_of_col = (lt & 7) * 8 + (lt >> 3)  # logical column -> token of the block
 
@@ -1058,7 +1061,7 @@ def mma_decode_kernel(
         vzp = _staged_tok(svz.index(cst))
         qz = qz * _C_IN
         m, l, alpha, pt, pw = _softmax_step(
-            s, qz, 16.0 * qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T, VB
+            s, qz, 16.0 * qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T + LAG, VB
         )
         RDV: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[16 * HV, 1],

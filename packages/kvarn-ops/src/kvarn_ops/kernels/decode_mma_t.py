@@ -303,6 +303,7 @@ def mma_decode_t_kernel(
     NBUF: gl.constexpr,
     G: gl.constexpr = 64,
     PDL: gl.constexpr = False,
+    LAG: gl.constexpr = 0,
 ):
     """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2)."""
     if PDL:
@@ -383,7 +384,7 @@ def mma_decode_t_kernel(
 
     r = gl.arange(0, 8, layout=_QR)
     row_ok = r < T * GQA
-    q_pos = seq_len - T + r // GQA
+    q_pos = seq_len - (T + LAG) + r // GQA
     mt = gl.arange(0, 64, layout=_TOK)
     tok_of_row = (mt & 7) * 8 + (mt >> 4) * 2 + ((mt >> 3) & 1)
 
@@ -456,7 +457,7 @@ def mma_decode_t_kernel(
         )
         krs = _tok_rows(skr.index(cst).load(_RUNG8)) * kf
         s = s * krs[:, None]
-        if T > 1:
+        if T + LAG > 1:
             key = u * 64 + tok_of_row
             s = gl.where(key[:, None] <= q_pos[None, :], s, float("-inf"))
         m_new = gl.maximum(m, gl.max(s, axis=0))

@@ -19,6 +19,7 @@ from kvarn_ops.reference.cache import (
     store,
 )
 from kvarn_ops.reference.decode import (
+    MAX_GQA,
     MAX_QUERY_ROWS,
     MAX_QUERY_TOKENS,
     OPERAND_PRECISIONS,
@@ -53,6 +54,7 @@ from kvarn_ops.reference.records import (
 __all__ = [
     "DEFAULT_CONFIG",
     "FIELD_NAMES",
+    "MAX_GQA",
     "MAX_QUERY_ROWS",
     "MAX_QUERY_TOKENS",
     "OPERAND_PRECISIONS",

@@ -24,15 +24,24 @@ from kvarn_ops.reference.cache import check_context_args, read_pool_blocks
 from kvarn_ops.reference.hadamard import hadamard
 from kvarn_ops.reference.records import record_fields
 
-__all__ = ["MAX_QUERY_ROWS", "MAX_QUERY_TOKENS", "OPERAND_PRECISIONS", "attention_oracle", "decode"]
+__all__ = [
+    "MAX_GQA",
+    "MAX_QUERY_ROWS",
+    "MAX_QUERY_TOKENS",
+    "OPERAND_PRECISIONS",
+    "attention_oracle",
+    "decode",
+]
 
 MAX_QUERY_TOKENS = 8
 """Largest T (query tokens per request: 1 for decode, up to 8 for speculative verify)."""
-MAX_QUERY_ROWS = 32
+MAX_QUERY_ROWS = 64
 """Largest ``T * GQA`` (query rows per KV head: query tokens times query heads per KV head)
-the decode kernels serve: GQA 16 (Llama-3.1-405B, GLM-4) up to T = 2, GQA 32 at T = 1.
-Every implementation refuses more, the same way. (The Triton kernel's 64-row tile computed
-wrong results on an H200: BENCHMARKS.md, "2026-12-02, night".)"""
+the decode kernels serve: GQA 8 up to T = 8, GQA 16 (Llama-3.1-405B, GLM-4) up to T = 4, GQA
+32 up to T = 2. Every implementation refuses more, the same way. (The kernels compute more
+than 32 rows in chunks of query tokens: ``kernels.decode.chunk_tokens``.)"""
+MAX_GQA = 32
+"""Largest GQA (query heads per KV head): one query token's rows fit one program."""
 
 OPERAND_PRECISIONS = (None, "fp16", "fp16_tf32")
 """What ``decode(operand_precision=...)`` emulates. ``None``: every operand in the compute
@@ -179,6 +188,8 @@ def decode(
         raise ValueError(f"q: T (dim 1) must be 1 to {MAX_QUERY_TOKENS}, got {t_q}")
     if hq % hkv:
         raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
+    if hq // hkv > MAX_GQA:
+        raise ValueError(f"q: {hq // hkv} query heads per KV head exceed {MAX_GQA}")
     if t_q * (hq // hkv) > MAX_QUERY_ROWS:
         raise ValueError(
             f"q: T * (query heads per KV head) = {t_q} * {hq // hkv} exceeds {MAX_QUERY_ROWS} "
