@@ -436,12 +436,14 @@ def test_decode_chunked_cuda_graph_replay(gen):
     their query copies) captured once and replayed with new queries and longer contexts:
     equal to eager calls and within the error bound."""
     hq, hkv, d, t = 16, 2, 128, 8
-    lens = [3000, 70, 9000]
-    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, [n + 80 for n in lens])
-    cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-    q = torch.randn(len(lens), t, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    # built to blocks' last token, started 53 tokens earlier: every replay's exact tail (up to
+    # 40 tokens) lies in rows the builder wrote
+    full = [64 * 46 + 63, 64 + 63, 64 * 140 + 63]
+    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, full)
+    cache.seq_lens.copy_(torch.tensor([n - 53 for n in full], dtype=torch.int32))
+    q = torch.randn(len(full), t, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
     assert kd.chunk_tokens("kvarn_k4v2_g64", q, hkv) == 2
-    ws = kernels.decode_workspace(len(lens), t, hq, hkv, d, 9000 + 80, 64, device=DEVICE)
+    ws = kernels.decode_workspace(len(full), t, hq, hkv, d, max(full), 64, device=DEVICE)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(d)
     stream = torch.cuda.Stream()
@@ -455,7 +457,7 @@ def test_decode_chunked_cuda_graph_replay(gen):
         kernels.decode(q, *cache.args(), scale, out, ws)
     for step in range(1, 4):
         q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE))
-        cache.seq_lens.add_(step * 13)
+        cache.seq_lens.add_(5 * step)
         poison_(out)
         graph.replay()
         torch.cuda.synchronize()
@@ -526,10 +528,14 @@ def test_decode_cuda_graph_replay(gen):
     split count read from the device, results equal to eager calls."""
     hq, hkv, d = 32, 8, 128
     lens = [5000, 70, 20000, 640]
-    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, [n + 80 for n in lens])
+    # built up to a block's last token past the longest replay (+78): the exact pool's tail
+    # rows a replay reads were all written (the builder leaves the rest of the pool as
+    # torch.empty; a replay reading them compared NaN with NaN when that memory held some)
+    full = [((n + 78) // 64 + 1) * 64 - 1 for n in lens]
+    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, full)
     cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     q = torch.randn(len(lens), 1, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
-    ws = kernels.decode_workspace(len(lens), 1, hq, hkv, d, 20000 + 80, 64, device=DEVICE)
+    ws = kernels.decode_workspace(len(lens), 1, hq, hkv, d, max(full), 64, device=DEVICE)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(d)
     stream = torch.cuda.Stream()
@@ -630,11 +636,13 @@ def test_materialize_cuda_graph_replay(gen, monkeypatch):
 
     mat = importlib.import_module("kvarn_ops.kernels.materialize")
     fmt, (_, hkv, d) = "kvarn_k4v2_g64", DECODE_GEOMETRIES[0]
-    lens = [700, 130, 4000]
+    # built to 200 tokens more, a block's last token (63 mod 64), so that every tail row a
+    # replay reads was written (the builder leaves the rest of the pool as torch.empty)
+    lens = [695, 119, 4023]
     cache = build_cache(gen, fmt, d, hkv, [n + 200 for n in lens])
     cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     total = sum(lens) + 3 * 200
-    cu = torch.tensor([0, 900, 1230, total], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 895, 1214, total], dtype=torch.int32, device=DEVICE)
     k_out = torch.empty(total, hkv, d, dtype=torch.bfloat16, device=DEVICE)
     v_out = torch.empty_like(k_out)
 
