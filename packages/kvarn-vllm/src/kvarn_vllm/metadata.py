@@ -18,11 +18,11 @@ prefill path. Both give every query the view above.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import torch
 
-from kvarn_ops.reference import decode as _ops_decode
 from kvarn_ops.reference.decode import MAX_QUERY_ROWS, MAX_QUERY_TOKENS
 from kvarn_vllm.exact_pool import NULL_BLOCK, ExactPoolAllocator, StepPlan
 
@@ -101,7 +101,7 @@ def _decode_batch(
     )
 
 
-MAX_GQA = getattr(_ops_decode, "MAX_GQA", MAX_QUERY_ROWS)
+MAX_GQA = getattr(importlib.import_module("kvarn_ops.reference.decode"), "MAX_GQA", MAX_QUERY_ROWS)
 """Most query heads per KV head kvarn_ops' decode serves (32; kvarn-ops 1.0.0 has no name for
 it: there it is its row limit, also 32)."""
 

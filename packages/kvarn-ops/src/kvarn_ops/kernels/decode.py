@@ -1321,7 +1321,7 @@ def _decode_op(
     out: torch.Tensor,
     workspace: torch.Tensor,
     num_splits: int,
-    q_lag: int,
+    q_lag: int = 0,
 ) -> None:
     _launch(
         q,
@@ -1358,7 +1358,7 @@ def _decode_op_fake(
     out,
     workspace,
     num_splits,
-    q_lag,
+    q_lag=0,
 ) -> None:
     return None
 
