@@ -407,6 +407,10 @@ CHUNKED_CASES = [
     ("kvarn_k2v2_g64", 128, 2, 16, 4, torch.bfloat16),
     ("kvarn_k4v4_g64", 128, 1, 4, 8, torch.float8_e4m3fn),
     ("kvarn_k4v2_g64", 256, 1, 8, 8, torch.bfloat16),
+    # uneven chunks: a 16-row chunk (keys ending before the run's last token), then a last
+    # one of 8 or 4 rows through the transposed MMA kernel
+    ("kvarn_k4v2_g64", 128, 2, 8, 3, torch.bfloat16),
+    ("kvarn_k4v4_g64", 128, 2, 4, 5, torch.float8_e4m3fn),
 ]
 
 
@@ -427,7 +431,8 @@ def test_decode_chunked_query_rows(request, monkeypatch, case, mma_chunks):
     monkeypatch.setattr(kd, "DECODE_MMA_CHUNKS", mma_chunks)
     q = torch.empty(1, t, hkv * gqa, d, device=DEVICE)
     mma = mma_chunks and gqa <= 16 and kd._use_mma_kernel(fmt, q, hkv, 16 // gqa)
-    assert kd.chunk_tokens(fmt, q, hkv) == (16 // gqa if mma else max(1, 32 // gqa))
+    triton_step = t if t * gqa <= 32 else max(1, 32 // gqa)
+    assert kd.chunk_tokens(fmt, q, hkv) == (16 // gqa if mma else triton_step)
     _cpu_suite_case(request, CHUNKED_CASES[case][:5], [t, 130, 2100, 4097], pool=pool)
 
 
