@@ -438,8 +438,7 @@ def test_decode_chunked_query_rows(request, monkeypatch, case, mma_chunks):
 
 def test_decode_chunked_cuda_graph_replay(gen):
     """A verify run of 8 tokens at GQA 8 (four 16-row chunks through the MMA kernel, with
-    their query copies) captured once and replayed with new queries and longer contexts:
-    equal to eager calls and within the error bound."""
+    their query copies) captured once and replayed with new queries and longer contexts."""
     hq, hkv, d, t = 16, 2, 128, 8
     # built to blocks' last token, started 53 tokens earlier: every replay's exact tail (up to
     # 40 tokens) lies in rows the builder wrote
@@ -448,29 +447,7 @@ def test_decode_chunked_cuda_graph_replay(gen):
     cache.seq_lens.copy_(torch.tensor([n - 53 for n in full], dtype=torch.int32))
     q = torch.randn(len(full), t, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
     assert kd.chunk_tokens("kvarn_k4v2_g64", q, hkv) == 2
-    ws = kernels.decode_workspace(len(full), t, hq, hkv, d, max(full), 64, device=DEVICE)
-    out = torch.empty_like(q)
-    scale = 1 / math.sqrt(d)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            kernels.decode(q, *cache.args(), scale, out, ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels.decode(q, *cache.args(), scale, out, ws)
-    for step in range(1, 4):
-        q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE))
-        cache.seq_lens.add_(5 * step)
-        poison_(out)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = _run_decode(cache, q, scale)
-        assert torch.equal(out, eager), f"replay {step} differs from an eager call"
-        ref = torch.empty_like(q, dtype=torch.float32)
-        reference.decode(q, *cache.args(), scale, ref, None, compute_dtype=torch.float64)
-        assert_decode_error(out, q, cache, scale, ref)
+    _check_decode_replays(gen, cache, q, [5, 10, 15])
 
 
 def _run_decode(cache, q, scale):
@@ -528,6 +505,39 @@ def assert_decode_error(out, q, cache, scale, oracle):
     assert err <= bound, f"decode error {err:.2e} > bound {bound:.2e}"
 
 
+def _check_decode_replays(gen, cache, q, grow):
+    """``decode`` of ``q`` over ``cache`` captured once in a CUDA graph (after two eager
+    calls on a side stream), then for each entry of ``grow``: new queries, every context that
+    many tokens longer, the graph replayed into a poisoned output, which must equal an eager
+    call bit for bit and the fp64 oracle within the error bound."""
+    b, t, hq, d = q.shape
+    hkv, g = cache.exact_k.shape[2], cache.layout.block_size
+    max_len = int(cache.seq_lens.max()) + sum(grow)
+    ws = kernels.decode_workspace(b, t, hq, hkv, d, max_len, g, device=DEVICE)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(d)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            kernels.decode(q, *cache.args(), scale, out, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.decode(q, *cache.args(), scale, out, ws)
+    for step, n in enumerate(grow, 1):
+        q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE))
+        cache.seq_lens.add_(n)
+        poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _run_decode(cache, q, scale)
+        assert torch.equal(out, eager), f"replay {step} differs from an eager call"
+        ref = torch.empty_like(q, dtype=torch.float32)
+        reference.decode(q, *cache.args(), scale, ref, None, compute_dtype=torch.float64)
+        assert_decode_error(out, q, cache, scale, ref)
+
+
 def test_decode_cuda_graph_replay(gen):
     """Captured once, replayed with new queries and longer contexts: no host sync inside,
     split count read from the device, results equal to eager calls."""
@@ -540,29 +550,7 @@ def test_decode_cuda_graph_replay(gen):
     cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, full)
     cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     q = torch.randn(len(lens), 1, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
-    ws = kernels.decode_workspace(len(lens), 1, hq, hkv, d, max(full), 64, device=DEVICE)
-    out = torch.empty_like(q)
-    scale = 1 / math.sqrt(d)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            kernels.decode(q, *cache.args(), scale, out, ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels.decode(q, *cache.args(), scale, out, ws)
-    for step in range(1, 4):
-        q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE))
-        cache.seq_lens.add_(step * 13)
-        poison_(out)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = _run_decode(cache, q, scale)
-        assert torch.equal(out, eager), f"replay {step} differs from an eager call"
-        ref = torch.empty_like(q, dtype=torch.float32)
-        reference.decode(q, *cache.args(), scale, ref, None, compute_dtype=torch.float64)
-        assert_decode_error(out, q, cache, scale, ref)
+    _check_decode_replays(gen, cache, q, [13, 26, 39])
 
 
 @pytest.mark.parametrize(
