@@ -1,9 +1,11 @@
 """Reproduce the 64-row failure of the Triton decode kernel on a CUDA GPU.
 
-``decode`` refuses more than ``MAX_QUERY_ROWS`` (32) query rows per KV head because 64-row
-tiles (T * GQA from 33 to 64) computed wrong results on an H200 (BENCHMARKS.md, "2026-12-02,
-night"). This script lifts the limit in its own process and runs one case against the CPU
-suite's oracle and yardstick, so the failure can be studied::
+``decode`` computes at most 32 query rows per KV head in one launch (longer runs, up to 64
+rows, in chunks of query tokens) because the Triton kernel's 64-row tile (T * GQA from 33 to
+64; ``wgmma`` on sm_90 at 4 and 8 warps) computed wrong results on an H200 (BENCHMARKS.md,
+"2026-12-02, night" and "2026-12-04, night"). This script makes one launch take the whole
+run in its own process and runs one case against the CPU suite's oracle and yardstick, so
+the failure can be studied::
 
     python gpu/repro_rows64.py FORMAT D HKV GQA T POOL WARPS
     python gpu/repro_rows64.py kvarn_k4v2_g64 128 2 8 8 bf16 4    # T 8 at GQA 8
@@ -38,6 +40,7 @@ def main() -> None:
     kd = importlib.import_module("kvarn_ops.kernels.decode")
     rd = importlib.import_module("kvarn_ops.reference.decode")
     kd.DECODE_MAX_ROWS = rd.MAX_QUERY_ROWS = 64
+    kd.DECODE_PROGRAM_ROWS, kd.DECODE_MMA_CHUNKS = 64, False  # one Triton launch, no chunks
     base = kd.kernel_config
 
     def config(*args, **kwargs):
