@@ -102,8 +102,8 @@ at 4 and 8 warps on sm_90 and computed wrong results there (k4v2, GQA 16, T 4: r
 1.46; k4v4, GQA 32, T 2: an illegal memory access; BENCHMARKS.md, "2026-12-02, night"); its
 32-row tile (``mma.sync``) is right."""
 DECODE_MMA_CHUNKS = True
-"""Where the MMA kernel serves 16 query rows per KV head, a run of more rows (T > 1 at GQA
->= 4) is computed in chunks of 16 rows through it rather than in one Triton launch."""
+"""Where the MMA kernel serves 16 query rows per KV head, a run of more rows (``T * GQA >
+16``) is computed in chunks of at most 16 rows through it rather than in Triton launches."""
 DECODE_MIN_UNITS_PER_SPLIT = 2
 """A split gets at least this many work units (blocks) when the context allows: below that the
 fixed per-program cost (rotating q, writing a partial row) outweighs the blocks it reads."""
@@ -1441,10 +1441,10 @@ def decode(
 
 
 def chunk_tokens(format_name: str, q: torch.Tensor, num_kv_heads: int) -> int:
-    """Query tokens per launch of a decode of ``q`` [B, T, Hq, D]: all T when ``T * GQA``
-    rows per KV head fit one program (16 where the MMA kernel serves the call, else
-    ``DECODE_PROGRAM_ROWS``); else the most tokens whose rows fit 16 where the MMA kernel
-    serves 16 rows (``DECODE_MMA_CHUNKS``), or ``DECODE_PROGRAM_ROWS`` (the Triton kernel)."""
+    """Query tokens per launch of a decode of ``q`` [B, T, Hq, D] (GQA = Hq / num_kv_heads):
+    T when ``T * GQA <= 16``; else ``16 // GQA`` where the MMA kernel serves 16 rows
+    (``DECODE_MMA_CHUNKS``: 16-row chunks through it); else T when ``T * GQA`` is at most
+    ``DECODE_PROGRAM_ROWS`` (one Triton launch), and ``DECODE_PROGRAM_ROWS // GQA`` beyond."""
     t, gqa = q.shape[1], q.shape[2] // num_kv_heads
     if t * gqa <= 16:
         return t
