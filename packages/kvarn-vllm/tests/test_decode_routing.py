@@ -14,12 +14,17 @@ from kvarn_vllm.metadata import MAX_GQA, decode_route_note, decode_token_limit, 
 G = 64
 
 
-@pytest.mark.parametrize(
-    ("gqa", "tokens"),
-    [(1, 8), (4, 8), (5, 8), (8, 8), (9, 7), (16, 4), (17, 3), (32, 2), (33, 0), (71, 0)],
-)
+#: (GQA, longest decode run) by kvarn_ops' row limit: 64 since it computes runs in chunks of
+#: query tokens, 32 in kvarn-ops 1.0.0 (the oldest release the pins admit)
+LIMITS = {
+    64: [(1, 8), (4, 8), (5, 8), (8, 8), (9, 7), (16, 4), (17, 3), (32, 2), (33, 0), (71, 0)],
+    32: [(1, 8), (4, 8), (5, 6), (8, 4), (16, 2), (32, 1), (33, 0), (71, 0)],
+}
+
+
+@pytest.mark.parametrize(("gqa", "tokens"), LIMITS[MAX_QUERY_ROWS])
 def test_decode_token_limit(gqa, tokens):
-    assert MAX_QUERY_ROWS == 64 and MAX_GQA == 32
+    assert MAX_GQA == 32
     assert decode_token_limit(gqa) == tokens
     assert tokens <= MAX_QUERY_TOKENS and tokens * gqa <= MAX_QUERY_ROWS
 
@@ -44,7 +49,7 @@ def test_runs_longer_than_the_limit_take_the_prefill_path():
     runs = [(0, 4), (0, 5), (0, 1), (0, 8)]
     md = _plan(runs, 8)
     assert sorted(b.t for b in md.decodes) == [1, 4, 5, 8] and not md.prefills
-    md = _plan(runs, decode_token_limit(16))  # GQA 16: T <= 4
+    md = _plan(runs, 4)  # e.g. GQA 16 (GQA 8 with kvarn-ops 1.0.0): T <= 4
     assert sorted(b.t for b in md.decodes) == [1, 4]
     assert [(p.computed, p.total) for p in md.prefills] == [(0, 5), (0, 8)]
     md = _plan(runs, 0)  # more than 32 query heads per KV head: no decode at all
@@ -58,9 +63,11 @@ def test_plan_step_rejects_a_limit_beyond_the_ops():
 
 def test_route_note_says_when_decode_steps_take_the_prefill_path():
     assert decode_route_note(8) is None and decode_route_note(8, drafts=3) is None
-    assert decode_route_note(8, drafts=7) is None and decode_route_note(16, drafts=3) is None
+    assert decode_route_note(8, drafts=3) is None
+    assert (decode_route_note(16, drafts=3) is None) == (MAX_QUERY_ROWS == 64)
     note = decode_route_note(32, drafts=3)
-    assert note is not None and "more than 2 tokens" in note and "up to 4" in note
+    limit = decode_token_limit(32)
+    assert note is not None and f"more than {limit} tokens" in note and "up to 4" in note
     note = decode_route_note(71)
     assert note is not None and "every step takes the prefill path" in note
 
