@@ -137,16 +137,18 @@ def test_scatter_matches_reference(gen, dtype):
 # ------------------------------------------------------------------------------- pack/rehydrate
 
 
-def _check_pack(a, b, dst, layout):
+def _check_pack(a, b, dst, layout, flip_tiles=()):
     """Records ``b`` (kernel) against ``a`` (reference) at blocks ``dst``: RoPE bit-exact,
-    codes at most 1 apart and < 0.5% differing, decoded latents within 2% of the tile rms plus
-    one step where a code differs."""
+    codes at most 1 apart; < 0.5% differing and decoded latents within 2% of the tile rms plus
+    one step where a code differs, except in the tiles at ``flip_tiles`` (the caller checks
+    their accuracy)."""
     fa = ref.record_tensors(a[dst.long()], layout)
     fb = ref.record_tensors(b[dst.long()], layout)
     assert torch.equal(fa["rope"].view(torch.int16), fb["rope"].view(torch.int16))
     code_diff = (fa["codes"].int() - fb["codes"].int()).abs()
     assert int(code_diff.max()) <= 1
-    assert float((code_diff > 0).float().mean()) < 5e-3
+    strict = [i for i in range(len(dst)) if i not in flip_tiles]
+    assert float((code_diff[strict] > 0).float().mean()) < 5e-3
     la, _ = ref.decode_mla_records(a[dst.long()], layout)
     lb, _ = ref.decode_mla_records(b[dst.long()], layout)
     rms = la.pow(2).mean(dim=(1, 2)).sqrt()[:, None, None]
@@ -154,7 +156,7 @@ def _check_pack(a, b, dst, layout):
     # |col_scale[d] * row_scale[t]| (latent [t, d]); at 2 bits that is far above 2% of the rms.
     lsb = (fa["col_scale"].float()[:, None, :] * fa["row_scale"].float()[:, :, None]).abs()
     allowed = 0.02 * rms + code_diff.transpose(1, 2).float() * lsb * 1.01
-    assert bool(((la - lb).abs() <= allowed).all())
+    assert bool(((la - lb).abs() <= allowed)[strict].all())
 
 
 @pytest.mark.parametrize("bits,dtype", [(5, BF16), (2, FP8), (3, BF16)])
@@ -206,8 +208,20 @@ def test_pack_split_matches_reference(gen, force_parts, bits, dtype, parts):
     force_parts(1)
     kpack.mla_pack(pool[0], pool[1], pool[2], src, dst, single, layout)
     assert bool((b[[2, 3]] == 0xEE).all()), "pack wrote outside dst_blocks"
-    _check_pack(a, b, dst, layout)
-    _check_pack(single, b, dst, layout)
+    # the bf16 tile of tokens at mean 200 (tile 1): the split's combined token statistics
+    # differ from one program's in the last fp32 bits, which can tip the normalization to
+    # another iterate and flip a few % of its codes (seen at 5 bits, seed 2194960350: 2.9%,
+    # with the same error); there the split must be as accurate instead
+    flip = (1,) if dtype == BF16 else ()
+    _check_pack(a, b, dst, layout, flip)
+    _check_pack(single, b, dst, layout, flip)
+    if flip:
+        x = pool[0][2].float()  # the tile's source latents [64 tokens, 512]
+        err = [
+            float((ref.decode_mla_records(r[4:5], layout)[0][0].float() - x).pow(2).mean().sqrt())
+            for r in (single, b)
+        ]
+        assert err[1] <= 1.02 * err[0], f"split pack error {err[1]:.4g} vs {err[0]:.4g}"
 
 
 @pytest.mark.parametrize(
