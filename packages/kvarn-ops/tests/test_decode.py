@@ -459,7 +459,7 @@ BAD = [
     ("q", lambda a: a.update(q=a["q"].to(torch.int32))),
     ("q", lambda a: a.update(q=a["q"][:, :, :3])),
     ("q", lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3))),
-    # 33 query heads per KV head at T = 1: more rows than a program holds
+    # 33 query heads per KV head: more than MAX_GQA (one token's rows must fit one program)
     ("q", lambda a: a.update(q=torch.randn(2, 1, 66, 64), out=torch.empty(2, 1, 66, 64))),
     ("packed", lambda a: a.update(packed=a["packed"][..., :-16].contiguous())),
     ("packed", lambda a: a.update(packed=a["packed"].to(torch.int16))),
