@@ -122,8 +122,8 @@ def main() -> None:
         "--kernels",
         default="default",
         help="decode kernels, comma list: default (the Gluon kernel where it applies: wgmma on "
-        "sm_90), mma (the mma.sync Gluon kernel), wgmma (the wgmma kernel at 2, 4 and 5 bits), "
-        "triton",
+        "sm_90), mma (the mma.sync Gluon kernel), wgmma (the wgmma kernels at 2, 4 and 5 bits), "
+        "wgmma16 / wgmma64 (the 16- / 64-head wgmma kernel at every head count), triton",
     )
     args = ap.parse_args()
     ops = set(args.ops.split(","))
@@ -144,6 +144,7 @@ def main() -> None:
         )
 
     default_wgmma_bits = mla_decode.WGMMA_BITS
+    default_min_heads = mla_decode.WGMMA64_MIN_HEADS
     for bits in (int(b) for b in args.bits.split(",")):
         for dt in (torch.bfloat16, torch.float8_e4m3fn) if "pack" in ops else ():
             record("pack", f"k{bits} N=2048 pool={str(dt)[6:]}", *bench_pack(bits, 2048, dt))
@@ -158,12 +159,22 @@ def main() -> None:
             (8, 16, 32768, None),
             (32, 128, 8192, None),
             (64, 16, 16384, None),
+            (8, 128, 32768, None),
+            (1, 128, 32768, None),
+            (64, 128, 4096, None),
+            (32, 64, 8192, None),
+            (32, 32, 8192, None),
         )
         for kern in args.kernels.split(",") if "decode" in ops else ():
             mla_decode.MMA_KERNEL = kern != "triton"
-            mla_decode.WGMMA_KERNEL = kern in ("default", "wgmma")
+            mla_decode.WGMMA_KERNEL = kern in ("default", "wgmma", "wgmma16", "wgmma64")
             mla_decode.WGMMA_BITS = (
-                mla_decode_wgmma.MLA_WGMMA_BITS if kern == "wgmma" else default_wgmma_bits
+                default_wgmma_bits if kern == "default" else mla_decode_wgmma.MLA_WGMMA_BITS
+            )
+            # wgmma16: the 16-head kernel at every head count; wgmma64: the 64-head kernel at
+            # every head count
+            mla_decode.WGMMA64_MIN_HEADS = {"wgmma16": None, "wgmma64": 1}.get(
+                kern, default_min_heads
             )
             tag = ("" if kern == "default" else f" [{kern}]") + (" graph" if args.graph else "")
             for batch, heads, ctx, splits in full:
@@ -174,6 +185,7 @@ def main() -> None:
                 record("decode", f"k{bits} B={batch} H={heads} L={ctx} S={s_used}{tag}", ms, nbytes)
         mla_decode.MMA_KERNEL = mla_decode.WGMMA_KERNEL = True
         mla_decode.WGMMA_BITS = default_wgmma_bits
+        mla_decode.WGMMA64_MIN_HEADS = default_min_heads
         for batch, heads in ((8, 16), (64, 16), (32, 128)) if "sparse" in ops else ():
             record(
                 "sparse",

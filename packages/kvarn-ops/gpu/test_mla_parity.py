@@ -284,6 +284,12 @@ DECODE_CASES = [
     (5, BF16, [1, 64, 65, 3000, 4096], 16, False),
     (5, FP8, [20000, 777], 20, False),
     (2, FP8, [20000, 777], 20, False),
+    # the 64-head kernel (sm_90, from WGMMA64_MIN_HEADS heads): short requests, a partial
+    # second head group (96 heads), every width, both pools
+    (4, BF16, [1, 64, 65, 3000, 4096], 128, False),
+    (5, FP8, [20000, 777], 96, False),
+    (2, BF16, [8192 + 17] * 4, 64, False),
+    (5, BF16, [16384 + 5] * 3, 128, False),
 ]
 #: full-context cases run through every kernel that serves them: the library's choice
 #: (``default``, checked to be the one chosen: the wgmma kernel on sm_90), the mma.sync Gluon
@@ -294,6 +300,7 @@ DECODE_PARAMS = [(*c, "default") for c in DECODE_CASES] + [
     for c in DECODE_CASES
     if c[0] in (2, 4, 5) and not c[4]
     for k in (("mma", "triton") if c[0] == 4 else ("triton",))
+    + (("wgmma16",) if c[3] >= 64 else ())
 ]
 
 
@@ -337,7 +344,10 @@ def _pick_kernel(monkeypatch, kernel):
     """``default``: the library's choice (for full context: the ``wgmma`` kernel on sm_90 for
     the widths in ``WGMMA_BITS``, the ``mma.sync`` one on other sm_80+ GPUs at 4 bits);
     ``mma``: the ``mma.sync`` Gluon kernel (the Triton one at 2 and 5 bits); ``wgmma``: the
-    ``wgmma`` kernel at every width it compiles for; ``triton``: the Triton kernel."""
+    ``wgmma`` kernel at every width it compiles for; ``wgmma16``: the 16-head ``wgmma`` kernel
+    at every head count; ``triton``: the Triton kernel."""
+    if kernel == "wgmma16":
+        monkeypatch.setattr(kdec, "WGMMA64_MIN_HEADS", None)
     if kernel == "wgmma":
         from kvarn_ops.kernels import mla_decode_wgmma
 
@@ -350,16 +360,19 @@ def _pick_kernel(monkeypatch, kernel):
 
 def _check_wgmma_choice(q, bits, sparse, kernel):
     hopper = torch.cuda.get_device_capability(q.device)[0] == 9
-    chosen = kernel == "wgmma" or (kernel == "default" and bits in kdec.WGMMA_BITS)
+    chosen = kernel == "wgmma" or (kernel in ("default", "wgmma16") and bits in kdec.WGMMA_BITS)
     want = chosen and not sparse and hopper
     assert kdec._use_wgmma_kernel(bits, q, sparse) == want
+    wide = want and kernel != "wgmma16" and q.shape[1] >= 64
+    assert kdec._use_wgmma64_kernel(bits, q, sparse) == wide
 
 
 @pytest.mark.parametrize(
-    ("bits", "kernel"),
-    [(4, "default"), (4, "mma"), (4, "triton"), (5, "default"), (5, "triton"), (2, "default")],
-)
-def test_decode_ill_conditioned_latents(gen, monkeypatch, bits, kernel):
+    ("bits", "kernel", "heads"),
+    [(4, "default", 16), (4, "mma", 16), (4, "triton", 16), (5, "default", 16), (5, "triton", 16),
+     (2, "default", 16), (4, "default", 128), (5, "default", 64)],
+)  # fmt: skip
+def test_decode_ill_conditioned_latents(gen, monkeypatch, bits, kernel, heads):
     """Full context over latent records whose zero-point term nearly cancels the code term
     (the CPU suite's ``make_ill_conditioned``): the ``mma.sync`` and Triton kernels must keep
     ``q * cs / cmax`` to about 2^-22 (two fp16 operands; one fp16 operand fails the CPU version
@@ -380,7 +393,7 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, bits, kernel):
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen, device=DEVICE))
     tm.make_ill_conditioned(torch.Generator().manual_seed(seed), host, layout, range(len(host)))
     packed.copy_(host)
-    b, heads = len(lens), 16
+    b = len(lens)
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(b, heads, 576, generator=gen, device=DEVICE).to(BF16)
     scale = 1 / math.sqrt(576)
@@ -397,18 +410,22 @@ def test_decode_ill_conditioned_latents(gen, monkeypatch, bits, kernel):
     assert err <= 2 * 2**-10 + 2**-8, f"MLA decode error {err:.2e}"
 
 
-def test_decode_cuda_graph_replay(gen):
-    """The 4-bit full-context decode (the Gluon kernel) captured once and replayed with new
-    queries and longer contexts (one crossing into a spare packed block): no host sync inside,
-    results equal to eager calls and within the oracle bound."""
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_cuda_graph_replay(gen, heads):
+    """The 4-bit full-context decode (the Gluon kernel; at 128 heads the 64-head one on sm_90)
+    captured once and replayed with new queries and longer contexts (one crossing into a spare
+    packed block): no host sync inside, results equal to eager calls and within the oracle
+    bound."""
     lens = [3000, 70, 9000, 640]
     layout, pool, packed, table, bmap = _decode_cache(gen, 4, BF16, lens, spare_blocks=2)
-    b, heads = len(lens), 16
+    b = len(lens)
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(b, heads, 576, generator=gen, device=DEVICE).to(BF16)
     scale = 1 / math.sqrt(576)
     args = (packed, table, seq, bmap, *pool, layout, scale)
     assert kdec._use_mma_kernel(4, q, False)
+    hopper = torch.cuda.get_device_capability(q.device)[0] == 9
+    assert kdec._use_wgmma64_kernel(4, q, False) == (hopper and heads >= 64)
     out = torch.empty(b, heads, 512, dtype=BF16, device=DEVICE)
     ws = kdec.mla_decode_workspace(b, heads, device=DEVICE)
     stream = torch.cuda.Stream()

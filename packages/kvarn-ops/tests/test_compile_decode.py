@@ -426,20 +426,22 @@ def test_mma_decode_transposed_compiles(target, case):
 MLA_MMA_SPILL = {(90, "bf16"): 192, (90, "fp8"): 192, (120, "bf16"): 448, (120, "fp8"): 448}
 
 
-def _mla_mma_source(pool: str, nbuf: int | None, bits: int = 4):
+def _mla_mma_source(pool: str, nbuf: int | None, bits: int = 4, wide: bool = False):
     """The Gluon MLA decode kernel's source: ``mla_decode_mma`` with ``nbuf`` stages, or
-    ``mla_decode_wgmma`` with ``nbuf=None`` (``bits``-bit codes)."""
+    ``mla_decode_wgmma`` with ``nbuf=None`` (``bits``-bit codes; ``wide``: the 64-head kernel
+    of ``mla_decode_wgmma64``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     import kvarn_formats as kf
-    from kvarn_ops.kernels import mla_decode_mma, mla_decode_wgmma
+    from kvarn_ops.kernels import mla_decode_mma, mla_decode_wgmma, mla_decode_wgmma64
     from kvarn_ops.kernels.mla_common import field_offsets
 
     offs = field_offsets(kf.mla_layout(f"kvarn_mla_k{bits}_g64"))
     width = offs.pop("BITS")
     consts = dict(offs, FP8=pool == "fp8", MIN_BLOCKS=2)
     if nbuf is None:
-        kern = mla_decode_wgmma.mla_wgmma_kernel
+        wgmma = mla_decode_wgmma64.mla_wgmma64_kernel if wide else None
+        kern = wgmma or mla_decode_wgmma.mla_wgmma_kernel
         consts["BITS"] = width
     else:
         kern = mla_decode_mma.mla_mma_kernel
@@ -577,3 +579,44 @@ def test_mla_wgmma_decode_compiles(pool, bits):
     assert not mla_decode._use_wgmma_kernel(4, torch.zeros(1), False)
     supported = [b for b in range(2, 9) if mla_decode_wgmma.mla_wgmma_supported(b)]
     assert supported == [2, 4, 5]
+
+
+MLA_WGMMA64_SPILL = 128
+"""Spill frame allowed for the 64-head kernel (bytes; 32-96 measured offline at 2-5 bits, the
+spills outside the block loop but for one 4-byte reload per block at 4 bits)."""
+
+
+@pytest.mark.parametrize("bits", [2, 4, 5])
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+def test_mla_wgmma64_decode_compiles(pool, bits):
+    """The 64-head kernel: eight warps unpack each tile once (half the code pairs per thread of
+    the 16-head kernel); scores m64n32k16 per warpgroup (32 heads each), values with the heads
+    on the M axis, m64n256k16 (256 channels per warpgroup); asynchronous ``wgmma``s; only
+    sm_90 takes it, and only from ``WGMMA64_MIN_HEADS`` heads."""
+    from kvarn_ops.kernels import mla_decode, mla_decode_wgmma64
+
+    src = _mla_mma_source(pool, None, bits, wide=True)
+    nw = mla_decode_wgmma64.NUM_WARPS
+    assert nw == 8 and mla_decode_wgmma64.HEADS == mla_decode.WIDE_HEADS == 64
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    print(f"mla wgmma64 k{bits} {pool} sm90: {regs} registers, {frame} B spill frame")
+    assert regs <= 255 and frame <= MLA_WGMMA64_SPILL
+    # the tile (64 KB), the queries of 64 heads (64 + 16 KB), RoPE rows, the weights: one
+    # program per SM
+    assert 160 * 1024 <= k.metadata.shared <= 227 * 1024
+    wg = [x.split()[0] for x in ptx.splitlines() if "wgmma.mma_async" in x]
+    assert wg.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16") == 32
+    assert wg.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 8
+    assert wg.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16") == 4
+    assert len(wg) == 44
+    # one unpack per block over 256 threads: 2 chunks x 8 words x 4 pairs (4-bit), 2 x 4 x 8
+    # (2-bit), 2 x 32 pairs x 2 fmas (5-bit)
+    assert ptx.count("fma.rn.f16x2") == (128 if bits == 5 else 64)
+    assert "C7514" not in _ptxas_info(ptx, "sm_90a")
+    import torch
+
+    q = torch.zeros(1, 128, 576)
+    assert not mla_decode._use_wgmma64_kernel(4, q, False)
+    assert [b for b in range(2, 9) if mla_decode_wgmma64.mla_wgmma64_supported(b)] == [2, 4, 5]

@@ -644,13 +644,23 @@ def test_decode_latent_chunk_knob_is_checked(monkeypatch):
 
 def test_workspace_picks_enough_splits_to_fill_the_gpu(monkeypatch):
     """``num_splits=None``: at least 32, enough for one program per SM at this batch and head
-    count, at most ``MAX_AUTO_SPLITS``; an explicit count is kept."""
+    count (in groups of 64 heads from ``WGMMA64_MIN_HEADS`` heads, the head groups of the
+    64-head sm_90 kernel), at most ``MAX_AUTO_SPLITS``; an explicit count is kept. The
+    launcher runs no more splits than fill the SMs (two 16-head programs or one 64-head one
+    per SM)."""
     monkeypatch.setattr(kdec, "_sm_count", lambda device: 132)
-    want = {(1, 16): 132, (1, 128): 32, (2, 16): 66, (1, 40): 44, (64, 16): 32, (0, 16): 132}
+    want = {(1, 16): 132, (1, 128): 66, (4, 128): 32, (1, 64): 132, (2, 16): 66, (1, 40): 44,
+            (64, 16): 32, (0, 16): 132}  # fmt: skip
     for (b, h), splits in want.items():
         ws = kdec.mla_decode_workspace(b, h)
         assert ws.num_splits == splits, (b, h, ws.num_splits)
         assert ws.part_out.shape == (b, h, splits, 512)
+    assert kdec.live_splits(1, 128, 66, "cpu", kdec.WIDE_HEADS, 1) == 66
+    assert kdec.live_splits(32, 128, 32, "cpu", kdec.WIDE_HEADS, 1) == 2
+    assert kdec.live_splits(32, 128, 32, "cpu") == 1
+    assert kdec.live_splits(1, 128, 66, "cpu") == 33
+    monkeypatch.setattr(kdec, "WGMMA64_MIN_HEADS", None)
+    assert kdec.mla_decode_workspace(1, 128).num_splits == 32
     monkeypatch.setattr(kdec, "_sm_count", lambda device: 600)
     assert kdec.mla_decode_workspace(1, 16).num_splits == kdec.MAX_AUTO_SPLITS
     assert kdec.mla_decode_workspace(1, 16, 4).num_splits == 4

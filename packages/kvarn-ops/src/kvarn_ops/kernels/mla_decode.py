@@ -121,6 +121,8 @@ MAXNREG = 255
 registers (kilobytes of spills) for sm_90a; with it (CHUNK 128), 255 registers and no spill
 inside the loop (40 bytes of stack around it, k4)."""
 CTAS_PER_SM = 2
+WIDE_HEADS = 64
+"""Heads per program of the 64-head ``wgmma`` kernel (``mla_decode_wgmma64.HEADS``)."""
 """Programs per SM the split count aims at: ``B * splits * head_groups <= SMs * CTAS_PER_SM``."""
 MIN_BLOCKS_PER_SPLIT = 2
 """A split gets at least this many 64-token blocks (fewer, longer splits for short contexts:
@@ -142,6 +144,11 @@ of ``mla_decode_wgmma.py`` (each tile unpacked once into shared memory) (False, 
 WGMMA_BITS: tuple[int, ...] = (2, 4, 5)
 """Code widths the ``wgmma`` kernel serves (every width it compiles for; narrow it to send a
 width back to the ``mma.sync`` or Triton kernel)."""
+WGMMA64_MIN_HEADS: int | None = 64
+"""Where the ``wgmma`` kernel serves a call with at least this many query heads, the
+64-heads-per-program kernel of ``mla_decode_wgmma64.py`` runs instead of the 16-head one (each
+tile unpacked and read once per 64 heads; one program per SM). None, or
+``KVARN_MLA_WGMMA64=0``: the 16-head kernel at every head count."""
 MMA_NBUF = 2
 """cp.async stages of the Gluon kernel (the current block and the next; 3 measured the same on
 the H200)."""
@@ -809,6 +816,23 @@ def _use_mma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
     return mod is not None and mod.mla_mma_supported(bits)
 
 
+@functools.cache
+def _wgmma64_module():
+    mods = gluon_modules("mla_decode_wgmma64")
+    return None if mods is None else mods[0]
+
+
+def _use_wgmma64_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
+    """Whether the 64-head ``wgmma`` kernel serves this call: one the ``wgmma`` kernel serves,
+    with at least ``WGMMA64_MIN_HEADS`` query heads."""
+    if WGMMA64_MIN_HEADS is None or q.shape[1] < WGMMA64_MIN_HEADS:
+        return False
+    if os.environ.get("KVARN_MLA_WGMMA64") == "0" or not _use_wgmma_kernel(bits, q, sparse):
+        return False
+    mod = _wgmma64_module()
+    return mod is not None and mod.mla_wgmma64_supported(bits)
+
+
 def _use_wgmma_kernel(bits: int, q: torch.Tensor, sparse: bool) -> bool:
     """Whether the ``wgmma`` kernel serves this call: a Gluon call of a code width in
     ``WGMMA_BITS`` on an sm_90 device."""
@@ -857,17 +881,28 @@ def mla_decode_workspace(
         if batch < 0 or num_heads < 0:
             raise ValueError(f"batch, num_heads: must be >= 0, got {batch}, {num_heads}")
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        groups = max(1, batch * triton.cdiv(num_heads, BLOCK_H))
+        # the head groups of the kernel a large head count takes on sm_90 (64 heads, one
+        # program per SM) need more splits to fill the GPU than 16-head groups do
+        per = WIDE_HEADS if WGMMA64_MIN_HEADS and num_heads >= WGMMA64_MIN_HEADS else BLOCK_H
+        groups = max(1, batch * triton.cdiv(num_heads, per))
         fill = triton.cdiv(_sm_count(dev), groups)
         num_splits = min(MAX_AUTO_SPLITS, max(32, fill))
     return _ref.mla_decode_workspace(batch, num_heads, num_splits, device)
 
 
-def live_splits(batch: int, heads: int, num_splits: int, device) -> int:
-    """Splits launched per (request, head group): at most the workspace's ``num_splits``,
-    and no more than fill the SMs ``CTAS_PER_SM`` programs deep (host arithmetic only)."""
-    groups = batch * triton.cdiv(heads, BLOCK_H)
-    return max(1, min(num_splits, (_sm_count(torch.device(device)) * CTAS_PER_SM) // groups))
+def live_splits(
+    batch: int,
+    heads: int,
+    num_splits: int,
+    device,
+    block_h: int = BLOCK_H,
+    ctas_per_sm: int = CTAS_PER_SM,
+) -> int:
+    """Splits launched per (request, group of ``block_h`` heads): at most the workspace's
+    ``num_splits``, and no more than fill the SMs ``ctas_per_sm`` programs deep (host
+    arithmetic only)."""
+    groups = batch * triton.cdiv(heads, block_h)
+    return max(1, min(num_splits, (_sm_count(torch.device(device)) * ctas_per_sm) // groups))
 
 
 def _decode_op_impl(
@@ -899,8 +934,13 @@ def _decode_op_impl(
     _mla_qrot_kernel[(triton.cdiv(bh, BLOCK_H),)](q, ws_q_rot, bh, BLOCK_H=BLOCK_H, num_warps=4)
     sparse = indices is not None
     idx = indices if sparse else seq_lens
-    ns = live_splits(bsz, heads, s, q.device)
     wgmma = _use_wgmma_kernel(offs["BITS"], q, sparse)
+    wide = wgmma and _use_wgmma64_kernel(offs["BITS"], q, sparse)
+    if wide:
+        # 64 heads per program, one program per SM
+        ns = live_splits(bsz, heads, s, q.device, WIDE_HEADS, 1)
+    else:
+        ns = live_splits(bsz, heads, s, q.device)
     if wgmma or _use_mma_kernel(offs["BITS"], q, sparse):
         # the Gluon kernels: one argument list, their own launch options
         gluon_args = (
@@ -925,8 +965,13 @@ def _decode_op_impl(
         )
         consts = {k: v for k, v in offs.items() if k != "BITS"}
         consts.update(FP8=fp8, MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT)
-        grid = (bsz, ns, triton.cdiv(heads, BLOCK_H))
-        if wgmma:
+        grid = (bsz, ns, triton.cdiv(heads, WIDE_HEADS if wide else BLOCK_H))
+        if wide:
+            mod = _wgmma64_module()
+            mod.mla_wgmma64_kernel[grid](
+                *gluon_args, num_warps=mod.NUM_WARPS, BITS=offs["BITS"], **consts
+            )
+        elif wgmma:
             mod = _wgmma_module()
             mod.mla_wgmma_kernel[grid](
                 *gluon_args, num_warps=mod.NUM_WARPS, BITS=offs["BITS"], **consts

@@ -123,14 +123,14 @@ def _dq_pair(w, cs2, zp2, BYTE: gl.constexpr):
 
 
 @gluon.jit
-def _chunk_tile(w, w89, cs, zp, BITS: gl.constexpr):
-    """The fp16 tile rows [128 channels, 64 tokens] of one chunk's code words ``w`` [128, 8]
-    ([128, 4] at 2 bits; at 5 bits also ``w89`` [128, 2]) and its (scaled) fp16 channel
-    scales and zero points [128]."""
+def _chunk_tile(w, w89, cs, zp, BITS: gl.constexpr, CH: gl.constexpr):
+    """The fp16 tile rows [C channels, 64 tokens] of one chunk's code words ``w`` [C, 8]
+    ([C, 4] at 2 bits; at 5 bits also ``w89`` [C, 2]) and its (scaled) fp16 channel scales and
+    zero points [C]; ``CH`` is the channels' layout (one channel's words per thread)."""
     if BITS == 5:
-        return _chunk_tile5(w, w89, cs, zp)
+        return _chunk_tile5(w, w89, cs, zp, CH)
     elif BITS == 2:
-        return _chunk_tile2(w, cs, zp)
+        return _chunk_tile2(w, cs, zp, CH)
     else:
         return _chunk_tile4(w, cs, zp)
 
@@ -147,7 +147,7 @@ def _chunk_tile4(w, cs, zp):
         _dq_pair(w, cs2, zp2, 2),
         _dq_pair(w, cs2, zp2, 3),
     )  # [128, 8 j, 2 h, 4 BYTE]: token 8 j + 2 BYTE + h
-    return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [128, 64])
+    return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [w.shape[0], 64])
 
 
 @gluon.constexpr_function
@@ -230,12 +230,12 @@ def _halves(x):
 
 
 @gluon.jit
-def _ch(x):
-    return gl.convert_layout(x, _CH, assert_trivial=True)
+def _ch(x, CH: gl.constexpr):
+    return gl.convert_layout(x, CH, assert_trivial=True)
 
 
 @gluon.jit
-def _chunk_tile5(w, w89, cs, zp):
+def _chunk_tile5(w, w89, cs, zp, CH: gl.constexpr):
     """:func:`_chunk_tile` for 5-bit codes: words ``w`` [128, 8] (0-7 of each channel) and
     ``w89`` [128, 2] (8-9)."""
     ev, od = _halves(w)
@@ -249,10 +249,10 @@ def _chunk_tile5(w, w89, cs, zp):
     cs2 = _joined(cs, cs)
     zp2 = _joined(zp, zp)
     x = gl.join(
-        _half5((_ch(a0), _ch(a1), _ch(a2), _ch(a3), _ch(a4)), cs2, zp2),
-        _half5((_ch(a5), _ch(a6), _ch(a7), _ch(a8), _ch(a9)), cs2, zp2),
-    )  # [128, 2 r, 4 i, 4 G, 2 h]: token 32 h + 8 G + 4 r + i
-    return gl.reshape(gl.permute(x, [0, 4, 3, 1, 2]), [128, 64])
+        _half5((_ch(a0, CH), _ch(a1, CH), _ch(a2, CH), _ch(a3, CH), _ch(a4, CH)), cs2, zp2),
+        _half5((_ch(a5, CH), _ch(a6, CH), _ch(a7, CH), _ch(a8, CH), _ch(a9, CH)), cs2, zp2),
+    )  # [C, 2 r, 4 i, 4 G, 2 h]: token 32 h + 8 G + 4 r + i
+    return gl.reshape(gl.permute(x, [0, 4, 3, 1, 2]), [w.shape[0], 64])
 
 
 @gluon.constexpr_function
@@ -291,7 +291,7 @@ def _word2(w, cs2, zp2):
 
 
 @gluon.jit
-def _chunk_tile2(w, cs, zp):
+def _chunk_tile2(w, cs, zp, CH: gl.constexpr):
     """:func:`_chunk_tile` for 2-bit codes: words ``w`` [128, 4] (word ``j``: tokens ``16 j ..
     16 j + 15``)."""
     ev, od = _halves(w)
@@ -301,49 +301,52 @@ def _chunk_tile2(w, cs, zp):
     zp2 = _joined(zp, zp)
     # each word's codes with the two fp16 halves of the register in the last axis
     x = _stack4(
-        _word2(_ch(a0), cs2, zp2),
-        _word2(_ch(a1), cs2, zp2),
-        _word2(_ch(a2), cs2, zp2),
-        _word2(_ch(a3), cs2, zp2),
-    )  # [128, 2 r, 4 a, 2 b, 4 j]: token 16 j + 8 r + 4 b + a
-    return gl.reshape(gl.permute(x, [0, 4, 1, 3, 2]), [128, 64])
+        _word2(_ch(a0, CH), cs2, zp2),
+        _word2(_ch(a1, CH), cs2, zp2),
+        _word2(_ch(a2, CH), cs2, zp2),
+        _word2(_ch(a3, CH), cs2, zp2),
+    )  # [C, 2 r, 4 a, 2 b, 4 j]: token 16 j + 8 r + 4 b + a
+    return gl.reshape(gl.permute(x, [0, 4, 1, 3, 2]), [w.shape[0], 64])
 
 
 @gluon.jit
-def _load_words(rec32_ptr, blk, CQ: gl.constexpr, REC: gl.constexpr, BITS: gl.constexpr):
-    """Chunk ``CQ``'s code words: ``[128, 8]`` (``[128, 4]`` at 2 bits; a channel's 2 * BITS
-    words start at word ``2 * BITS * c``), and at 5 bits words 8-9 ``[128, 2]`` (else a
-    constant)."""
-    row = rec32_ptr + blk * (REC // 4) + (128 * CQ) * (2 * BITS)
+def _load_words(rec32_ptr, blk, CQ: gl.constexpr, REC: gl.constexpr, BITS: gl.constexpr,
+                C: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
+                LW4: gl.constexpr):  # fmt: skip
+    """Chunk ``CQ``'s code words (chunks of ``C`` channels, one channel's words per thread):
+    ``[C, 8]`` in ``LW`` (``[C, 4]`` in ``LW4`` at 2 bits; a channel's 2 * BITS words start at
+    word ``2 * BITS * c``), and at 5 bits words 8-9 ``[C, 2]`` in ``LW2`` (else a constant)."""
+    row = rec32_ptr + blk * (REC // 4) + (C * CQ) * (2 * BITS)
     if BITS == 2:
-        c4 = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW4))
-        j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, _LW4))
+        c4 = gl.arange(0, C, layout=gl.SliceLayout(1, LW4))
+        j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, LW4))
         w = gl.load(row + c4[:, None] * 4 + j4[None, :])
     else:
-        c = gl.arange(0, 128, layout=_CH)
-        j = gl.arange(0, 8, layout=gl.SliceLayout(0, _LW))
+        c = gl.arange(0, C, layout=gl.SliceLayout(1, LW))
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, LW))
         w = gl.load(row + c[:, None] * (2 * BITS) + j[None, :])
-    c2 = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW2))
+    c2 = gl.arange(0, C, layout=gl.SliceLayout(1, LW2))
     if BITS == 5:
-        j2 = gl.arange(0, 2, layout=gl.SliceLayout(0, _LW2))
+        j2 = gl.arange(0, 2, layout=gl.SliceLayout(0, LW2))
         w89 = gl.load(row + c2[:, None] * 10 + 8 + j2[None, :])
     else:
-        w89 = gl.full([128, 2], 0, gl.int32, _LW2)
+        w89 = gl.full([C, 2], 0, gl.int32, LW2)
     return w, w89
 
 
 @gluon.jit
-def _load_chan(rec16_ptr, blk, OFF: gl.constexpr, CQ: gl.constexpr, REC: gl.constexpr):
-    c = gl.arange(0, 128, layout=_CH)
-    return gl.load(rec16_ptr + blk * (REC // 2) + OFF // 2 + 128 * CQ + c).to(gl.float32)
+def _load_chan(rec16_ptr, blk, OFF: gl.constexpr, CQ: gl.constexpr, REC: gl.constexpr,
+               C: gl.constexpr, CH: gl.constexpr):  # fmt: skip
+    c = gl.arange(0, C, layout=CH)
+    return gl.load(rec16_ptr + blk * (REC // 2) + OFF // 2 + C * CQ + c).to(gl.float32)
 
 
 @gluon.jit
-def _load_rope(base_ptr, valid):
+def _load_rope(base_ptr, valid, LR: gl.constexpr):
     """[64 tokens, 64 dims] bf16 rows at ``base_ptr`` (row stride 64; rows past ``valid``
-    read as 0)."""
-    t = gl.arange(0, 64, layout=gl.SliceLayout(1, _LR))
-    d = gl.arange(0, 64, layout=gl.SliceLayout(0, _LR))
+    read as 0), in layout ``LR``."""
+    t = gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
+    d = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     return gl.load(base_ptr + t[:, None] * 64 + d[None, :], mask=(t < valid)[:, None], other=0.0)
 
 
@@ -354,10 +357,14 @@ def _load_record(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.con
     """Block ``blk``'s record in registers: code words (two tensors a chunk) and channel scales
     and zero points of the four chunks, RoPE rows, row scales, and its pool-map entry."""
     r16 = rec16_ptr + blk * (REC // 2)
-    w0, v0 = _load_words(rec32_ptr, blk, 0, REC, BITS)
-    w1, v1 = _load_words(rec32_ptr, blk, 1, REC, BITS)
-    w2, v2 = _load_words(rec32_ptr, blk, 2, REC, BITS)
-    w3, v3 = _load_words(rec32_ptr, blk, 3, REC, BITS)
+    w0, v0 = _load_words(rec32_ptr, blk, 0, REC, BITS, 128, gl.constexpr(_LW),
+                         gl.constexpr(_LW2), gl.constexpr(_LW4))  # fmt: skip
+    w1, v1 = _load_words(rec32_ptr, blk, 1, REC, BITS, 128, gl.constexpr(_LW),
+                         gl.constexpr(_LW2), gl.constexpr(_LW4))  # fmt: skip
+    w2, v2 = _load_words(rec32_ptr, blk, 2, REC, BITS, 128, gl.constexpr(_LW),
+                         gl.constexpr(_LW2), gl.constexpr(_LW4))  # fmt: skip
+    w3, v3 = _load_words(rec32_ptr, blk, 3, REC, BITS, 128, gl.constexpr(_LW),
+                         gl.constexpr(_LW2), gl.constexpr(_LW4))  # fmt: skip
     return (
         w0,
         w1,
@@ -367,15 +374,15 @@ def _load_record(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.con
         v1,
         v2,
         v3,
-        _load_chan(rec16_ptr, blk, CS_OFF, 0, REC),
-        _load_chan(rec16_ptr, blk, CS_OFF, 1, REC),
-        _load_chan(rec16_ptr, blk, CS_OFF, 2, REC),
-        _load_chan(rec16_ptr, blk, CS_OFF, 3, REC),
-        _load_chan(rec16_ptr, blk, ZP_OFF, 0, REC),
-        _load_chan(rec16_ptr, blk, ZP_OFF, 1, REC),
-        _load_chan(rec16_ptr, blk, ZP_OFF, 2, REC),
-        _load_chan(rec16_ptr, blk, ZP_OFF, 3, REC),
-        _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64),
+        _load_chan(rec16_ptr, blk, CS_OFF, 0, REC, 128, gl.constexpr(_CH)),
+        _load_chan(rec16_ptr, blk, CS_OFF, 1, REC, 128, gl.constexpr(_CH)),
+        _load_chan(rec16_ptr, blk, CS_OFF, 2, REC, 128, gl.constexpr(_CH)),
+        _load_chan(rec16_ptr, blk, CS_OFF, 3, REC, 128, gl.constexpr(_CH)),
+        _load_chan(rec16_ptr, blk, ZP_OFF, 0, REC, 128, gl.constexpr(_CH)),
+        _load_chan(rec16_ptr, blk, ZP_OFF, 1, REC, 128, gl.constexpr(_CH)),
+        _load_chan(rec16_ptr, blk, ZP_OFF, 2, REC, 128, gl.constexpr(_CH)),
+        _load_chan(rec16_ptr, blk, ZP_OFF, 3, REC, 128, gl.constexpr(_CH)),
+        _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64, gl.constexpr(_LR)),
         gl.load(r16 + RS_OFF // 2 + t64).to(gl.float32),
         gl.load(map_ptr + blk),
     )
@@ -394,21 +401,20 @@ def _pow2_scale(amax):
 
 
 @gluon.jit
-def _pool_chunk(pool_ptr, row0, valid, CQ: gl.constexpr):
+def _pool_chunk(pool_ptr, row0, valid, CQ: gl.constexpr, LR: gl.constexpr):
     """Pool latents [128 channels, 64 tokens] fp32 of chunk ``CQ`` (tokens past ``valid``: 0),
-    read along the rows' channels."""
-    t = gl.arange(0, 64, layout=gl.SliceLayout(1, _LR))
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, _LR))
+    read along the rows' channels in layout ``LR`` ([64, 128])."""
+    t = gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
     ptr = pool_ptr + (row0 + t)[:, None] * 512 + (128 * CQ + c)[None, :]
     x = gl.load(ptr, mask=(t < valid)[:, None], other=0.0).to(gl.float32)
     return gl.permute(x, (1, 0))
 
 
 @gluon.jit
-def _pool_amax(pool_ptr, row0, valid, CQ: gl.constexpr, amax):
-    return gl.maximum(
-        amax, gl.max(gl.max(gl.abs(_pool_chunk(pool_ptr, row0, valid, CQ)), axis=1), axis=0)
-    )
+def _pool_amax(pool_ptr, row0, valid, CQ: gl.constexpr, LR: gl.constexpr, amax):
+    x = gl.abs(_pool_chunk(pool_ptr, row0, valid, CQ, LR))
+    return gl.maximum(amax, gl.max(gl.max(x, axis=1), axis=0))
 
 
 @gluon.jit
@@ -527,40 +533,68 @@ def mla_wgmma_kernel(
             )
             inv = _pow2_scale(amax)
             tile.slice(0, 128, dim=0).store(
-                _chunk_tile(w0, v0, (c0 * inv).to(gl.float16), (z0 * inv).to(gl.float16), BITS)
+                _chunk_tile(
+                    w0,
+                    v0,
+                    (c0 * inv).to(gl.float16),
+                    (z0 * inv).to(gl.float16),
+                    BITS,
+                    gl.constexpr(_CH),
+                )
             )
             tile.slice(128, 128, dim=0).store(
-                _chunk_tile(w1, v1, (c1 * inv).to(gl.float16), (z1 * inv).to(gl.float16), BITS)
+                _chunk_tile(
+                    w1,
+                    v1,
+                    (c1 * inv).to(gl.float16),
+                    (z1 * inv).to(gl.float16),
+                    BITS,
+                    gl.constexpr(_CH),
+                )
             )
             tile.slice(256, 128, dim=0).store(
-                _chunk_tile(w2, v2, (c2 * inv).to(gl.float16), (z2 * inv).to(gl.float16), BITS)
+                _chunk_tile(
+                    w2,
+                    v2,
+                    (c2 * inv).to(gl.float16),
+                    (z2 * inv).to(gl.float16),
+                    BITS,
+                    gl.constexpr(_CH),
+                )
             )
             tile.slice(384, 128, dim=0).store(
-                _chunk_tile(w3, v3, (c3 * inv).to(gl.float16), (z3 * inv).to(gl.float16), BITS)
+                _chunk_tile(
+                    w3,
+                    v3,
+                    (c3 * inv).to(gl.float16),
+                    (z3 * inv).to(gl.float16),
+                    BITS,
+                    gl.constexpr(_CH),
+                )
             )
             rope_s.store(rope)
             rw = rs
         else:
             # a block in the exact pool: the tile from its rows
             row0 = pb.to(gl.int64) * 64
-            amax = _pool_amax(pool_ptr, row0, valid, 0, 0.0)
-            amax = _pool_amax(pool_ptr, row0, valid, 1, amax)
-            amax = _pool_amax(pool_ptr, row0, valid, 2, amax)
-            amax = _pool_amax(pool_ptr, row0, valid, 3, amax)
+            amax = _pool_amax(pool_ptr, row0, valid, 0, gl.constexpr(_LR), 0.0)
+            amax = _pool_amax(pool_ptr, row0, valid, 1, gl.constexpr(_LR), amax)
+            amax = _pool_amax(pool_ptr, row0, valid, 2, gl.constexpr(_LR), amax)
+            amax = _pool_amax(pool_ptr, row0, valid, 3, gl.constexpr(_LR), amax)
             inv = _pow2_scale(amax)
             tile.slice(0, 128, dim=0).store(
-                (_pool_chunk(pool_ptr, row0, valid, 0) * inv).to(gl.float16)
+                (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR)) * inv).to(gl.float16)
             )
             tile.slice(128, 128, dim=0).store(
-                (_pool_chunk(pool_ptr, row0, valid, 1) * inv).to(gl.float16)
+                (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR)) * inv).to(gl.float16)
             )
             tile.slice(256, 128, dim=0).store(
-                (_pool_chunk(pool_ptr, row0, valid, 2) * inv).to(gl.float16)
+                (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR)) * inv).to(gl.float16)
             )
             tile.slice(384, 128, dim=0).store(
-                (_pool_chunk(pool_ptr, row0, valid, 3) * inv).to(gl.float16)
+                (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR)) * inv).to(gl.float16)
             )
-            rope_s.store(_load_rope(prope_ptr + row0 * 64, valid))
+            rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR)))
             if FP8:
                 rw = gl.load(pscale_ptr + row0 + t64, mask=t64 < valid, other=0.0)
             else:
