@@ -89,6 +89,10 @@ _LR: gl.constexpr = gl.BlockedLayout(
 _LQ: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[8, 1], order=[1, 0]
 )
+# a block's 64 row scales [1, 64] in every warp (their maximum without a cross-warp step)
+_RW: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 2], threads_per_warp=[1, 32], warps_per_cta=[8, 1], order=[1, 0]
+)
 
 
 def mla_wgmma64_supported(bits: int) -> bool:
@@ -101,7 +105,9 @@ def _load_record64(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.c
                    CS_OFF: gl.constexpr, ZP_OFF: gl.constexpr, RS_OFF: gl.constexpr,
                    ROPE_OFF: gl.constexpr, BITS: gl.constexpr):  # fmt: skip
     """Block ``blk``'s record in registers: code words of the two 256-channel chunks, their
-    channel scales and zero points, RoPE rows, row scales, and its pool-map entry."""
+    channel scales and zero points, RoPE rows, row scales (also as [1, 64] in every warp), and
+    its pool-map entry."""
+    tw = gl.arange(0, 64, layout=gl.SliceLayout(0, _RW))[None, :]
     w0, v0 = _load_words(rec32_ptr, blk, 0, REC, BITS, 256, gl.constexpr(_LW),
                          gl.constexpr(_LW2), gl.constexpr(_LW4))  # fmt: skip
     w1, v1 = _load_words(rec32_ptr, blk, 1, REC, BITS, 256, gl.constexpr(_LW),
@@ -117,6 +123,7 @@ def _load_record64(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.c
         _load_chan(rec16_ptr, blk, ZP_OFF, 1, REC, 256, gl.constexpr(_CH)),
         _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64, gl.constexpr(_LR)),
         gl.load(rec16_ptr + blk * (REC // 2) + RS_OFF // 2 + t64).to(gl.float32),
+        gl.load(rec16_ptr + blk * (REC // 2) + RS_OFF // 2 + tw).to(gl.float32),
         gl.load(map_ptr + blk),
     )
 
@@ -220,6 +227,7 @@ def mla_wgmma64_kernel(
     qr_los.index(0).store((x - xh.to(gl.float32)).to(gl.bfloat16))
 
     t64 = gl.arange(0, 64, layout=_TOK)
+    tw = gl.arange(0, 64, layout=gl.SliceLayout(0, _RW))[None, :]
     m = gl.full([64], -1.0e30, gl.float32, _HEAD)
     l = gl.full([64], 0.0, gl.float32, _HEAD)
     f_run = qk_scale * 0.0 + 1.0
@@ -227,7 +235,7 @@ def mla_wgmma64_kernel(
     zs = gl.full([64, 64], 0.0, gl.float32, _ACC_S)
 
     # block lo's record in registers
-    w0, w1, v0, v1, c0, c1, z0, z1, rope, rs, pb = _load_record64(
+    w0, w1, v0, v1, c0, c1, z0, z1, rope, rs, rsw, pb = _load_record64(
         rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, gl.load(bt_row + lo).to(gl.int64), t64,
         REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF, BITS,
     )  # fmt: skip
@@ -270,6 +278,7 @@ def mla_wgmma64_kernel(
             )
             rope_s.store(rope)
             rw = rs
+            rwm = rsw
         else:
             # a block in the exact pool: the tile from its rows
             row0 = pb.to(gl.int64) * 64
@@ -277,11 +286,13 @@ def mla_wgmma64_kernel(
             rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR)))
             if FP8:
                 rw = gl.load(pscale_ptr + row0 + t64, mask=t64 < valid, other=0.0)
+                rwm = gl.load(pscale_ptr + row0 + tw, mask=tw < valid, other=0.0)
             else:
                 rw = gl.full([64], 1.0, gl.float32, _TOK)
+                rwm = gl.full([1, 64], 1.0, gl.float32, _RW)
         # the next block's record (this one's registers are free now), read during the products
         nb = gl.load(bt_row + gl.minimum(u + 1, hi - 1)).to(gl.int64)
-        w0, w1, v0, v1, c0, c1, z0, z1, rope, rs, pb = _load_record64(
+        w0, w1, v0, v1, c0, c1, z0, z1, rope, rs, rsw, pb = _load_record64(
             rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, nb, t64,
             REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF, BITS,
         )  # fmt: skip
@@ -310,7 +321,8 @@ def mla_wgmma64_kernel(
         p = gl.exp2(sc - gl.expand_dims(m_new, 0))
         l = l * alpha + gl.sum(p, axis=0)
         m = m_new
-        rmax = gl.max(rw, axis=0)
+        # the largest row scale: within each warp
+        rmax = gl.max(gl.max(gl.where(tw < valid, rwm, 0.0), axis=1), axis=0)
         rmax = gl.where(rmax > 0.0, rmax, 1.0)
         pw = (p * gl.expand_dims(rw / rmax, 1)).to(gl.float16)
         ps.store(gl.permute(pw, (1, 0)))
