@@ -643,18 +643,31 @@ def test_decode_latent_chunk_knob_is_checked(monkeypatch):
 
 
 def test_workspace_picks_enough_splits_to_fill_the_gpu(monkeypatch):
-    """``num_splits=None``: at least 32, enough for one program per SM at this batch and head
-    count (in groups of 64 heads from ``WGMMA64_MIN_HEADS`` heads, the head groups of the
-    64-head sm_90 kernel), at most ``MAX_AUTO_SPLITS``; an explicit count is kept. The
-    launcher runs no more splits than fill the SMs (two 16-head programs or one 64-head one
-    per SM)."""
+    """``num_splits=None``: enough for one program per SM at this batch and head count (in
+    groups of 64 heads from ``WGMMA64_MIN_HEADS`` heads, the head groups of the 64-head sm_90
+    kernel), at most ``MAX_AUTO_SPLITS``, and no fewer than the launcher runs where it may
+    run up to 32 (two 16-head programs or one 64-head one per SM): the launched split count
+    is what it was with a floor of 32, the workspace no larger than it needs (batch 256 at
+    128 heads: 1 split, not 32, which took 2 GiB); an explicit count is kept."""
     monkeypatch.setattr(kdec, "_sm_count", lambda device: 132)
-    want = {(1, 16): 132, (1, 128): 66, (4, 128): 32, (1, 64): 132, (2, 16): 66, (1, 40): 44,
-            (64, 16): 32, (0, 16): 132}  # fmt: skip
+    want = {(1, 16): 132, (1, 128): 66, (4, 128): 17, (1, 64): 132, (2, 16): 66, (1, 40): 44,
+            (8, 16): 32, (64, 16): 4, (256, 128): 1, (0, 16): 132}  # fmt: skip
     for (b, h), splits in want.items():
         ws = kdec.mla_decode_workspace(b, h)
         assert ws.num_splits == splits, (b, h, ws.num_splits)
         assert ws.part_out.shape == (b, h, splits, 512)
+    # against a floor of 32 splits: never fewer launched (16- and 64-head kernels), never a
+    # larger workspace
+    for b, h in [(1, 16), (2, 16), (8, 16), (64, 16), (1, 128), (4, 128), (32, 128), (256, 128),
+                 (3, 64), (16, 96), (1, 40), (12, 40)]:  # fmt: skip
+        n = kdec.mla_decode_workspace(b, h).num_splits
+        per_wide = kdec.WIDE_HEADS if h >= 64 else kdec.BLOCK_H
+        old = min(kdec.MAX_AUTO_SPLITS, max(32, -(-132 // (b * -(-h // per_wide)))))
+        assert n <= old, (b, h)
+        kernels = [(kdec.BLOCK_H, kdec.CTAS_PER_SM)] + [(kdec.WIDE_HEADS, 1)] * (h >= 64)
+        for per, ctas in kernels:
+            launched = kdec.live_splits(b, h, n, "cpu", per, ctas)
+            assert launched == kdec.live_splits(b, h, old, "cpu", per, ctas), (b, h, per)
     assert kdec.live_splits(1, 128, 66, "cpu", kdec.WIDE_HEADS, 1) == 66
     assert kdec.live_splits(32, 128, 32, "cpu", kdec.WIDE_HEADS, 1) == 2
     assert kdec.live_splits(32, 128, 32, "cpu") == 1

@@ -873,20 +873,27 @@ def mla_decode_workspace(
     :func:`kvarn_ops.reference.mla.mla_decode_workspace`).
 
     ``num_splits=None`` picks enough split-K partitions for one program per SM at this batch
-    and head count, at least 32 and at most ``MAX_AUTO_SPLITS``. On the H200 (132 SMs, 16
-    heads, 32K, k4, CUDA-graph replay) batch 1 took 0.128 ms with 32 splits, 0.069 ms with 128
-    and 0.089 ms with 256 (the combine merges twice the rows, each split reads 2 blocks); the
-    Triton kernel 0.156 / 0.066 / 0.082 ms. The part rows take ``B * H * splits * 2 KB``."""
+    and head count (at most ``MAX_AUTO_SPLITS``), and no fewer than the launcher runs when
+    it may run more (:func:`live_splits`: up to 32, as many as fill the SMs with the kernels'
+    programs). On the H200 (132 SMs, 16 heads, 32K, k4, CUDA-graph replay) batch 1 took 0.128
+    ms with 32 splits, 0.069 ms with 128 and 0.089 ms with 256 (the combine merges twice the
+    rows, each split reads 2 blocks); the Triton kernel 0.156 / 0.066 / 0.082 ms. The part
+    rows take ``B * H * splits * 2 KB``: a batch of 256 requests with 128 heads gets one split
+    (64 MB; a floor of 32 splits, which the launcher could not use there, took 2 GiB)."""
     if num_splits is None:
         if batch < 0 or num_heads < 0:
             raise ValueError(f"batch, num_heads: must be >= 0, got {batch}, {num_heads}")
         dev = torch.device(device) if device is not None else torch.device("cpu")
         # the head groups of the kernel a large head count takes on sm_90 (64 heads, one
         # program per SM) need more splits to fill the GPU than 16-head groups do
-        per = WIDE_HEADS if WGMMA64_MIN_HEADS and num_heads >= WGMMA64_MIN_HEADS else BLOCK_H
+        wide = bool(WGMMA64_MIN_HEADS) and num_heads >= WGMMA64_MIN_HEADS
+        per = WIDE_HEADS if wide else BLOCK_H
         groups = max(1, batch * triton.cdiv(num_heads, per))
         fill = triton.cdiv(_sm_count(dev), groups)
-        num_splits = min(MAX_AUTO_SPLITS, max(32, fill))
+        cap = live_splits(batch, num_heads, 1 << 30, dev)
+        if wide:
+            cap = max(cap, live_splits(batch, num_heads, 1 << 30, dev, WIDE_HEADS, 1))
+        num_splits = min(MAX_AUTO_SPLITS, max(fill, min(32, cap)))
     return _ref.mla_decode_workspace(batch, num_heads, num_splits, device)
 
 
@@ -901,7 +908,7 @@ def live_splits(
     """Splits launched per (request, group of ``block_h`` heads): at most the workspace's
     ``num_splits``, and no more than fill the SMs ``ctas_per_sm`` programs deep (host
     arithmetic only)."""
-    groups = batch * triton.cdiv(heads, block_h)
+    groups = max(1, batch * triton.cdiv(heads, block_h))
     return max(1, min(num_splits, (_sm_count(torch.device(device)) * ctas_per_sm) // groups))
 
 
