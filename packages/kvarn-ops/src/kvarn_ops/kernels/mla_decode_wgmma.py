@@ -97,6 +97,10 @@ _LR: gl.constexpr = gl.BlockedLayout(
 _LQ: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
 )
+# a block's 64 row scales [1, 64] in every warp (their maximum without a cross-warp step)
+_RW: gl.constexpr = gl.BlockedLayout(
+    size_per_thread=[1, 2], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
+)
 NUM_WARPS = 4
 
 
@@ -384,6 +388,9 @@ def _load_record(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.con
         _load_chan(rec16_ptr, blk, ZP_OFF, 3, REC, 128, gl.constexpr(_CH)),
         _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64, gl.constexpr(_LR)),
         gl.load(r16 + RS_OFF // 2 + t64).to(gl.float32),
+        gl.load(r16 + RS_OFF // 2 + gl.arange(0, 64, layout=gl.SliceLayout(0, _RW))[None, :]).to(
+            gl.float32
+        ),
         gl.load(map_ptr + blk),
     )
 
@@ -502,9 +509,12 @@ def mla_wgmma_kernel(
     zs = gl.full([64, 16], 0.0, gl.float32, _ACC)
 
     # block lo's record in registers
-    w0, w1, w2, w3, v0, v1, v2, v3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, pb = _load_record(
-        rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, gl.load(bt_row + lo).to(gl.int64), t64,
-        REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF, BITS,
+    tw = gl.arange(0, 64, layout=gl.SliceLayout(0, _RW))[None, :]
+    w0, w1, w2, w3, v0, v1, v2, v3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, rsw, pb = (
+        _load_record(
+            rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, gl.load(bt_row + lo).to(gl.int64), t64,
+            REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF, BITS,
+        )
     )  # fmt: skip
     for u in range(lo, hi):
         valid = gl.minimum(seq_len - u * 64, 64)
@@ -574,6 +584,7 @@ def mla_wgmma_kernel(
             )
             rope_s.store(rope)
             rw = rs
+            rwm = rsw
         else:
             # a block in the exact pool: the tile from its rows
             row0 = pb.to(gl.int64) * 64
@@ -597,11 +608,13 @@ def mla_wgmma_kernel(
             rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR)))
             if FP8:
                 rw = gl.load(pscale_ptr + row0 + t64, mask=t64 < valid, other=0.0)
+                rwm = gl.load(pscale_ptr + row0 + tw, mask=tw < valid, other=0.0)
             else:
                 rw = gl.full([64], 1.0, gl.float32, _TOK)
+                rwm = gl.full([1, 64], 1.0, gl.float32, _RW)
         # the next block's record (this one's registers are free now), read during the products
         nb = gl.load(bt_row + gl.minimum(u + 1, hi - 1)).to(gl.int64)
-        w0, w1, w2, w3, v0, v1, v2, v3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, pb = (
+        w0, w1, w2, w3, v0, v1, v2, v3, c0, c1, c2, c3, z0, z1, z2, z3, rope, rs, rsw, pb = (
             _load_record(
                 rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, nb, t64,
                 REC, CS_OFF, ZP_OFF, RS_OFF, ROPE_OFF, BITS,
@@ -633,7 +646,8 @@ def mla_wgmma_kernel(
         p = gl.exp2(sc - gl.expand_dims(m_new, 0))
         l = l * alpha + gl.sum(p, axis=0)
         m = m_new
-        rmax = gl.max(rw, axis=0)
+        # the largest row scale: within each warp
+        rmax = gl.max(gl.max(gl.where(tw < valid, rwm, 0.0), axis=1), axis=0)
         rmax = gl.where(rmax > 0.0, rmax, 1.0)
         pw = (p * gl.expand_dims(rw / rmax, 1)).to(gl.float16)
         ps.store(gl.permute(pw, (1, 0)))
