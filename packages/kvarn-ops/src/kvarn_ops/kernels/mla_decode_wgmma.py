@@ -101,6 +101,21 @@ _LQ: gl.constexpr = gl.BlockedLayout(
 _RW: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 2], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
 )
+# every thread: the four warps' partial maxima (or sums) of its columns of S^T [64, 16]
+_REP: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 8], [1, 0], [2, 0]],
+    lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[[0, 0], [0, 0]],
+    block_bases=[],
+    shape=[4, 16],
+)
+_S2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+# every thread: the four warps' partial maxima of the tile's channel magnitudes
+_REP4: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[1], [2]], lane_bases=[[0], [0], [0], [0], [0]], warp_bases=[[0], [0]],
+    block_bases=[], shape=[4],
+)  # fmt: skip
+_S1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 NUM_WARPS = 4
 
 
@@ -408,6 +423,44 @@ def _pow2_scale(amax):
 
 
 @gluon.jit
+def _block_softmax(sc, m, l, red_m, red_l, REP: gl.constexpr):
+    """One online-softmax step over the 64 tokens of ``sc`` [64, N] (base-2 logits, the M
+    axis of a ``wgmma`` accumulator: 16 tokens per warp, four warps along M): ``(p, m_new,
+    l_new, alpha)`` with ``p = exp2(sc - m_new)``. Each warp reduces its 16 tokens (maximum,
+    then the sum of ``exp2(sc - its maximum)``) and writes both to shared memory (``red_m``,
+    ``red_l``: [4, N]); after one barrier every thread reads the four warps' values of its
+    columns (``REP``: that [4, N] layout). A maximum and a sum over the M axis took a
+    shared-memory round trip and two barriers each. ``p`` is the warp's terms rescaled by
+    ``exp2(m_warp - m_new)``."""
+    N: gl.constexpr = sc.shape[1]
+    x3 = gl.reshape(sc, [4, 16, N])  # [warp, token of the warp, column]
+    mx = gl.max(x3, axis=1)
+    # including the running maximum keeps a warp of masked tokens (-inf) finite
+    mw = gl.maximum(mx, gl.expand_dims(gl.convert_layout(m, gl.SliceLayout(0, mx.type.layout)), 0))
+    p3 = gl.exp2(x3 - gl.expand_dims(mw, 1))
+    red_m.store(mw)
+    red_l.store(gl.sum(p3, axis=1))
+    gl.thread_barrier()
+    ma = red_m.load(REP)
+    mr = gl.max(ma, axis=0)
+    lr = gl.sum(red_l.load(REP) * gl.exp2(ma - gl.expand_dims(mr, 0)), axis=0)
+    m_new = gl.convert_layout(mr, m.type.layout, assert_trivial=True)
+    alpha = gl.exp2(m - m_new)
+    l_new = l * alpha + gl.convert_layout(lr, m.type.layout, assert_trivial=True)
+    fw = gl.exp2(
+        mw - gl.expand_dims(gl.convert_layout(m_new, gl.SliceLayout(0, mx.type.layout)), 0)
+    )
+    p = gl.reshape(p3 * gl.expand_dims(fw, 1), [64, N])
+    return gl.convert_layout(p, sc.type.layout, assert_trivial=True), m_new, l_new, alpha
+
+
+@gluon.jit
+def _warp_max(x, NW: gl.constexpr):
+    """Per-warp maxima [NW] of ``x`` [C] (channels spread over ``NW`` warps, 32 a warp)."""
+    return gl.max(gl.reshape(x, [NW, x.shape[0] // NW]), axis=1)
+
+
+@gluon.jit
 def _pool_chunk(pool_ptr, row0, valid, CQ: gl.constexpr, LR: gl.constexpr):
     """Pool latents [128 channels, 64 tokens] fp32 of chunk ``CQ`` (tokens past ``valid``: 0),
     read along the rows' channels in layout ``LR`` ([64, 128])."""
@@ -478,12 +531,20 @@ def mla_wgmma_kernel(
 
     # queries -> shared memory: the latent part as fp16 (times the softmax scale), the RoPE
     # part as two bf16 terms (each buffer [1, ...]: see the loop's index ``z``)
-    tiles = gl.allocate_shared_memory(gl.float16, [1, 512, 64], _SW)
+    # the tile as four 128-channel buffers: stores to one buffer's slices are ordered by a
+    # barrier each (three more a block), stores to different buffers are not
+    tiles0 = gl.allocate_shared_memory(gl.float16, [1, 128, 64], _SW)
+    tiles1 = gl.allocate_shared_memory(gl.float16, [1, 128, 64], _SW)
+    tiles2 = gl.allocate_shared_memory(gl.float16, [1, 128, 64], _SW)
+    tiles3 = gl.allocate_shared_memory(gl.float16, [1, 128, 64], _SW)
     rope_ss = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], _SW)
     pss = gl.allocate_shared_memory(gl.float16, [1, 16, 64], _SW)
     qss = gl.allocate_shared_memory(gl.float16, [1, 16, 512], _SW)
     qr_his = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], _SW)
     qr_los = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], _SW)
+    amax_s = gl.allocate_shared_memory(gl.float32, [4], _S1)
+    red_m = gl.allocate_shared_memory(gl.float32, [4, 16], _S2)
+    red_l = gl.allocate_shared_memory(gl.float32, [4, 16], _S2)
     qs = qss.index(0)
     qr_hi = qr_his.index(0)
     qr_lo = qr_los.index(0)
@@ -505,7 +566,11 @@ def mla_wgmma_kernel(
     m = gl.full([16], -1.0e30, gl.float32, _HEAD)
     l = gl.full([16], 0.0, gl.float32, _HEAD)
     f_run = qk_scale * 0.0 + 1.0
-    o = warpgroup_mma_init(gl.full([512, 16], 0.0, gl.float32, _ACC))
+    # the value accumulator O^T [512, 16] as four [128, 16] channel chunks
+    o0 = warpgroup_mma_init(gl.full([128, 16], 0.0, gl.float32, _ACC))
+    o1 = warpgroup_mma_init(gl.full([128, 16], 0.0, gl.float32, _ACC))
+    o2 = warpgroup_mma_init(gl.full([128, 16], 0.0, gl.float32, _ACC))
+    o3 = warpgroup_mma_init(gl.full([128, 16], 0.0, gl.float32, _ACC))
     zs = gl.full([64, 16], 0.0, gl.float32, _ACC)
 
     # block lo's record in registers
@@ -524,25 +589,29 @@ def mla_wgmma_kernel(
         # reloaded and moved to uniform registers every block: a fifth of the stall samples
         # on the H200); built in the loop they are uniform adds.
         z = u >> 30
-        tile = tiles.index(z)
+        t0 = tiles0.index(z)
+        t1 = tiles1.index(z)
+        t2 = tiles2.index(z)
+        t3 = tiles3.index(z)
         rope_s = rope_ss.index(z)
         ps = pss.index(z)
         qs = qss.index(z)
         qr_hi = qr_his.index(z)
         qr_lo = qr_los.index(z)
-        # the previous block's value product has read the tile and the weights
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        # each warp's largest channel magnitude of the record, exchanged through the barrier
+        # that also waits for the previous block's value product to have read the tile
+        am01 = gl.maximum(
+            _warp_max(_chan_mag(c0, z0, BITS), 4), _warp_max(_chan_mag(c1, z1, BITS), 4)
+        )
+        am23 = gl.maximum(
+            _warp_max(_chan_mag(c2, z2, BITS), 4), _warp_max(_chan_mag(c3, z3, BITS), 4)
+        )
+        amax_s.store(gl.maximum(am01, am23))
+        o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
         gl.thread_barrier()
         if pb < 0:
-            amax = gl.max(
-                gl.maximum(
-                    gl.maximum(_chan_mag(c0, z0, BITS), _chan_mag(c1, z1, BITS)),
-                    gl.maximum(_chan_mag(c2, z2, BITS), _chan_mag(c3, z3, BITS)),
-                ),
-                axis=0,
-            )
-            inv = _pow2_scale(amax)
-            tile.slice(0, 128, dim=0).store(
+            inv = _pow2_scale(gl.max(amax_s.load(_REP4), axis=0))
+            t0.store(
                 _chunk_tile(
                     w0,
                     v0,
@@ -552,7 +621,7 @@ def mla_wgmma_kernel(
                     gl.constexpr(_CH),
                 )
             )
-            tile.slice(128, 128, dim=0).store(
+            t1.store(
                 _chunk_tile(
                     w1,
                     v1,
@@ -562,7 +631,7 @@ def mla_wgmma_kernel(
                     gl.constexpr(_CH),
                 )
             )
-            tile.slice(256, 128, dim=0).store(
+            t2.store(
                 _chunk_tile(
                     w2,
                     v2,
@@ -572,7 +641,7 @@ def mla_wgmma_kernel(
                     gl.constexpr(_CH),
                 )
             )
-            tile.slice(384, 128, dim=0).store(
+            t3.store(
                 _chunk_tile(
                     w3,
                     v3,
@@ -593,16 +662,16 @@ def mla_wgmma_kernel(
             amax = _pool_amax(pool_ptr, row0, valid, 2, gl.constexpr(_LR), amax)
             amax = _pool_amax(pool_ptr, row0, valid, 3, gl.constexpr(_LR), amax)
             inv = _pow2_scale(amax)
-            tile.slice(0, 128, dim=0).store(
+            t0.store(
                 (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR)) * inv).to(gl.float16)
             )
-            tile.slice(128, 128, dim=0).store(
+            t1.store(
                 (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR)) * inv).to(gl.float16)
             )
-            tile.slice(256, 128, dim=0).store(
+            t2.store(
                 (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR)) * inv).to(gl.float16)
             )
-            tile.slice(384, 128, dim=0).store(
+            t3.store(
                 (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR)) * inv).to(gl.float16)
             )
             rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR)))
@@ -626,11 +695,13 @@ def mla_wgmma_kernel(
 
         # scores S^T [64 tokens, 16 heads], base-2 logits
         # (the latent part as two independent chains over the channel halves)
-        sa = warpgroup_mma(tile.slice(0, 256, dim=0).permute((1, 0)),
-                           qs.slice(0, 256, dim=1).permute((1, 0)), zs, use_acc=False,
+        sa = warpgroup_mma(t0.permute((1, 0)), qs.slice(0, 128, dim=1).permute((1, 0)), zs,
+                           use_acc=False, is_async=True)  # fmt: skip
+        sb = warpgroup_mma(t2.permute((1, 0)), qs.slice(256, 128, dim=1).permute((1, 0)), zs,
+                           use_acc=False, is_async=True)  # fmt: skip
+        sa = warpgroup_mma(t1.permute((1, 0)), qs.slice(128, 128, dim=1).permute((1, 0)), sa,
                            is_async=True)  # fmt: skip
-        sb = warpgroup_mma(tile.slice(256, 256, dim=0).permute((1, 0)),
-                           qs.slice(256, 256, dim=1).permute((1, 0)), zs, use_acc=False,
+        sb = warpgroup_mma(t3.permute((1, 0)), qs.slice(384, 128, dim=1).permute((1, 0)), sb,
                            is_async=True)  # fmt: skip
         sr = warpgroup_mma(rope_s, qr_hi.permute((1, 0)), zs, use_acc=False, is_async=True)
         sr = warpgroup_mma(rope_s, qr_lo.permute((1, 0)), sr, is_async=True)
@@ -641,29 +712,37 @@ def mla_wgmma_kernel(
         rw = gl.where(okt, rw, 0.0)
         sc = s * gl.expand_dims(rw * e2, 1) + sr
         sc = gl.where(gl.expand_dims(okt, 1), sc, float("-inf"))
-        m_new = gl.maximum(m, gl.max(sc, axis=0))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(sc - gl.expand_dims(m_new, 0))
-        l = l * alpha + gl.sum(p, axis=0)
-        m = m_new
+        p, m, l, alpha = _block_softmax(sc, m, l, red_m, red_l, gl.constexpr(_REP))
         # the largest row scale: within each warp
         rmax = gl.max(gl.max(gl.where(tw < valid, rwm, 0.0), axis=1), axis=0)
         rmax = gl.where(rmax > 0.0, rmax, 1.0)
         pw = (p * gl.expand_dims(rw / rmax, 1)).to(gl.float16)
         ps.store(gl.permute(pw, (1, 0)))
         f_new = rmax * e2
-        o = o * gl.expand_dims(alpha * (f_run / f_new), 0)
+        rescale = gl.expand_dims(alpha * (f_run / f_new), 0)
+        o0 = o0 * rescale
+        o1 = o1 * rescale
+        o2 = o2 * rescale
+        o3 = o3 * rescale
         f_run = f_new
         fence_async_shared()
         gl.thread_barrier()
-        o = warpgroup_mma(tile, ps.permute((1, 0)), o, is_async=True)
+        o0 = warpgroup_mma(t0, ps.permute((1, 0)), o0, is_async=True)
+        o1 = warpgroup_mma(t1, ps.permute((1, 0)), o1, is_async=True)
+        o2 = warpgroup_mma(t2, ps.permute((1, 0)), o2, is_async=True)
+        o3 = warpgroup_mma(t3, ps.permute((1, 0)), o3, is_async=True)
 
-    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
 
     seen = l > 0.0
     scale = gl.where(seen, f_run / gl.where(seen, l, 1.0), 0.0)
     lse = gl.where(seen, (m + gl.log2(gl.where(seen, l, 1.0))) * 0.6931471805599453, float("-inf"))
     gl.store(plse_ptr + qrow * S + split, lse, mask=hok)
-    ch = gl.arange(0, 512, layout=_TOK)
+    ch = gl.arange(0, 128, layout=_TOK)
     ptr = po_ptr + gl.expand_dims((qrow * S + split) * 512, 0) + gl.expand_dims(ch, 1)
-    gl.store(ptr, o * gl.expand_dims(scale, 0), mask=gl.expand_dims(hok, 0))
+    sc2 = gl.expand_dims(scale, 0)
+    ok2 = gl.expand_dims(hok, 0)
+    gl.store(ptr, o0 * sc2, mask=ok2)
+    gl.store(ptr + 128, o1 * sc2, mask=ok2)
+    gl.store(ptr + 256, o2 * sc2, mask=ok2)
+    gl.store(ptr + 384, o3 * sc2, mask=ok2)

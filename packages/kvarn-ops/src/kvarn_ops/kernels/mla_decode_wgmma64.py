@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kvarn_ops.kernels.mla_decode_wgmma import (
     MLA_WGMMA_BITS,
+    _block_softmax,
     _chan_mag,
     _chunk_tile,
     _load_chan,
@@ -48,6 +49,7 @@ from kvarn_ops.kernels.mla_decode_wgmma import (
     _pool_amax,
     _pool_chunk,
     _pow2_scale,
+    _warp_max,
 )
 
 __all__ = ["HEADS", "NUM_WARPS", "mla_wgmma64_kernel", "mla_wgmma64_supported"]
@@ -62,12 +64,12 @@ _ACC_S: gl.constexpr = gl.NVMMADistributedLayout(
 )
 # values O [64 heads, 512 channels]: warpgroup g holds channels 256 g .. 256 g + 255
 _ACC_O: gl.constexpr = gl.NVMMADistributedLayout(
-    version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]
+    version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16]
 )
 _TOK: gl.constexpr = gl.SliceLayout(1, _ACC_S)  # [64] tokens
 _HEAD: gl.constexpr = gl.SliceLayout(0, _ACC_S)  # [64] heads of the scores
 _HEAD_O: gl.constexpr = gl.SliceLayout(1, _ACC_O)  # [64] heads of the values
-_CHAN_O: gl.constexpr = gl.SliceLayout(0, _ACC_O)  # [512] channels of the values
+_CHAN_O: gl.constexpr = gl.SliceLayout(0, _ACC_O)  # [256] channels of a value accumulator
 _SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 _S1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 # code words of a 256-channel chunk: one channel's words per thread ([256, 8]; 5-bit words
@@ -89,6 +91,21 @@ _LR: gl.constexpr = gl.BlockedLayout(
 _LQ: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[8, 1], order=[1, 0]
 )
+# every thread: the four warps' partial maxima (or sums) of its columns of S^T [64, 64] (its
+# warpgroup's 32 heads)
+_REP: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 8], [0, 16], [1, 0], [2, 0]],
+    lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[[0, 0], [0, 0], [0, 32]],
+    block_bases=[],
+    shape=[4, 64],
+)
+_S2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+# every thread: the eight warps' partial maxima of the tile's channel magnitudes
+_REP8: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [0], [0], [0]],
+    warp_bases=[[0], [0], [0]], block_bases=[], shape=[8],
+)  # fmt: skip
 # a block's 64 row scales [1, 64] in every warp (their maximum without a cross-warp step)
 _RW: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 2], threads_per_warp=[1, 32], warps_per_cta=[8, 1], order=[1, 0]
@@ -129,24 +146,25 @@ def _load_record64(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.c
 
 
 @gluon.jit
-def _pool_tile(tile, pool_ptr, row0, valid):
-    """The tile of a block in the exact pool (rows ``row0 ..``, ``valid`` tokens): its latents
-    times the block's power-of-two factor, which it returns."""
+def _pool_tile(t0, t1, pool_ptr, row0, valid):
+    """The tile (channel halves ``t0``, ``t1``) of a block in the exact pool (rows ``row0
+    ..``, ``valid`` tokens): its latents times the block's power-of-two factor, which it
+    returns."""
     amax = _pool_amax(pool_ptr, row0, valid, 0, gl.constexpr(_LR), 0.0)
     amax = _pool_amax(pool_ptr, row0, valid, 1, gl.constexpr(_LR), amax)
     amax = _pool_amax(pool_ptr, row0, valid, 2, gl.constexpr(_LR), amax)
     amax = _pool_amax(pool_ptr, row0, valid, 3, gl.constexpr(_LR), amax)
     inv = _pow2_scale(amax)
-    tile.slice(0, 128, dim=0).store(
+    t0.slice(0, 128, dim=0).store(
         (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR)) * inv).to(gl.float16)
     )
-    tile.slice(128, 128, dim=0).store(
+    t0.slice(128, 128, dim=0).store(
         (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR)) * inv).to(gl.float16)
     )
-    tile.slice(256, 128, dim=0).store(
+    t1.slice(0, 128, dim=0).store(
         (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR)) * inv).to(gl.float16)
     )
-    tile.slice(384, 128, dim=0).store(
+    t1.slice(128, 128, dim=0).store(
         (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR)) * inv).to(gl.float16)
     )
     return inv
@@ -206,7 +224,13 @@ def mla_wgmma64_kernel(
 
     # queries -> shared memory: the latent part as fp16 (times the softmax scale), the RoPE
     # part as two bf16 terms (each buffer [1, ...]: see the loop's index ``z``)
-    tiles = gl.allocate_shared_memory(gl.float16, [1, 512, 64], _SW)
+    # the tile as two 256-channel buffers (stores to one buffer's slices are ordered by a
+    # barrier each, stores to different buffers are not)
+    tiles0 = gl.allocate_shared_memory(gl.float16, [1, 256, 64], _SW)
+    tiles1 = gl.allocate_shared_memory(gl.float16, [1, 256, 64], _SW)
+    amax_s = gl.allocate_shared_memory(gl.float32, [8], _S1)
+    red_m = gl.allocate_shared_memory(gl.float32, [4, 64], _S2)
+    red_l = gl.allocate_shared_memory(gl.float32, [4, 64], _S2)
     rope_ss = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], _SW)
     pss = gl.allocate_shared_memory(gl.float16, [1, 64, 64], _SW)
     qss = gl.allocate_shared_memory(gl.float16, [1, 64, 512], _SW)
@@ -231,7 +255,9 @@ def mla_wgmma64_kernel(
     m = gl.full([64], -1.0e30, gl.float32, _HEAD)
     l = gl.full([64], 0.0, gl.float32, _HEAD)
     f_run = qk_scale * 0.0 + 1.0
-    o = warpgroup_mma_init(gl.full([64, 512], 0.0, gl.float32, _ACC_O))
+    # O [64 heads, 512] as two [64, 256] channel halves (one per tile buffer)
+    o0 = warpgroup_mma_init(gl.full([64, 256], 0.0, gl.float32, _ACC_O))
+    o1 = warpgroup_mma_init(gl.full([64, 256], 0.0, gl.float32, _ACC_O))
     zs = gl.full([64, 64], 0.0, gl.float32, _ACC_S)
 
     # block lo's record in registers
@@ -244,19 +270,23 @@ def mla_wgmma64_kernel(
         # shared-memory views through a loop-dependent zero index, so that the compiler
         # builds the wgmma descriptors in the loop instead of hoisting (and spilling) them
         z = u >> 30
-        tile = tiles.index(z)
+        t0 = tiles0.index(z)
+        t1 = tiles1.index(z)
         rope_s = rope_ss.index(z)
         ps = pss.index(z)
         qs = qss.index(z)
         qr_hi = qr_his.index(z)
         qr_lo = qr_los.index(z)
-        # the previous block's value product has read the tile and the weights
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        # each warp's largest channel magnitude of the record, exchanged through the barrier
+        # that also waits for the previous block's value product to have read the tile
+        amax_s.store(
+            gl.maximum(_warp_max(_chan_mag(c0, z0, BITS), 8), _warp_max(_chan_mag(c1, z1, BITS), 8))
+        )
+        o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
         gl.thread_barrier()
         if pb < 0:
-            amax = gl.max(gl.maximum(_chan_mag(c0, z0, BITS), _chan_mag(c1, z1, BITS)), axis=0)
-            inv = _pow2_scale(amax)
-            tile.slice(0, 256, dim=0).store(
+            inv = _pow2_scale(gl.max(amax_s.load(_REP8), axis=0))
+            t0.store(
                 _chunk_tile(
                     w0,
                     v0,
@@ -266,7 +296,7 @@ def mla_wgmma64_kernel(
                     gl.constexpr(_CH),
                 )
             )
-            tile.slice(256, 256, dim=0).store(
+            t1.store(
                 _chunk_tile(
                     w1,
                     v1,
@@ -282,7 +312,7 @@ def mla_wgmma64_kernel(
         else:
             # a block in the exact pool: the tile from its rows
             row0 = pb.to(gl.int64) * 64
-            inv = _pool_tile(tile, pool_ptr, row0, valid)
+            inv = _pool_tile(t0, t1, pool_ptr, row0, valid)
             rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR)))
             if FP8:
                 rw = gl.load(pscale_ptr + row0 + t64, mask=t64 < valid, other=0.0)
@@ -301,10 +331,10 @@ def mla_wgmma64_kernel(
         gl.thread_barrier()
 
         # scores S^T [64 tokens, 64 heads], base-2 logits (two chains over the channel halves)
-        sa = warpgroup_mma(tile.slice(0, 256, dim=0).permute((1, 0)),
+        sa = warpgroup_mma(t0.permute((1, 0)),
                            qs.slice(0, 256, dim=1).permute((1, 0)), zs, use_acc=False,
                            is_async=True)  # fmt: skip
-        sb = warpgroup_mma(tile.slice(256, 256, dim=0).permute((1, 0)),
+        sb = warpgroup_mma(t1.permute((1, 0)),
                            qs.slice(256, 256, dim=1).permute((1, 0)), zs, use_acc=False,
                            is_async=True)  # fmt: skip
         sr = warpgroup_mma(rope_s, qr_hi.permute((1, 0)), zs, use_acc=False, is_async=True)
@@ -316,11 +346,7 @@ def mla_wgmma64_kernel(
         rw = gl.where(okt, rw, 0.0)
         sc = s * gl.expand_dims(rw * e2, 1) + sr
         sc = gl.where(gl.expand_dims(okt, 1), sc, float("-inf"))
-        m_new = gl.maximum(m, gl.max(sc, axis=0))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(sc - gl.expand_dims(m_new, 0))
-        l = l * alpha + gl.sum(p, axis=0)
-        m = m_new
+        p, m, l, alpha = _block_softmax(sc, m, l, red_m, red_l, gl.constexpr(_REP))
         # the largest row scale: within each warp
         rmax = gl.max(gl.max(gl.where(tw < valid, rwm, 0.0), axis=1), axis=0)
         rmax = gl.where(rmax > 0.0, rmax, 1.0)
@@ -332,10 +358,11 @@ def mla_wgmma64_kernel(
         fence_async_shared()
         gl.thread_barrier()
         # each head's rescale, now in the value product's layout (heads on the M axis)
-        o = o * gl.expand_dims(alpha_s.load(_HEAD_O), 1)
-        o = warpgroup_mma(ps, tile.permute((1, 0)), o, is_async=True)
+        rescale = gl.expand_dims(alpha_s.load(_HEAD_O), 1)
+        o0 = warpgroup_mma(ps, t0.permute((1, 0)), o0 * rescale, is_async=True)
+        o1 = warpgroup_mma(ps, t1.permute((1, 0)), o1 * rescale, is_async=True)
 
-    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
 
     seen = l > 0.0
     scale = gl.where(seen, f_run / gl.where(seen, l, 1.0), 0.0)
@@ -344,7 +371,8 @@ def mla_wgmma64_kernel(
     ho = h0 + gl.arange(0, 64, layout=_HEAD_O)
     hok_o = ho < H
     qrow_o = b * H + gl.where(hok_o, ho, 0)
-    ch = gl.arange(0, 512, layout=_CHAN_O)
+    ch = gl.arange(0, 256, layout=_CHAN_O)
     ptr = po_ptr + gl.expand_dims((qrow_o * S + split) * 512, 1) + gl.expand_dims(ch, 0)
-    scale_o = gl.convert_layout(scale, _HEAD_O)
-    gl.store(ptr, o * gl.expand_dims(scale_o, 1), mask=gl.expand_dims(hok_o, 1))
+    scale_o = gl.expand_dims(gl.convert_layout(scale, _HEAD_O), 1)
+    gl.store(ptr, o0 * scale_o, mask=gl.expand_dims(hok_o, 1))
+    gl.store(ptr + 256, o1 * scale_o, mask=gl.expand_dims(hok_o, 1))
