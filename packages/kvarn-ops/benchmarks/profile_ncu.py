@@ -59,6 +59,9 @@ OPS = {
     # the Gluon wgmma MLA decode kernel (mla_decode_wgmma.py, sm_90)
     "mla_wgmma_b64": ("mla_wgmma_kernel", "k4, B=64, 16 heads, 16K, default splits"),
     "mla_wgmma_b8": ("mla_wgmma_kernel", "k4, B=8, 16 heads, 32K, default splits"),
+    "mla_wgmma_k5b64": ("mla_wgmma_kernel", "k5, B=64, 16 heads, 16K, default splits"),
+    # the 64-head wgmma kernel (mla_decode_wgmma64.py, sm_90)
+    "mla_wgmma64_b32": ("mla_wgmma64_kernel", "k4, B=32, 128 heads, 8K, default splits"),
     "mla_stage": ("_mla_gather_kernel", "k4, 65,536 random tokens"),
 }
 
@@ -143,8 +146,11 @@ def run(op: str) -> None:
         b, ctx = {"b64": (64, 16384), "b1": (1, 32768)}[op.rsplit("_", 1)[1]]
         bench_mla.bench_decode(4, b, 16, ctx, 128)
     elif op.startswith("mla_wgmma_"):
-        b, ctx = {"b64": (64, 16384), "b8": (8, 32768)}[op.rsplit("_", 1)[1]]
-        bench_mla.bench_decode(4, b, 16, ctx, None)  # the workspace's own split count
+        cases = {"b64": (4, 64, 16384), "b8": (4, 8, 32768), "k5b64": (5, 64, 16384)}
+        bits, b, ctx = cases[op.rsplit("_", 1)[1]]
+        bench_mla.bench_decode(bits, b, 16, ctx, None)  # the workspace's own split count
+    elif op == "mla_wgmma64_b32":
+        bench_mla.bench_decode(4, 32, 128, 8192, None)
     elif op == "mla_stage":
         bench_kernels.bench_mla_gather(4, 65536, 8192, True, "random")
     else:

@@ -1,7 +1,7 @@
-"""The ``wgmma`` MLA decode kernel's 5- and 2-bit unpacks, on the CPU: the PTX each code pair
-runs (``mla_decode_wgmma.dq5_asm``, ``dq2_asm``) executed by a small emulator of its
-instructions on the code words of real records, against the reference's codes and one rounding
-of ``cs code + zp``.
+"""The ``wgmma`` MLA decode kernel's 4-, 5- and 2-bit unpacks, on the CPU: the PTX each code
+pair runs (``mla_decode_wgmma.dq4_asm``, ``dq5_asm``, ``dq2_asm``) executed by a small
+emulator of its instructions on the code words of real records, against the reference's codes
+and one rounding of ``cs code + zp``; and the tiles' token order.
 
 The Gluon kernel itself runs only on an sm_90 GPU (``gpu/test_mla_parity.py``); this checks
 the part most likely to be wrong in a new code width, the bit windows (which word, which
@@ -171,6 +171,57 @@ def test_dq2_asm_matches_reference_codes(seed):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dq4_asm_matches_reference_codes(seed):
+    """The 4-bit pairs (codes ``k`` and ``k + 4`` of each word, 16 bits apart) of every channel
+    of real records through the emulated PTX: ``fp16(cs code + zp)``, one rounding."""
+    words, cs2, zp2, want = _fields(4, seed)
+    got = np.full(want.shape, np.nan, np.float16)
+    for j in range(8):
+        for k in range(4):
+            w = words[..., j]
+            out = run_ptx(kw.dq4_asm(k), [w, w, cs2, zp2])
+            pair = out.astype(np.uint32).view(np.float16).reshape(*w.shape, 2)
+            got[..., 8 * j + k] = pair[..., 0]
+            got[..., 8 * j + k + 4] = pair[..., 1]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("bits", "dims", "pair_axis", "token"),
+    [
+        # the unpacks' register tensors: dimension sizes after the channel axis, the axis of
+        # each register's fp16 pair, and the token each index names (the comments in
+        # _chunk_tile4 / 5 / 2)
+        (4, (8, 2, 4), 1, lambda j, r, k: 8 * j + 4 * r + k),
+        (5, (2, 4, 4, 2), 0, lambda r, i, g, h: 32 * h + 8 * g + 4 * r + i),
+        (2, (2, 4, 2, 4), 0, lambda r, a, b, j: 16 * j + 8 * r + 4 * b + a),
+    ],
+)
+def test_tile_token_order_is_the_unpacks(bits, dims, pair_axis, token):
+    """The tile's token order (``tile_token``, which the kernels' RoPE rows, row scales and
+    token masks follow) is the unpack's: its register tensor, labelled with the token of each
+    index, permuted and flattened as the kernel does, gives ``tile_token`` at every position;
+    it is a permutation of the block's 64 tokens that keeps each fp16 pair (the tokens 16 or
+    20 bits apart in the record) side by side."""
+    perm = {4: kw.TILE_PERM4, 5: kw.TILE_PERM5, 2: kw.TILE_PERM2}[bits].value
+    labels = np.zeros((1, *dims), dtype=np.int64)
+    for idx in np.ndindex(*dims):
+        labels[(0, *idx)] = token(*idx)
+    order = np.transpose(labels, perm).reshape(64)
+    want = [kw.tile_token(q, bits) for q in range(64)]
+    assert order.tolist() == want
+    assert sorted(want) == list(range(64))
+    assert want != list(range(64))
+    # each register's two codes (index 0 and 1 of the pair axis) at positions 2 m, 2 m + 1
+    for idx in np.ndindex(*dims):
+        if idx[pair_axis] == 0:
+            hi = list(idx)
+            hi[pair_axis] = 1
+            q = want.index(token(*idx))
+            assert q % 2 == 0 and want[q + 1] == token(*hi)
+
+
 def test_emulator_runs_the_kernels_asm_only():
     """The pairs the kernel unpacks use every instruction the emulator knows and no other: all
     of each width's code paths (window by move, shift or funnel shift) ran above."""
@@ -179,3 +230,5 @@ def test_emulator_runs_the_kernels_asm_only():
     assert ops5 == {"mov.b32", "shr.u32", "shf.r.clamp.b32", "lop3.b32", "fma.rn.f16x2"}
     ops2 = {op for i in range(8) for op, _ in instructions(kw.dq2_asm(i))}
     assert ops2 == {"mov.b32", "shr.u32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2"}
+    ops4 = {op for k in range(4) for op, _ in instructions(kw.dq4_asm(k))}
+    assert ops4 == {"mov.b32", "shr.u32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2"}

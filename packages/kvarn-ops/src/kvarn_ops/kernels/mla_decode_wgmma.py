@@ -118,27 +118,59 @@ _REP4: gl.constexpr = gl.DistributedLinearLayout(
 _S1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 NUM_WARPS = 4
 
+TILE_PERM4 = gl.constexpr((0, 1, 3, 2))
+"""Permutation of the 4-bit unpack's [C, 8 j, 2 r, 4 k] (token ``8 j + 4 r + k``) into the
+tile's [C, j, k, r]: position ``8 j + 2 k + r`` (:func:`tile_token`)."""
+TILE_PERM5 = gl.constexpr((0, 4, 3, 2, 1))
+"""Permutation of the 5-bit unpack's [C, 2 r, 4 i, 4 G, 2 h] (token ``32 h + 8 G + 4 r + i``)
+into the tile's [C, h, G, i, r]: position ``32 h + 8 G + 2 i + r`` (:func:`tile_token`)."""
+TILE_PERM2 = gl.constexpr((0, 4, 3, 2, 1))
+"""Permutation of the 2-bit unpack's [C, 2 r, 4 a, 2 b, 4 j] (token ``16 j + 8 r + 4 b + a``)
+into the tile's [C, j, b, a, r]: position ``16 j + 8 b + 2 a + r`` (:func:`tile_token`)."""
+
+
+def tile_token(q: int, bits: int) -> int:
+    """The token at position ``q`` of a ``bits``-bit block's fp16 tile. The tile keeps the
+    two codes of each unpacked fp16 pair side by side (one 32-bit register, stored without a
+    byte permute): 4- and 5-bit pairs are tokens ``i, i + 4`` and 2-bit pairs ``i, i + 8``
+    (the two codes 16 or 20 bits apart in the record), so the tiles hold their tokens in a
+    fixed permuted order. Both products sum over the tokens, so the order only has to be the
+    same for the codes, the RoPE rows, the row scales and the token mask (:func:`_tile_token`,
+    the same formula)."""
+    if bits in (4, 5):
+        return (q & ~7) | ((q & 1) << 2) | ((q >> 1) & 3)
+    if bits == 2:
+        return (q & ~15) | ((q & 1) << 3) | (((q >> 3) & 1) << 2) | ((q >> 1) & 3)
+    return q
+
 
 def mla_wgmma_supported(bits: int) -> bool:
     """Whether a latent code width takes this kernel (full-context decode, sm_90 only)."""
     return bits in MLA_WGMMA_BITS
 
 
+@gluon.constexpr_function
+def dq4_asm(k):
+    """PTX of the 4-bit pair ``k``, ``k + 4`` of a word (``k < 4``, tokens ``8 j + k`` and
+    ``+ 4`` of word ``j``; nibbles 16 bits apart): ``$1`` the word (``$2``, its copy, unused),
+    ``$3`` / ``$4`` the fp16 pairs of the channel's scale and zero point; ``$0`` the fp16 pair
+    ``fma(code, cs, zp)``: a shift (none for ``k = 0``), a ``lop3`` into the mantissas of
+    1024.0, an exact ``sub.f16x2`` of 1024, the scaling ``fma``."""
+    win = f"shr.u32 t, $1, {4 * k}; " if k > 0 else "mov.b32 t, $1; "
+    return (
+        "{ .reg .b32 t, o; " + win + "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; "
+        "mov.b32 o, 0x64006400; sub.f16x2 t, t, o; fma.rn.f16x2 $0, t, $3, $4; }"
+    )
+
+
 @gluon.jit
-def _dq_pair(w, cs2, zp2, BYTE: gl.constexpr):
-    """Tokens ``8 j + 2 BYTE`` and ``+ 1`` of words ``w`` [128, 8] as the fp16 pair
-    ``fma(code, cs, zp)`` [128, 8, 2]: ``prmt`` + ``lop3`` put the two nibbles into the
-    mantissas of 1024.0, ``sub.f16x2`` removes the 1024 (exact), ``fma.rn.f16x2`` scales."""
-    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
-    ab = _joined(w, w >> 4)
-    asm: gl.constexpr = (
-        f"{{ .reg .b32 t, o; prmt.b32 t, $1, $2, {SEL}; "
-        "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; mov.b32 o, 0x64006400; "
-        "sub.f16x2 t, t, o; fma.rn.f16x2 $0, t, $3, $4; }"
-    )
+def _dq_pair(w, cs2, zp2, K: gl.constexpr):
+    """4-bit codes ``K`` and ``K + 4`` of words ``w`` [C, 8] (tokens ``8 j + K`` and ``+ 4``)
+    as the fp16 pair ``fma(code, cs, zp)`` [C, 8, 2] (:func:`dq4_asm`)."""
     return gl.inline_asm_elementwise(
-        asm, "=r,r,r,r,r", [ab, cs2, zp2], dtype=gl.float16, is_pure=True, pack=2
-    )
+        dq4_asm(K), "=r,r,r,r,r", [_joined(w, w), cs2, zp2], dtype=gl.float16, is_pure=True,
+        pack=2,
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -165,8 +197,9 @@ def _chunk_tile4(w, cs, zp):
         _dq_pair(w, cs2, zp2, 1),
         _dq_pair(w, cs2, zp2, 2),
         _dq_pair(w, cs2, zp2, 3),
-    )  # [128, 8 j, 2 h, 4 BYTE]: token 8 j + 2 BYTE + h
-    return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [w.shape[0], 64])
+    )  # [C, 8 j, 2 r, 4 k]: token 8 j + 4 r + k
+    # tile position 8 j + 2 k + r: each register's fp16 pair (r) stays adjacent
+    return gl.reshape(gl.permute(x, TILE_PERM4.value), [w.shape[0], 64])
 
 
 @gluon.constexpr_function
@@ -271,7 +304,8 @@ def _chunk_tile5(w, w89, cs, zp, CH: gl.constexpr):
         _half5((_ch(a0, CH), _ch(a1, CH), _ch(a2, CH), _ch(a3, CH), _ch(a4, CH)), cs2, zp2),
         _half5((_ch(a5, CH), _ch(a6, CH), _ch(a7, CH), _ch(a8, CH), _ch(a9, CH)), cs2, zp2),
     )  # [C, 2 r, 4 i, 4 G, 2 h]: token 32 h + 8 G + 4 r + i
-    return gl.reshape(gl.permute(x, [0, 4, 3, 1, 2]), [w.shape[0], 64])
+    # tile position 32 h + 8 G + 2 i + r: each register's fp16 pair (r) stays adjacent
+    return gl.reshape(gl.permute(x, TILE_PERM5.value), [w.shape[0], 64])
 
 
 @gluon.constexpr_function
@@ -325,7 +359,8 @@ def _chunk_tile2(w, cs, zp, CH: gl.constexpr):
         _word2(_ch(a2, CH), cs2, zp2),
         _word2(_ch(a3, CH), cs2, zp2),
     )  # [C, 2 r, 4 a, 2 b, 4 j]: token 16 j + 8 r + 4 b + a
-    return gl.reshape(gl.permute(x, [0, 4, 1, 3, 2]), [w.shape[0], 64])
+    # tile position 16 j + 8 b + 2 a + r: each register's fp16 pair (r) stays adjacent
+    return gl.reshape(gl.permute(x, TILE_PERM2.value), [w.shape[0], 64])
 
 
 @gluon.jit
@@ -361,10 +396,21 @@ def _load_chan(rec16_ptr, blk, OFF: gl.constexpr, CQ: gl.constexpr, REC: gl.cons
 
 
 @gluon.jit
-def _load_rope(base_ptr, valid, LR: gl.constexpr):
+def _tile_token(q, BITS: gl.constexpr):
+    """:func:`tile_token` of positions ``q`` (an int32 tensor)."""
+    if BITS == 5 or BITS == 4:
+        return (q & ~7) | ((q & 1) << 2) | ((q >> 1) & 3)
+    elif BITS == 2:
+        return (q & ~15) | ((q & 1) << 3) | (((q >> 3) & 1) << 2) | ((q >> 1) & 3)
+    else:
+        return q
+
+
+@gluon.jit
+def _load_rope(base_ptr, valid, LR: gl.constexpr, BITS: gl.constexpr):
     """[64 tokens, 64 dims] bf16 rows at ``base_ptr`` (row stride 64; rows past ``valid``
-    read as 0), in layout ``LR``."""
-    t = gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
+    read as 0), in layout ``LR``, in the tile's token order (:func:`tile_token`)."""
+    t = _tile_token(gl.arange(0, 64, layout=gl.SliceLayout(1, LR)), BITS)
     d = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     return gl.load(base_ptr + t[:, None] * 64 + d[None, :], mask=(t < valid)[:, None], other=0.0)
 
@@ -401,7 +447,7 @@ def _load_record(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.con
         _load_chan(rec16_ptr, blk, ZP_OFF, 1, REC, 128, gl.constexpr(_CH)),
         _load_chan(rec16_ptr, blk, ZP_OFF, 2, REC, 128, gl.constexpr(_CH)),
         _load_chan(rec16_ptr, blk, ZP_OFF, 3, REC, 128, gl.constexpr(_CH)),
-        _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64, gl.constexpr(_LR)),
+        _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64, gl.constexpr(_LR), BITS),
         gl.load(r16 + RS_OFF // 2 + t64).to(gl.float32),
         gl.load(r16 + RS_OFF // 2 + gl.arange(0, 64, layout=gl.SliceLayout(0, _RW))[None, :]).to(
             gl.float32
@@ -461,10 +507,10 @@ def _warp_max(x, NW: gl.constexpr):
 
 
 @gluon.jit
-def _pool_chunk(pool_ptr, row0, valid, CQ: gl.constexpr, LR: gl.constexpr):
+def _pool_chunk(pool_ptr, row0, valid, CQ: gl.constexpr, LR: gl.constexpr, BITS: gl.constexpr):
     """Pool latents [128 channels, 64 tokens] fp32 of chunk ``CQ`` (tokens past ``valid``: 0),
-    read along the rows' channels in layout ``LR`` ([64, 128])."""
-    t = gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
+    read along the rows' channels in layout ``LR`` ([64, 128]), in the tile's token order."""
+    t = _tile_token(gl.arange(0, 64, layout=gl.SliceLayout(1, LR)), BITS)
     c = gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
     ptr = pool_ptr + (row0 + t)[:, None] * 512 + (128 * CQ + c)[None, :]
     x = gl.load(ptr, mask=(t < valid)[:, None], other=0.0).to(gl.float32)
@@ -473,7 +519,7 @@ def _pool_chunk(pool_ptr, row0, valid, CQ: gl.constexpr, LR: gl.constexpr):
 
 @gluon.jit
 def _pool_amax(pool_ptr, row0, valid, CQ: gl.constexpr, LR: gl.constexpr, amax):
-    x = gl.abs(_pool_chunk(pool_ptr, row0, valid, CQ, LR))
+    x = gl.abs(_pool_chunk(pool_ptr, row0, valid, CQ, LR, 4))
     return gl.maximum(amax, gl.max(gl.max(x, axis=1), axis=0))
 
 
@@ -562,7 +608,8 @@ def mla_wgmma_kernel(
     qr_hi.store(xh)
     qr_lo.store((x - xh.to(gl.float32)).to(gl.bfloat16))
 
-    t64 = gl.arange(0, 64, layout=_TOK)
+    # the token at each tile position (row of S^T)
+    t64 = _tile_token(gl.arange(0, 64, layout=_TOK), BITS)
     m = gl.full([16], -1.0e30, gl.float32, _HEAD)
     l = gl.full([16], 0.0, gl.float32, _HEAD)
     f_run = qk_scale * 0.0 + 1.0
@@ -663,18 +710,26 @@ def mla_wgmma_kernel(
             amax = _pool_amax(pool_ptr, row0, valid, 3, gl.constexpr(_LR), amax)
             inv = _pow2_scale(amax)
             t0.store(
-                (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR)) * inv).to(gl.float16)
+                (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR), BITS) * inv).to(
+                    gl.float16
+                )
             )
             t1.store(
-                (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR)) * inv).to(gl.float16)
+                (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR), BITS) * inv).to(
+                    gl.float16
+                )
             )
             t2.store(
-                (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR)) * inv).to(gl.float16)
+                (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR), BITS) * inv).to(
+                    gl.float16
+                )
             )
             t3.store(
-                (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR)) * inv).to(gl.float16)
+                (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR), BITS) * inv).to(
+                    gl.float16
+                )
             )
-            rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR)))
+            rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR), BITS))
             if FP8:
                 rw = gl.load(pscale_ptr + row0 + t64, mask=t64 < valid, other=0.0)
                 rwm = gl.load(pscale_ptr + row0 + tw, mask=tw < valid, other=0.0)

@@ -49,6 +49,7 @@ from kvarn_ops.kernels.mla_decode_wgmma import (
     _pool_amax,
     _pool_chunk,
     _pow2_scale,
+    _tile_token,
     _warp_max,
 )
 
@@ -138,7 +139,7 @@ def _load_record64(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.c
         _load_chan(rec16_ptr, blk, CS_OFF, 1, REC, 256, gl.constexpr(_CH)),
         _load_chan(rec16_ptr, blk, ZP_OFF, 0, REC, 256, gl.constexpr(_CH)),
         _load_chan(rec16_ptr, blk, ZP_OFF, 1, REC, 256, gl.constexpr(_CH)),
-        _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64, gl.constexpr(_LR)),
+        _load_rope(recbf_ptr + blk * (REC // 2) + ROPE_OFF // 2, 64, gl.constexpr(_LR), BITS),
         gl.load(rec16_ptr + blk * (REC // 2) + RS_OFF // 2 + t64).to(gl.float32),
         gl.load(rec16_ptr + blk * (REC // 2) + RS_OFF // 2 + tw).to(gl.float32),
         gl.load(map_ptr + blk),
@@ -146,7 +147,7 @@ def _load_record64(rec16_ptr, rec32_ptr, recbf_ptr, map_ptr, blk, t64, REC: gl.c
 
 
 @gluon.jit
-def _pool_tile(t0, t1, pool_ptr, row0, valid):
+def _pool_tile(t0, t1, pool_ptr, row0, valid, BITS: gl.constexpr):
     """The tile (channel halves ``t0``, ``t1``) of a block in the exact pool (rows ``row0
     ..``, ``valid`` tokens): its latents times the block's power-of-two factor, which it
     returns."""
@@ -156,16 +157,16 @@ def _pool_tile(t0, t1, pool_ptr, row0, valid):
     amax = _pool_amax(pool_ptr, row0, valid, 3, gl.constexpr(_LR), amax)
     inv = _pow2_scale(amax)
     t0.slice(0, 128, dim=0).store(
-        (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR)) * inv).to(gl.float16)
+        (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR), BITS) * inv).to(gl.float16)
     )
     t0.slice(128, 128, dim=0).store(
-        (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR)) * inv).to(gl.float16)
+        (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR), BITS) * inv).to(gl.float16)
     )
     t1.slice(0, 128, dim=0).store(
-        (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR)) * inv).to(gl.float16)
+        (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR), BITS) * inv).to(gl.float16)
     )
     t1.slice(128, 128, dim=0).store(
-        (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR)) * inv).to(gl.float16)
+        (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR), BITS) * inv).to(gl.float16)
     )
     return inv
 
@@ -250,7 +251,8 @@ def mla_wgmma64_kernel(
     qr_his.index(0).store(xh)
     qr_los.index(0).store((x - xh.to(gl.float32)).to(gl.bfloat16))
 
-    t64 = gl.arange(0, 64, layout=_TOK)
+    # the token at each tile position (row of S^T)
+    t64 = _tile_token(gl.arange(0, 64, layout=_TOK), BITS)
     tw = gl.arange(0, 64, layout=gl.SliceLayout(0, _RW))[None, :]
     m = gl.full([64], -1.0e30, gl.float32, _HEAD)
     l = gl.full([64], 0.0, gl.float32, _HEAD)
@@ -312,8 +314,8 @@ def mla_wgmma64_kernel(
         else:
             # a block in the exact pool: the tile from its rows
             row0 = pb.to(gl.int64) * 64
-            inv = _pool_tile(t0, t1, pool_ptr, row0, valid)
-            rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR)))
+            inv = _pool_tile(t0, t1, pool_ptr, row0, valid, BITS)
+            rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR), BITS))
             if FP8:
                 rw = gl.load(pscale_ptr + row0 + t64, mask=t64 < valid, other=0.0)
                 rwm = gl.load(pscale_ptr + row0 + tw, mask=tw < valid, other=0.0)
