@@ -8,12 +8,14 @@ exact-pool rows, split-K, three launches with no host sync and no allocation:
 3. ``_mla_combine_kernel``: merges the live splits (partial rows of lse = -inf are not read)
    and rotates the output back by ``H_512``.
 
-Full-context decode of 4-bit codes runs a Gluon kernel in place of step 2 (same workspace,
-same combine): on sm_90 the ``wgmma`` kernel of ``mla_decode_wgmma.py`` (each tile unpacked
-once into shared memory; 1.5-1.7x the ``mma.sync`` kernel on the H200 at batch >= 8), on other
-sm_80+ GPUs the ``mma.sync`` kernel of ``mla_decode_mma.py`` (about 2x this file's kernel at
-batch >= 8). ``WGMMA_KERNEL = False`` or ``KVARN_MLA_WGMMA=0`` keeps the ``mma.sync`` kernel;
-``MMA_KERNEL = False`` or ``KVARN_MLA_MMA=0`` keeps this file's kernel.
+Full-context decode runs a Gluon kernel in place of step 2 (same workspace, same combine): on
+sm_90 the ``wgmma`` kernel of ``mla_decode_wgmma.py`` at 2, 4 and 5 bits (each tile unpacked
+once into shared memory; 2.1x the ``mma.sync`` kernel on the H200 at batch 64), or from
+``WGMMA64_MIN_HEADS`` heads its 64-heads-per-program sibling ``mla_decode_wgmma64.py`` (1.8x
+the 16-head kernel at 128 heads); on other sm_80+ GPUs the ``mma.sync`` kernel of
+``mla_decode_mma.py`` at 4 bits (about 2x this file's kernel at batch >= 8).
+``WGMMA_KERNEL = False`` or ``KVARN_MLA_WGMMA=0`` keeps the ``mma.sync`` kernel; ``MMA_KERNEL =
+False`` or ``KVARN_MLA_MMA=0`` keeps this file's kernel.
 
 Splits: the launcher runs ``live_splits(B, H, S)`` of the workspace's ``S`` (no more than fill
 the SMs ``CTAS_PER_SM`` programs deep; host arithmetic on shapes only, so a CUDA graph

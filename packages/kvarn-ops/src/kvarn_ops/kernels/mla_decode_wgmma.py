@@ -1,6 +1,7 @@
 """MLA decode main kernel for sm_90 (Gluon, ``wgmma``): each latent tile (2, 4 or 5 bits) is
 unpacked once into shared memory and both products read it from there, for full-context decode
-(no ``indices``) of ``kvarn_mla_k{2,4,5}_g64``.
+(no ``indices``) of ``kvarn_mla_k{2,4,5}_g64``, 16 heads per program (from 64 heads the
+64-head kernel of ``mla_decode_wgmma64.py`` takes over; it shares this file's helpers).
 
 The ``mma.sync`` kernel (``mla_decode_mma.py``) puts the 16 heads on the MMA's M axis, so the
 code tile is a B operand of both products, in two orientations: it is unpacked twice per block
@@ -11,23 +12,34 @@ bound at 17% of copy bandwidth on the H200). Here the tokens and the channels ar
   (one ``fma.rn.f16x2`` per two codes, one rounding; ``2^e`` a power of two per block that
   puts the largest possible magnitude ``max_c (2^b - 1) |cs[c]| + |zp[c]|`` in
   ``[2^14, 2^15)``, so no record overflows or underflows fp16), stored once into shared
-  memory ``[512, 64]``, tokens contiguous, 128-byte swizzle. 4-bit codes: one ``prmt`` picks
-  two nibbles, a ``lop3`` puts them into the mantissas of 1024.0, a ``sub.f16x2`` leaves the
-  codes. 5-bit codes (a channel's 64 codes are 10 words, tokens ``32 h .. 32 h + 31`` in words
-  ``5 h .. 5 h + 4``): codes ``i`` and ``i + 4`` sit 20 bits apart, so one 32-bit window (a
-  shift, or a funnel shift where it straddles two words) and one ``lop3`` put them into the
-  mantissas of 1024.0 as ``code`` and ``16 code``, and an exact ``fma.rn.f16x2`` by
-  ``(1, 1/16)`` less ``(1024, 64)`` leaves the codes: the same four instructions per two
-  codes as 4 bits. 2-bit codes (4 words a channel, word ``j`` tokens ``16 j .. 16 j + 15``):
-  codes ``i`` and ``i + 8`` sit 16 bits apart in one word: a shift, a ``lop3``, a
-  ``sub.f16x2``, the scaling ``fma``;
+  memory as four [128, 64] channel buffers, tokens contiguous, 128-byte swizzle (one buffer
+  took a barrier between the stores of its slices). Each ``fma`` makes the codes of two
+  tokens 16 or 20 bits apart in the record, and the tile keeps them side by side in that
+  permuted token order (:func:`tile_token`; the RoPE rows, row scales and token masks follow
+  it), so no byte permute repacks them. 4-bit codes (word ``j``: tokens ``8 j .. 8 j + 7``):
+  nibbles ``k`` and ``k + 4`` are 16 bits apart: a shift, a ``lop3`` into the mantissas of
+  1024.0, a ``sub.f16x2`` leaves the codes. 5-bit codes (a channel's 64 codes are 10 words,
+  tokens ``32 h .. 32 h + 31`` in words ``5 h .. 5 h + 4``): codes ``i`` and ``i + 4`` sit 20
+  bits apart, so one 32-bit window (a shift, or a funnel shift where it straddles two words)
+  and one ``lop3`` put them into the mantissas of 1024.0 as ``code`` and ``16 code``, and an
+  exact ``fma.rn.f16x2`` by ``(1, 1/16)`` less ``(1024, 64)`` leaves the codes. 2-bit codes (4
+  words a channel, word ``j`` tokens ``16 j .. 16 j + 15``): codes ``i`` and ``i + 8`` sit 16
+  bits apart: a shift, a ``lop3``, a ``sub.f16x2``. Then the scaling ``fma``;
 - scores ``S^T[64 tokens, 16 heads] = T^T @ q^T`` (``wgmma`` m64n16k16, ``T`` read transposed
-  from shared memory), times ``2^e rs[t]`` in fp32, plus the RoPE part ``rope @ q_rope^T``
-  (bf16 operands, the query's RoPE part as two bf16 terms);
-- one softmax step over the tokens (the M axis) for the 16 heads;
-- values ``O^T[512, 16] += T @ pw^T`` with ``pw = fp16(p rs / rmax)`` (``wgmma`` m64n16k16 x 8
-  along M), the running accumulator kept in units of ``rmax 2^e`` of the latest block (its
-  rescale folded into the softmax's).
+  from shared memory; two independent chains over the channel halves), times ``2^e rs[t]`` in
+  fp32, plus the RoPE part ``rope @ q_rope^T`` (bf16 operands, the query's RoPE part as two
+  bf16 terms);
+- one softmax step over the tokens (the M axis, 16 tokens per warp): each warp's maximum and
+  sum go to shared memory together and one barrier later every thread combines the four
+  (:func:`_block_softmax`; a reduction over the M axis took two barriers for each);
+- values ``O^T[512, 16] += T @ pw^T`` with ``pw = fp16(p rs / rmax)`` (``wgmma`` m64n16k16, four
+  [128, 16] accumulators, one per tile buffer), the running accumulator kept in units of
+  ``rmax 2^e`` of the latest block (its rescale folded into the softmax's; ``rmax`` reduced
+  within each warp from a second copy of the row scales).
+
+Four barriers per packed block: the top one (the previous value product has read the tile;
+it also carries each warp's share of the tile's exponent ``e``), the tile complete, the
+softmax exchange, the weights stored.
 
 The latent tile ``cs * code + zp`` is rounded once per element to fp16 (relative 2^-11 of the
 latent itself, as a bf16 or fp16 latent cache would be): on records whose zero-point term nearly
@@ -41,17 +53,15 @@ sinks, rehydrated blocks) take the same path with the tile built from the pool r
 scaled per token through ``rs``). Partial rows and natural-log log-sum-exps go to the same
 workspace as the other kernels', merged by the Triton combine kernel.
 
-Speed (H200, CUDA-graph replay, 16 heads unless said; BENCHMARKS.md): batch 64 at 16K 0.302 ms
-(34.4% of copy bandwidth; the ``mma.sync`` kernel 0.603 ms), batch 8 at 32K 0.095 ms, 32
-requests x 128 heads at 8K 0.568 ms (1.150). 255 registers (32 B of spill frame), 96 KB of
-shared memory, two programs per SM. The score product runs as two independent ``wgmma``
-chains (channel halves; one chain of 32 was 7% slower). The shared-memory views are taken
-inside the loop through a loop-dependent zero index (``z``): with loop-invariant views the
-compiler hoisted all 72 ``wgmma`` descriptors out of the loop and spilled them (216 B, 17% of
-the stall samples on reloading them; 0.362 ms). Neither eight warps per program, an L2
-prefetch of the record two blocks ahead, nor issuing the next block's scale arithmetic under
-the value product made it faster, so the block's serial chain (unpack, scores, softmax,
-values, each behind a barrier) is what bounds it.
+Speed (H200, CUDA-graph replay, 16 heads; BENCHMARKS.md): batch 64 at 16K 0.287 ms at 4 bits
+(36.1% of copy bandwidth; the ``mma.sync`` kernel 0.603 ms), 0.306 ms at 5 bits (39.1%),
+batch 8 at 32K 0.092 ms. 255 registers (0-32 B of spill frame), about 100 KB of shared memory,
+two programs per SM. The shared-memory views are taken inside the loop through a
+loop-dependent zero index (``z``): with loop-invariant views the compiler hoisted all 72
+``wgmma`` descriptors out of the loop and spilled them (216 B, 17% of the stall samples on
+reloading them). Neither eight warps per program, an L2 prefetch of the record two blocks
+ahead, nor issuing the next block's scale arithmetic under the value product made it faster:
+the block's serial chain (unpack, scores, softmax, values, each behind a barrier) bounds it.
 """
 
 from __future__ import annotations

@@ -8,23 +8,27 @@ is read, unpacked and multiplied eight times, and each value product is a row of
 every 16 heads. Here one program of two warpgroups (eight warps) serves 64 heads:
 
 - the tile ``T[c, t] = fp16(2^-e (cs[c] code[c, t] + zp[c]))`` [512, 64] is unpacked once by
-  all eight warps (two chunks of 256 channels, one channel's code words per thread; the same
-  unpack as ``mla_decode_wgmma.py``) into shared memory;
+  all eight warps (two chunks of 256 channels, one channel's code words per thread; the unpack
+  and token order of ``mla_decode_wgmma.py``) into two shared-memory buffers of 256 channels;
 - scores ``S^T[64 tokens, 64 heads] = T^T @ q^T`` (``wgmma`` m64n32k16: warpgroup ``g``
   computes heads ``32 g .. 32 g + 31``), times ``2^e rs[t]``, plus the RoPE part; the softmax
-  over the tokens (the M axis, within each warpgroup) as in the 16-head kernel;
+  over the tokens (the M axis, within each warpgroup) with one exchange between warps, as in
+  the 16-head kernel;
 - values ``O[64 heads, 512] += P @ T^T`` with the heads on the M axis: ``P`` [64 heads, 64
-  tokens] (``fp16(p rs / rmax)``) goes through shared memory, and warpgroup ``g`` computes
-  channels ``256 g .. 256 g + 255`` (``wgmma`` m64n256k16, four per block): the tile is read
-  once for 64 heads, with four value instructions per block instead of 32 per 16 heads.
-  The accumulator is [64, 256] fp32 per warpgroup (128 registers a thread); each head's
+  tokens] (``fp16(p rs / rmax)``) goes through shared memory, and each warpgroup computes
+  128 channels of each tile buffer (``wgmma`` m64n128k16, eight per block): the tile is read
+  once for 64 heads, with eight value instructions per block instead of 32 per 16 heads.
+  The accumulators are [64, 256] fp32 per warpgroup (128 registers a thread); each head's
   rescale (the softmax's ``alpha`` times the change of ``rmax 2^e``) crosses from the score
   layout to the value layout through 256 bytes of shared memory.
 
 Numerics are the 16-head kernel's: the latent rounded once to fp16, the query latent one fp16
 operand, the RoPE part two bf16 terms, fp32 accumulation. Programs: one request, one split of
-its blocks, 64 heads; 160 KB of shared memory, one program per SM. Heads past ``H`` are
-computed on zero queries and not stored.
+its blocks, 64 heads; about 170 KB of shared memory, one program per SM. Heads past ``H`` are
+computed on zero queries and not stored. H200 (BENCHMARKS.md), 32 requests x 128 heads at
+8K, CUDA-graph replay: 0.306 ms at 4 bits, 0.316 ms at 5 bits (the 16-head kernel 0.565 /
+0.626 ms); at 32 heads it is slower than the 16-head kernel (0.175 against 0.166 ms), hence
+``mla_decode.WGMMA64_MIN_HEADS = 64``.
 """
 
 from __future__ import annotations
