@@ -534,6 +534,44 @@ def _pool_amax(pool_ptr, row0, valid, CQ: gl.constexpr, LR: gl.constexpr, amax):
 
 
 @gluon.jit
+def _pool_inv(pool_ptr, row0, valid, LR: gl.constexpr):
+    """The power-of-two factor of a block in the exact pool (its rows ``row0 ..``, ``valid``
+    tokens; :func:`_pow2_scale` of their largest magnitude)."""
+    amax = _pool_amax(pool_ptr, row0, valid, 0, LR, 0.0)
+    amax = _pool_amax(pool_ptr, row0, valid, 1, LR, amax)
+    amax = _pool_amax(pool_ptr, row0, valid, 2, LR, amax)
+    amax = _pool_amax(pool_ptr, row0, valid, 3, LR, amax)
+    return _pow2_scale(amax)
+
+
+@gluon.jit
+def _pool_store(dst, pool_ptr, row0, valid, CQ: gl.constexpr, inv, LR: gl.constexpr,
+                BITS: gl.constexpr):  # fmt: skip
+    """Tile rows of channel chunk ``CQ`` of a block in the exact pool, into ``dst`` [128, 64]."""
+    dst.store((_pool_chunk(pool_ptr, row0, valid, CQ, LR, BITS) * inv).to(gl.float16))
+
+
+@gluon.jit
+def _scaled_tile(w, w89, cs, zp, inv, BITS: gl.constexpr, CH: gl.constexpr):
+    """:func:`_chunk_tile` of the channel scales and zero points times the block's factor."""
+    return _chunk_tile(w, w89, (cs * inv).to(gl.float16), (zp * inv).to(gl.float16), BITS, CH)
+
+
+@gluon.jit
+def _split_blocks(seq_ptr, b, max_blocks, MIN_BLOCKS: gl.constexpr):
+    """``(seq_len, lo, hi)``: request ``b``'s length and the 64-token blocks ``[lo, hi)`` of
+    this program's split (``program_id(1)`` of ``num_programs(1)``; at least ``MIN_BLOCKS``
+    blocks a split)."""
+    split = gl.program_id(1)
+    num_splits = gl.num_programs(1)
+    seq_len = gl.load(seq_ptr + b)
+    n_blk = gl.minimum((seq_len + 63) // 64, max_blocks)
+    per = gl.maximum((n_blk + num_splits - 1) // num_splits, MIN_BLOCKS)
+    lo = split * per
+    return seq_len, lo, gl.minimum(lo + per, n_blk)
+
+
+@gluon.jit
 def mla_wgmma_kernel(
     q_ptr,
     qrot_ptr,
@@ -568,13 +606,8 @@ def mla_wgmma_kernel(
     ``qk_scale`` is the softmax scale times log2(e)."""
     b = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
-    num_splits = gl.num_programs(1)
     h0 = gl.program_id(2) * 16
-    seq_len = gl.load(seq_ptr + b)
-    n_blk = gl.minimum((seq_len + 63) // 64, max_blocks)
-    per = gl.maximum((n_blk + num_splits - 1) // num_splits, MIN_BLOCKS)
-    lo = split * per
-    hi = gl.minimum(lo + per, n_blk)
+    seq_len, lo, hi = _split_blocks(seq_ptr, b, max_blocks, MIN_BLOCKS)
     hh = h0 + gl.arange(0, 16, layout=_HEAD)
     hok = hh < H
     qrow = b * H + gl.where(hok, hh, 0)
@@ -668,77 +701,21 @@ def mla_wgmma_kernel(
         gl.thread_barrier()
         if pb < 0:
             inv = _pow2_scale(gl.max(amax_s.load(_REP4), axis=0))
-            t0.store(
-                _chunk_tile(
-                    w0,
-                    v0,
-                    (c0 * inv).to(gl.float16),
-                    (z0 * inv).to(gl.float16),
-                    BITS,
-                    gl.constexpr(_CH),
-                )
-            )
-            t1.store(
-                _chunk_tile(
-                    w1,
-                    v1,
-                    (c1 * inv).to(gl.float16),
-                    (z1 * inv).to(gl.float16),
-                    BITS,
-                    gl.constexpr(_CH),
-                )
-            )
-            t2.store(
-                _chunk_tile(
-                    w2,
-                    v2,
-                    (c2 * inv).to(gl.float16),
-                    (z2 * inv).to(gl.float16),
-                    BITS,
-                    gl.constexpr(_CH),
-                )
-            )
-            t3.store(
-                _chunk_tile(
-                    w3,
-                    v3,
-                    (c3 * inv).to(gl.float16),
-                    (z3 * inv).to(gl.float16),
-                    BITS,
-                    gl.constexpr(_CH),
-                )
-            )
+            t0.store(_scaled_tile(w0, v0, c0, z0, inv, BITS, gl.constexpr(_CH)))
+            t1.store(_scaled_tile(w1, v1, c1, z1, inv, BITS, gl.constexpr(_CH)))
+            t2.store(_scaled_tile(w2, v2, c2, z2, inv, BITS, gl.constexpr(_CH)))
+            t3.store(_scaled_tile(w3, v3, c3, z3, inv, BITS, gl.constexpr(_CH)))
             rope_s.store(rope)
             rw = rs
             rwm = rsw
         else:
             # a block in the exact pool: the tile from its rows
             row0 = pb.to(gl.int64) * 64
-            amax = _pool_amax(pool_ptr, row0, valid, 0, gl.constexpr(_LR), 0.0)
-            amax = _pool_amax(pool_ptr, row0, valid, 1, gl.constexpr(_LR), amax)
-            amax = _pool_amax(pool_ptr, row0, valid, 2, gl.constexpr(_LR), amax)
-            amax = _pool_amax(pool_ptr, row0, valid, 3, gl.constexpr(_LR), amax)
-            inv = _pow2_scale(amax)
-            t0.store(
-                (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR), BITS) * inv).to(
-                    gl.float16
-                )
-            )
-            t1.store(
-                (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR), BITS) * inv).to(
-                    gl.float16
-                )
-            )
-            t2.store(
-                (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR), BITS) * inv).to(
-                    gl.float16
-                )
-            )
-            t3.store(
-                (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR), BITS) * inv).to(
-                    gl.float16
-                )
-            )
+            inv = _pool_inv(pool_ptr, row0, valid, gl.constexpr(_LR))
+            _pool_store(t0, pool_ptr, row0, valid, 0, inv, gl.constexpr(_LR), BITS)
+            _pool_store(t1, pool_ptr, row0, valid, 1, inv, gl.constexpr(_LR), BITS)
+            _pool_store(t2, pool_ptr, row0, valid, 2, inv, gl.constexpr(_LR), BITS)
+            _pool_store(t3, pool_ptr, row0, valid, 3, inv, gl.constexpr(_LR), BITS)
             rope_s.store(_load_rope(prope_ptr + row0 * 64, valid, gl.constexpr(_LR), BITS))
             if FP8:
                 rw = gl.load(pscale_ptr + row0 + t64, mask=t64 < valid, other=0.0)

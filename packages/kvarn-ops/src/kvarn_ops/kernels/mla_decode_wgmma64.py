@@ -46,13 +46,14 @@ from kvarn_ops.kernels.mla_decode_wgmma import (
     MLA_WGMMA_BITS,
     _block_softmax,
     _chan_mag,
-    _chunk_tile,
     _load_chan,
     _load_rope,
     _load_words,
-    _pool_amax,
-    _pool_chunk,
+    _pool_inv,
+    _pool_store,
     _pow2_scale,
+    _scaled_tile,
+    _split_blocks,
     _tile_token,
     _warp_max,
 )
@@ -155,23 +156,11 @@ def _pool_tile(t0, t1, pool_ptr, row0, valid, BITS: gl.constexpr):
     """The tile (channel halves ``t0``, ``t1``) of a block in the exact pool (rows ``row0
     ..``, ``valid`` tokens): its latents times the block's power-of-two factor, which it
     returns."""
-    amax = _pool_amax(pool_ptr, row0, valid, 0, gl.constexpr(_LR), 0.0)
-    amax = _pool_amax(pool_ptr, row0, valid, 1, gl.constexpr(_LR), amax)
-    amax = _pool_amax(pool_ptr, row0, valid, 2, gl.constexpr(_LR), amax)
-    amax = _pool_amax(pool_ptr, row0, valid, 3, gl.constexpr(_LR), amax)
-    inv = _pow2_scale(amax)
-    t0.slice(0, 128, dim=0).store(
-        (_pool_chunk(pool_ptr, row0, valid, 0, gl.constexpr(_LR), BITS) * inv).to(gl.float16)
-    )
-    t0.slice(128, 128, dim=0).store(
-        (_pool_chunk(pool_ptr, row0, valid, 1, gl.constexpr(_LR), BITS) * inv).to(gl.float16)
-    )
-    t1.slice(0, 128, dim=0).store(
-        (_pool_chunk(pool_ptr, row0, valid, 2, gl.constexpr(_LR), BITS) * inv).to(gl.float16)
-    )
-    t1.slice(128, 128, dim=0).store(
-        (_pool_chunk(pool_ptr, row0, valid, 3, gl.constexpr(_LR), BITS) * inv).to(gl.float16)
-    )
+    inv = _pool_inv(pool_ptr, row0, valid, gl.constexpr(_LR))
+    _pool_store(t0.slice(0, 128, dim=0), pool_ptr, row0, valid, 0, inv, gl.constexpr(_LR), BITS)
+    _pool_store(t0.slice(128, 128, dim=0), pool_ptr, row0, valid, 1, inv, gl.constexpr(_LR), BITS)
+    _pool_store(t1.slice(0, 128, dim=0), pool_ptr, row0, valid, 2, inv, gl.constexpr(_LR), BITS)
+    _pool_store(t1.slice(128, 128, dim=0), pool_ptr, row0, valid, 3, inv, gl.constexpr(_LR), BITS)
     return inv
 
 
@@ -210,13 +199,8 @@ def mla_wgmma64_kernel(
     ``qk_scale`` is the softmax scale times log2(e)."""
     b = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
-    num_splits = gl.num_programs(1)
     h0 = gl.program_id(2) * 64
-    seq_len = gl.load(seq_ptr + b)
-    n_blk = gl.minimum((seq_len + 63) // 64, max_blocks)
-    per = gl.maximum((n_blk + num_splits - 1) // num_splits, MIN_BLOCKS)
-    lo = split * per
-    hi = gl.minimum(lo + per, n_blk)
+    seq_len, lo, hi = _split_blocks(seq_ptr, b, max_blocks, MIN_BLOCKS)
     hh = h0 + gl.arange(0, 64, layout=_HEAD)
     hok = hh < H
     qrow = b * H + gl.where(hok, hh, 0)
@@ -292,26 +276,8 @@ def mla_wgmma64_kernel(
         gl.thread_barrier()
         if pb < 0:
             inv = _pow2_scale(gl.max(amax_s.load(_REP8), axis=0))
-            t0.store(
-                _chunk_tile(
-                    w0,
-                    v0,
-                    (c0 * inv).to(gl.float16),
-                    (z0 * inv).to(gl.float16),
-                    BITS,
-                    gl.constexpr(_CH),
-                )
-            )
-            t1.store(
-                _chunk_tile(
-                    w1,
-                    v1,
-                    (c1 * inv).to(gl.float16),
-                    (z1 * inv).to(gl.float16),
-                    BITS,
-                    gl.constexpr(_CH),
-                )
-            )
+            t0.store(_scaled_tile(w0, v0, c0, z0, inv, BITS, gl.constexpr(_CH)))
+            t1.store(_scaled_tile(w1, v1, c1, z1, inv, BITS, gl.constexpr(_CH)))
             rope_s.store(rope)
             rw = rs
             rwm = rsw
