@@ -642,6 +642,34 @@ def test_decode_latent_chunk_knob_is_checked(monkeypatch):
         )  # fmt: skip
 
 
+def test_wide_kernel_choice(monkeypatch):
+    """The 64-head sm_90 kernel takes the calls the 16-head ``wgmma`` kernel would serve with at
+    least ``WGMMA64_MIN_HEADS`` query heads, at every width that kernel serves; None or
+    ``KVARN_MLA_WGMMA64=0`` leaves them to the 16-head kernel, and nothing the 16-head kernel
+    would not serve (another GPU, sparse decode) goes to it. (Which kernel runs on an sm_90 GPU
+    is checked there by ``gpu/test_mla_parity.py``.)"""
+    if kdec._wgmma64_module() is None:
+        pytest.skip("this Triton has no Gluon: the Triton kernels serve every call")
+    served = {}
+    monkeypatch.setattr(kdec, "_use_wgmma_kernel", lambda bits, q, sparse: served[(bits, sparse)])
+    for heads, want in [(16, False), (32, False), (63, False), (64, True), (96, True), (128, True)]:
+        q = torch.zeros(2, heads, 576)
+        for bits in (2, 4, 5):
+            served.update({(bits, False): True, (bits, True): False})
+            assert kdec._use_wgmma64_kernel(bits, q, False) == want, (heads, bits)
+            assert not kdec._use_wgmma64_kernel(bits, q, True)
+            served[(bits, False)] = False  # e.g. not an sm_90 device
+            assert not kdec._use_wgmma64_kernel(bits, q, False)
+    q = torch.zeros(1, 128, 576)
+    served[(4, False)] = True
+    monkeypatch.setenv("KVARN_MLA_WGMMA64", "0")
+    assert not kdec._use_wgmma64_kernel(4, q, False)
+    monkeypatch.delenv("KVARN_MLA_WGMMA64")
+    assert kdec._use_wgmma64_kernel(4, q, False)
+    monkeypatch.setattr(kdec, "WGMMA64_MIN_HEADS", None)
+    assert not kdec._use_wgmma64_kernel(4, q, False)
+
+
 def test_workspace_picks_enough_splits_to_fill_the_gpu(monkeypatch):
     """``num_splits=None``: enough for one program per SM at this batch and head count (in
     groups of 64 heads from ``WGMMA64_MIN_HEADS`` heads, the head groups of the 64-head sm_90
