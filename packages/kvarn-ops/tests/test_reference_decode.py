@@ -10,9 +10,11 @@ Tolerances (flash-attention rule):
   by plain torch is the yardstick; the atol covers the folded form, whose score sum cancels a
   zero-point term of about the tile's range against the code term. Its terms grow with the
   key code range and the head dimension (the length of the sum), so atol = 5e-6 *
-  max|oracle| * ((2^bK - 1) / 15) * (D / 128): at 4-bit keys and D = 128 the excess over the
-  yardstick measured up to 2.3e-6 * max|out|; at 5-bit keys and D = 256 (atol 2.1e-5 * max)
-  up to 8.6e-6 * max|out| (40 seeds, and one CI seed that exceeded the former fixed 5e-6).
+  max|oracle| * ((2^bK - 1) / 15) * max(1, D / 128): at 4-bit keys and D = 128 the excess
+  over the yardstick measured up to 2.3e-6 * max|out|; at 5-bit keys and D = 256 (atol 2.1e-5
+  * max) up to 8.6e-6 * max|out| (40 seeds, and one CI seed that exceeded the former fixed
+  5e-6); at 4-bit keys and D = 64 up to 2.5e-6 * max|out| (a CI seed, 1949533875, over the
+  former D / 128 scaling below 128: a shorter sum does not make it proportionally smaller).
   Kernels should use reference.decode in fp32 vs compute_dtype=float64 as their yardstick:
   it includes that cancellation.
 - decode with compute_dtype=float64 (out fp32) vs oracle fp64: 2**-24 * |oracle| + 1e-10; why:
@@ -70,7 +72,7 @@ def test_decode_matches_oracle(gen, make_cache, fmt, d, hkv, grp, t, seq_lens, p
     err = (out.double() - want).abs()
     print("err", float(err.max()), "yard", float(yard), "max", float(want.abs().max()))
     bits_k = kf.parse_format(fmt).k_bits
-    atol = 5e-6 * want.abs().max() * ((2**bits_k - 1) / 15) * (d / 128)
+    atol = 5e-6 * want.abs().max() * ((2**bits_k - 1) / 15) * max(1.0, d / 128)
     assert (err <= 2 * yard + atol + OUT_ROUNDING[dtype] * want.abs()).all(), (
         float(err.max()),
         float(yard),

@@ -888,7 +888,7 @@ def mla_decode_workspace(
         dev = torch.device(device) if device is not None else torch.device("cpu")
         # the head groups of the kernel a large head count takes on sm_90 (64 heads, one
         # program per SM) need more splits to fill the GPU than 16-head groups do
-        wide = bool(WGMMA64_MIN_HEADS) and num_heads >= WGMMA64_MIN_HEADS
+        wide = WGMMA64_MIN_HEADS is not None and num_heads >= WGMMA64_MIN_HEADS
         per = WIDE_HEADS if wide else BLOCK_H
         groups = max(1, batch * triton.cdiv(num_heads, per))
         fill = triton.cdiv(_sm_count(dev), groups)
