@@ -618,10 +618,9 @@ def mla_wgmma_kernel(
         return
     bt_row = bt_ptr + b * bt_stride
 
-    # queries -> shared memory: the latent part as fp16 (times the softmax scale), the RoPE
-    # part as two bf16 terms (each buffer [1, ...]: see the loop's index ``z``)
     # the tile as four 128-channel buffers: stores to one buffer's slices are ordered by a
-    # barrier each (three more a block), stores to different buffers are not
+    # barrier each (three more a block), stores to different buffers are not; each buffer
+    # [1, ...]: see the loop's index ``z``
     tiles0 = gl.allocate_shared_memory(gl.float16, [1, 128, 64], _SW)
     tiles1 = gl.allocate_shared_memory(gl.float16, [1, 128, 64], _SW)
     tiles2 = gl.allocate_shared_memory(gl.float16, [1, 128, 64], _SW)
@@ -634,6 +633,8 @@ def mla_wgmma_kernel(
     amax_s = gl.allocate_shared_memory(gl.float32, [4], _S1)
     red_m = gl.allocate_shared_memory(gl.float32, [4, 16], _S2)
     red_l = gl.allocate_shared_memory(gl.float32, [4, 16], _S2)
+    # queries -> shared memory: the latent part as fp16 (times the softmax scale), the RoPE
+    # part as two bf16 terms
     qs = qss.index(0)
     qr_hi = qr_his.index(0)
     qr_lo = qr_los.index(0)

@@ -211,10 +211,9 @@ def mla_wgmma64_kernel(
         return
     bt_row = bt_ptr + b * bt_stride
 
-    # queries -> shared memory: the latent part as fp16 (times the softmax scale), the RoPE
-    # part as two bf16 terms (each buffer [1, ...]: see the loop's index ``z``)
     # the tile as two 256-channel buffers (stores to one buffer's slices are ordered by a
-    # barrier each, stores to different buffers are not)
+    # barrier each, stores to different buffers are not); each buffer [1, ...]: see the
+    # loop's index ``z``
     tiles0 = gl.allocate_shared_memory(gl.float16, [1, 256, 64], _SW)
     tiles1 = gl.allocate_shared_memory(gl.float16, [1, 256, 64], _SW)
     amax_s = gl.allocate_shared_memory(gl.float32, [8], _S1)
@@ -226,6 +225,8 @@ def mla_wgmma64_kernel(
     qr_his = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], _SW)
     qr_los = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], _SW)
     alpha_s = gl.allocate_shared_memory(gl.float32, [64], _S1)
+    # queries -> shared memory: the latent part as fp16 (times the softmax scale), the RoPE
+    # part as two bf16 terms
     qh = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, _LQ))
     qd = gl.arange(0, 512, layout=gl.SliceLayout(0, _LQ))
     qok = (qh < H)[:, None]
