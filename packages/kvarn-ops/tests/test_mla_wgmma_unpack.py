@@ -1,5 +1,5 @@
 """The ``wgmma`` MLA decode kernel's 4-, 5- and 2-bit unpacks, on the CPU: the PTX each code
-pair runs (``mla_decode_wgmma.dq4_asm``, ``dq5_asm``, ``dq2_asm``) executed by a small
+pair runs (``mla_decode_wgmma.dq_asm``, ``dq5_asm``) executed by a small
 emulator of its instructions on the code words of real records, against the reference's codes
 and one rounding of ``cs code + zp``; and the tiles' token order.
 
@@ -156,7 +156,7 @@ def test_dq5_asm_matches_reference_codes(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_dq2_asm_matches_reference_codes(seed):
+def test_dq_asm_2bit_matches_reference_codes(seed):
     """The 2-bit pairs (codes ``i`` and ``i + 8`` of each word, 16 bits apart) of every
     channel of real records through the emulated PTX: ``fp16(cs code + zp)``, one rounding."""
     words, cs2, zp2, want = _fields(2, seed)
@@ -164,7 +164,7 @@ def test_dq2_asm_matches_reference_codes(seed):
     for j in range(4):
         for i in range(8):
             w = words[..., j]
-            out = run_ptx(kw.dq2_asm(i), [w, w, cs2, zp2])
+            out = run_ptx(kw.dq_asm(2, i), [w, w, cs2, zp2])
             pair = out.astype(np.uint32).view(np.float16).reshape(*w.shape, 2)
             got[..., 16 * j + i] = pair[..., 0]
             got[..., 16 * j + i + 8] = pair[..., 1]
@@ -172,7 +172,7 @@ def test_dq2_asm_matches_reference_codes(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_dq4_asm_matches_reference_codes(seed):
+def test_dq_asm_4bit_matches_reference_codes(seed):
     """The 4-bit pairs (codes ``k`` and ``k + 4`` of each word, 16 bits apart) of every channel
     of real records through the emulated PTX: ``fp16(cs code + zp)``, one rounding."""
     words, cs2, zp2, want = _fields(4, seed)
@@ -180,7 +180,7 @@ def test_dq4_asm_matches_reference_codes(seed):
     for j in range(8):
         for k in range(4):
             w = words[..., j]
-            out = run_ptx(kw.dq4_asm(k), [w, w, cs2, zp2])
+            out = run_ptx(kw.dq_asm(4, k), [w, w, cs2, zp2])
             pair = out.astype(np.uint32).view(np.float16).reshape(*w.shape, 2)
             got[..., 8 * j + k] = pair[..., 0]
             got[..., 8 * j + k + 4] = pair[..., 1]
@@ -228,7 +228,7 @@ def test_emulator_runs_the_kernels_asm_only():
     pairs5 = [8 * g + i for g in range(4) for i in range(4)]
     ops5 = {op for c in pairs5 for op, _ in instructions(kw.dq5_asm(c))}
     assert ops5 == {"mov.b32", "shr.u32", "shf.r.clamp.b32", "lop3.b32", "fma.rn.f16x2"}
-    ops2 = {op for i in range(8) for op, _ in instructions(kw.dq2_asm(i))}
+    ops2 = {op for i in range(8) for op, _ in instructions(kw.dq_asm(2, i))}
     assert ops2 == {"mov.b32", "shr.u32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2"}
-    ops4 = {op for k in range(4) for op, _ in instructions(kw.dq4_asm(k))}
+    ops4 = {op for k in range(4) for op, _ in instructions(kw.dq_asm(4, k))}
     assert ops4 == {"mov.b32", "shr.u32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2"}

@@ -160,26 +160,28 @@ def mla_wgmma_supported(bits: int) -> bool:
 
 
 @gluon.constexpr_function
-def dq4_asm(k):
-    """PTX of the 4-bit pair ``k``, ``k + 4`` of a word (``k < 4``, tokens ``8 j + k`` and
-    ``+ 4`` of word ``j``; nibbles 16 bits apart): ``$1`` the word (``$2``, its copy, unused),
-    ``$3`` / ``$4`` the fp16 pairs of the channel's scale and zero point; ``$0`` the fp16 pair
-    ``fma(code, cs, zp)``: a shift (none for ``k = 0``), a ``lop3`` into the mantissas of
-    1024.0, an exact ``sub.f16x2`` of 1024, the scaling ``fma``."""
-    win = f"shr.u32 t, $1, {4 * k}; " if k > 0 else "mov.b32 t, $1; "
+def dq_asm(bits, i):
+    """PTX of the ``bits``-bit pair ``i``, ``i + 16 / bits`` of a word (4 bits: ``i < 4``,
+    tokens ``8 j + i`` and ``+ 4`` of word ``j``; 2 bits: ``i < 8``, tokens ``16 j + i`` and
+    ``+ 8``; the two codes sit 16 bits apart): ``$1`` the word (``$2``, its copy, unused),
+    ``$3`` / ``$4`` the fp16 pairs of the channel's scale and zero point; ``$0`` the fp16
+    pair ``fma(code, cs, zp)``: a shift (none for ``i = 0``), a ``lop3`` into the mantissas
+    of 1024.0, an exact ``sub.f16x2`` of 1024, the scaling ``fma``."""
+    m = (1 << bits) - 1
+    win = f"shr.u32 t, $1, {bits * i}; " if i > 0 else "mov.b32 t, $1; "
     return (
-        "{ .reg .b32 t, o; " + win + "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; "
+        "{ .reg .b32 t, o; " + win + f"lop3.b32 t, t, 0x000{m:X}000{m:X}, 0x64006400, 0xea; "
         "mov.b32 o, 0x64006400; sub.f16x2 t, t, o; fma.rn.f16x2 $0, t, $3, $4; }"
     )
 
 
 @gluon.jit
-def _dq_pair(w, cs2, zp2, K: gl.constexpr):
-    """4-bit codes ``K`` and ``K + 4`` of words ``w`` [C, 8] (tokens ``8 j + K`` and ``+ 4``)
-    as the fp16 pair ``fma(code, cs, zp)`` [C, 8, 2] (:func:`dq4_asm`)."""
+def _pair16(w, cs2, zp2, BITS: gl.constexpr, I: gl.constexpr):
+    """``BITS``-bit codes ``I`` and ``I + 16 / BITS`` of words ``w`` (:func:`dq_asm`) as the
+    fp16 pair ``fma(code, cs, zp)``: a trailing axis of 2 on ``w``'s shape."""
     return gl.inline_asm_elementwise(
-        dq4_asm(K), "=r,r,r,r,r", [_joined(w, w), cs2, zp2], dtype=gl.float16, is_pure=True,
-        pack=2,
+        dq_asm(BITS, I), "=r,r,r,r,r", [_joined(w, w), cs2, zp2], dtype=gl.float16,
+        is_pure=True, pack=2,
     )  # fmt: skip
 
 
@@ -203,10 +205,10 @@ def _chunk_tile4(w, cs, zp):
     cs2 = _joined(csb, csb)
     zp2 = _joined(zpb, zpb)
     x = _stack4(
-        _dq_pair(w, cs2, zp2, 0),
-        _dq_pair(w, cs2, zp2, 1),
-        _dq_pair(w, cs2, zp2, 2),
-        _dq_pair(w, cs2, zp2, 3),
+        _pair16(w, cs2, zp2, 4, 0),
+        _pair16(w, cs2, zp2, 4, 1),
+        _pair16(w, cs2, zp2, 4, 2),
+        _pair16(w, cs2, zp2, 4, 3),
     )  # [C, 8 j, 2 r, 4 k]: token 8 j + 4 r + k
     # tile position 8 j + 2 k + r: each register's fp16 pair (r) stays adjacent
     return gl.reshape(gl.permute(x, TILE_PERM4.value), [w.shape[0], 64])
@@ -318,38 +320,14 @@ def _chunk_tile5(w, w89, cs, zp, CH: gl.constexpr):
     return gl.reshape(gl.permute(x, TILE_PERM5.value), [w.shape[0], 64])
 
 
-@gluon.constexpr_function
-def dq2_asm(i):
-    """PTX of the 2-bit pair ``i``, ``i + 8`` of a word (``i < 8``): ``$1`` the word (``$2``,
-    its copy, unused), ``$3`` / ``$4`` the fp16 pairs of the channel's scale and zero point;
-    ``$0`` the fp16 pair ``fma(code, cs, zp)`` of both codes (they sit 16 bits apart: one
-    shift, one ``lop3`` into the mantissas of 1024.0, an exact ``sub.f16x2`` of 1024, the
-    scaling ``fma``)."""
-    win = f"shr.u32 t, $1, {2 * i}; " if i > 0 else "mov.b32 t, $1; "
-    return (
-        "{ .reg .b32 t, o; " + win + "lop3.b32 t, t, 0x00030003, 0x64006400, 0xea; "
-        "mov.b32 o, 0x64006400; sub.f16x2 t, t, o; fma.rn.f16x2 $0, t, $3, $4; }"
-    )
-
-
-@gluon.jit
-def _pair2(w, cs2, zp2, I: gl.constexpr):
-    """2-bit codes ``I`` and ``I + 8`` of word ``w`` [128] (tokens ``16 j + I``, ``+ 8`` of
-    word ``j``): ``[128, 2]``."""
-    return gl.inline_asm_elementwise(
-        dq2_asm(I), "=r,r,r,r,r", [_joined(w, w), cs2, zp2], dtype=gl.float16, is_pure=True,
-        pack=2,
-    )  # fmt: skip
-
-
 @gluon.jit
 def _word2(w, cs2, zp2):
     """The 16 codes of one 2-bit word: ``[128, 2 r, 4 a, 2 b]``, code ``8 r + 4 b + a``."""
     return gl.join(
-        _stack4(_pair2(w, cs2, zp2, 0), _pair2(w, cs2, zp2, 1), _pair2(w, cs2, zp2, 2),
-                _pair2(w, cs2, zp2, 3)),
-        _stack4(_pair2(w, cs2, zp2, 4), _pair2(w, cs2, zp2, 5), _pair2(w, cs2, zp2, 6),
-                _pair2(w, cs2, zp2, 7)),
+        _stack4(_pair16(w, cs2, zp2, 2, 0), _pair16(w, cs2, zp2, 2, 1), _pair16(w, cs2, zp2, 2, 2),
+                _pair16(w, cs2, zp2, 2, 3)),
+        _stack4(_pair16(w, cs2, zp2, 2, 4), _pair16(w, cs2, zp2, 2, 5), _pair16(w, cs2, zp2, 2, 6),
+                _pair16(w, cs2, zp2, 2, 7)),
     )  # fmt: skip
 
 
