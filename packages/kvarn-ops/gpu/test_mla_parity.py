@@ -300,7 +300,7 @@ DECODE_PARAMS = [(*c, "default") for c in DECODE_CASES] + [
     for c in DECODE_CASES
     if c[0] in (2, 4, 5) and not c[4]
     for k in (("mma", "triton") if c[0] == 4 else ("triton",))
-    + (("wgmma16",) if c[3] >= 64 else ())
+    + (("wgmma16",) if c[3] >= kdec.WGMMA64_MIN_HEADS else ())
 ]
 
 
@@ -363,7 +363,7 @@ def _check_wgmma_choice(q, bits, sparse, kernel):
     chosen = kernel == "wgmma" or (kernel in ("default", "wgmma16") and bits in kdec.WGMMA_BITS)
     want = chosen and not sparse and hopper
     assert kdec._use_wgmma_kernel(bits, q, sparse) == want
-    wide = want and kernel != "wgmma16" and q.shape[1] >= 64
+    wide = want and kernel != "wgmma16" and q.shape[1] >= kdec.WGMMA64_MIN_HEADS
     assert kdec._use_wgmma64_kernel(bits, q, sparse) == wide
 
 
@@ -425,7 +425,7 @@ def test_decode_cuda_graph_replay(gen, heads):
     args = (packed, table, seq, bmap, *pool, layout, scale)
     assert kdec._use_mma_kernel(4, q, False)
     hopper = torch.cuda.get_device_capability(q.device)[0] == 9
-    assert kdec._use_wgmma64_kernel(4, q, False) == (hopper and heads >= 64)
+    assert kdec._use_wgmma64_kernel(4, q, False) == (hopper and heads >= kdec.WGMMA64_MIN_HEADS)
     out = torch.empty(b, heads, 512, dtype=BF16, device=DEVICE)
     ws = kdec.mla_decode_workspace(b, heads, device=DEVICE)
     stream = torch.cuda.Stream()
