@@ -56,6 +56,13 @@ GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     (32, 16384, 64, 2, 128, "kvarn_k4v2_g64"),
     # GQA 8 (Qwen-style 64 / 8 heads), for verify runs of more than 16 rows per KV head
     (8, 32768, 64, 8, 128, "kvarn_k4v2_g64"),
+    # head_dim 64 (head pairs in the MMA kernel): Llama-3.2-1B (32 / 8 heads), SmolLM2 (9 / 3)
+    (64, 32768, 32, 8, 64, "kvarn_k4v2_g64"),
+    (32, 16384, 32, 8, 64, "kvarn_k4v2_g64"),
+    (8, 32768, 32, 8, 64, "kvarn_k4v2_g64"),
+    (1, 32768, 32, 8, 64, "kvarn_k4v2_g64"),
+    (32, 16384, 32, 8, 64, "kvarn_k4v4_g64"),
+    (64, 16384, 9, 3, 64, "kvarn_k4v2_g64"),
 ]
 QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
 #: ``--grid``: the issue's sweep. Llama-3.1-8B geometry, k4v2 g64, every context x batch; the
@@ -234,7 +241,8 @@ def main() -> None:
         "after the main kernel, not as its programmatic dependent), pdl_trigger=0 (the main "
         "kernel's programs signal the combine at their exit, not their start), mma_chunks=0 (runs "
         "of more than 16 query rows per KV head in one Triton launch of up to 32 rows, not in "
-        "16-row chunks through the MMA kernel)",
+        "16-row chunks through the MMA kernel), dense_mma=0 (the Triton split kernel instead "
+        "of the MMA kernels)",
     )
     which.add_argument("--geoms", default="", help="comma list of indices into GEOMS")
     which.add_argument(
@@ -303,6 +311,9 @@ def main() -> None:
                 os.environ["KVARN_DECODE_PDL"] = "0"
             if v == "mma_t=0":
                 kd._MMA_TRANSPOSED = False
+            os.environ.pop("KVARN_DECODE_MMA", None)
+            if v == "dense_mma=0":  # the Triton split kernel where an MMA kernel would serve
+                os.environ["KVARN_DECODE_MMA"] = "0"
             if v and v.startswith("mma_stages="):
                 kd._MMA_STAGES = int(v.split("=")[1])
             if v and v.startswith("mma="):  # mma=STAGES:MAXNREG

@@ -295,6 +295,8 @@ DECODE_GEOMETRIES = [  # (Hq, Hkv, D): Llama-3.1-8B, Qwen-style GQA 8, small d64
     (8, 8, 64),
     (16, 1, 128),  # GQA 16: Llama-3.1-405B on 8 GPUs (one KV head each), GLM-4
     (64, 2, 128),  # GQA 32
+    (32, 8, 64),  # Llama-3.2-1B: d64 GQA 4 (head pairs in the transposed MMA kernel)
+    (16, 8, 64),  # d64 GQA 2
 ]
 DECODE_CASES = [
     # (format, geometry index, seq_lens, T, q dtype, pool dtype)
@@ -325,9 +327,21 @@ DECODE_CASES = [
     ("kvarn_k4v2_g64", 5, [700, 5000], 2, torch.bfloat16, torch.float8_e4m3fn),
     ("kvarn_k4v4_g64", 6, [130, 3000], 1, torch.float16, torch.float16),
     ("kvarn_k2v2_g64", 5, [200, 2000], 2, torch.bfloat16, torch.bfloat16),
+    # head_dim 64: two KV heads per program of the transposed MMA kernel (up to 4 rows a head);
+    # GQA 4 (Llama-3.2-1B), MHA, an odd KV head count (the last head alone: GQA 3, above and
+    # here), 2-token causal rows, 128-token records, both pools, a full batch, a long context
+    ("kvarn_k4v2_g64", 7, [1, 63, 64, 65, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v2_g64", 7, [32768 + 3], 1, torch.bfloat16, torch.float8_e4m3fn),
+    ("kvarn_k4v2_g64", 7, [4096 + 7] * 64, 1, torch.float16, torch.bfloat16),
+    ("kvarn_k4v2_g64", 4, [2, 64, 129, 5000], 1, torch.bfloat16, torch.float16),
+    ("kvarn_k4v2_g128", 2, [1, 127, 128, 129, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v4_g64", 8, [2, 65, 130, 3000], 2, torch.float16, torch.float8_e4m3fn),
+    ("kvarn_k4v2_g64", 8, [4, 66, 1000], 2, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v4_g128", 4, [3, 128, 257, 9000], 4, torch.bfloat16, torch.bfloat16),
 ]
-#: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, d128, <= 16 rows)
-MMA_DECODE_CASES = {0, 1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16}
+#: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, <= 16 rows at d128, head
+#: pairs of <= 4 rows each at d64)
+MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, 21, 22, 23, 24, 25, 26, 27, 28}
 
 
 ILL_CONDITIONED_CASES = [
@@ -338,6 +352,9 @@ ILL_CONDITIONED_CASES = [
     ("kvarn_k4v2_g128", 128, 1, 4, 1),
     ("kvarn_k4v2_g64", 64, 1, 4, 1),
     ("kvarn_k2v2_g64", 64, 1, 2, 2),
+    # head pairs (d64): an odd head out, 2-token causal rows with 4-bit V
+    ("kvarn_k4v2_g64", 64, 3, 3, 1),
+    ("kvarn_k4v4_g64", 64, 2, 2, 2),
 ]
 
 
@@ -538,10 +555,11 @@ def _check_decode_replays(gen, cache, q, grow):
         assert_decode_error(out, q, cache, scale, ref)
 
 
-def test_decode_cuda_graph_replay(gen):
+@pytest.mark.parametrize("d", [128, 64], ids=["d128", "d64_pairs"])
+def test_decode_cuda_graph_replay(gen, d):
     """Captured once, replayed with new queries and longer contexts: no host sync inside,
-    split count read from the device, results equal to eager calls."""
-    hq, hkv, d = 32, 8, 128
+    split count read from the device, results equal to eager calls (d64: the head pairs)."""
+    hq, hkv = 32, 8
     lens = [5000, 70, 20000, 640]
     # built up to a block's last token past the longest replay (+78): the exact pool's tail
     # rows a replay reads were all written (the builder leaves the rest of the pool as

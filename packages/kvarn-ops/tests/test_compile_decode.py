@@ -302,18 +302,21 @@ MMA_SPILL = {
 }
 
 
-def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0):
+def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0, d=128):
+    """The Gluon MMA decode kernel's source (``d`` 64: the transposed kernel on head pairs)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kvarn_ops.kernels import decode_mma, decode_mma_t
 
     kern = decode_mma_t.mma_decode_t_kernel if transposed else decode_mma.mma_decode_kernel
 
-    c = KD._layout_consts(fmt, 128)
+    c = KD._layout_consts(fmt, d)
     consts = dict(
         T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2, NBUF=nbuf, G=c["G"], PDL=pdl,
         LAG=lag,
     )  # fmt: skip
+    if transposed:
+        consts["PAIR"] = d == 64
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
         consts[name] = c[name]
     consts["VZP_OFF"] = c["VZP_OFF"]
@@ -417,6 +420,38 @@ def test_mma_decode_transposed_compiles(target, case):
     # its two cross-lane stages: one butterfly shuffle per register each
     assert ptx.count("shfl.sync.bfly.b32") >= 64
     assert "popc" not in ptx  # no sign matrix
+
+
+PAIR_CASES = [
+    ("kvarn_k4v2_g64", 4, 1, "*bf16"),  # Llama-3.2-1B
+    ("kvarn_k4v4_g64", 2, 2, "*fp16"),  # 4-bit V, 2-token causal rows (4 a head)
+    ("kvarn_k4v2_g128", 3, 1, "*bf16"),  # SmolLM2's GQA 3, 128-token records
+    ("kvarn_k4v4_g128", 1, 4, "*fp32"),
+]
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
+def test_mma_decode_head_pairs_compile(target, case):
+    """head_dim 64 through the transposed kernel, two KV heads a program
+    (``decode_mma_pair``): the 128-channel kernel's MMAs and unpack, both records' token
+    vectors staged (twice the [8, 8] tiles), no spill (offline: 212-255 registers)."""
+    from kvarn_ops.kernels import decode_mma_t
+
+    src = _mma_source(*case, nbuf=2, transposed=True, d=64)
+    k = triton.compile(src, target=target, options=dict(num_warps=1))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    vb = KD._layout_consts(case[0], 64)["VB"]
+    print(f"{case} sm{target.arch}: {regs} registers, {frame} B spill frame")
+    assert frame == 0, f"{frame} B of spill frame"
+    # a stage: the virtual 128-channel record's words and vectors, token vectors of both heads
+    assert k.metadata.shared == 2 * (4096 + 1024 * vb + 1152 + 3 * 128)
+    ones = 4 if vb == 2 and not decode_mma_t.SUBNORMAL_CODES else 0
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 80 + 32 + ones
+    # the 64-channel rotation: one cross-lane stage (the 128-channel kernel has two)
+    assert 32 <= ptx.count("shfl.sync.bfly.b32") < 64
+    assert "popc" not in ptx
 
 
 # --------------------------------------------------------------------------------------------

@@ -1060,7 +1060,10 @@ def decode_workspace(
     and follows each request's live context length.
     """
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, max_seq_len, block_size, device)
+        # at head_dim 64 the MMA kernel's programs take two KV heads each (decode_mma_pair)
+        pairs = head_dim == 64 and 2 * query_len * (num_q_heads // max(1, num_kv_heads)) <= 8
+        heads = -(-num_kv_heads // 2) if pairs else num_kv_heads
+        num_splits = decode_num_splits(batch, heads, max_seq_len, block_size, device)
     if not 1 <= num_splits <= DECODE_MAX_SPLITS:
         raise ValueError(f"num_splits: must be in [1, {DECODE_MAX_SPLITS}], got {num_splits}")
     n = num_splits * batch * query_len * num_q_heads * (head_dim + 1)
@@ -1169,6 +1172,8 @@ def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int, t: int | None =
         return False
     c = _layout_consts(format_name, q.shape[3])
     rows = (q.shape[1] if t is None else t) * (q.shape[2] // hkv)
+    if q.shape[3] != 128 and not (_MMA_TRANSPOSED and _MMA_STAGES >= 2):
+        return False  # head pairs (head_dim 64) exist in the transposed kernel only
     mods = _mma_module()
     return mods is not None and mods[0].mma_decode_supported(
         c["KB"], c["VB"], c["G"], q.shape[3], rows
@@ -1211,9 +1216,11 @@ def _launch(
         c = _layout_consts(format_name, d)
         mod, mod_t = _mma_module()
         kern = mod.mma_decode_kernel
-        if _MMA_TRANSPOSED and t * (hq // hkv) <= 8 and _MMA_STAGES >= 2:
+        pair = d == 64  # two 64-channel KV heads per program (decode_mma_pair)
+        if pair or (_MMA_TRANSPOSED and t * (hq // hkv) <= 8 and _MMA_STAGES >= 2):
             kern = mod_t.mma_decode_t_kernel
-        kern[(num_splits, b * hkv)](
+        extra = {"PAIR": True} if pair else {}
+        kern[(num_splits, b * (-(-hkv // 2) if pair else hkv))](
             q,
             packed.view(torch.float16),
             packed.view(torch.int32),
@@ -1244,6 +1251,7 @@ def _launch(
             PDL=pdl and _PDL_TRIGGER,
             LAG=q_lag,
             num_warps=1,
+            **extra,
             **({} if _MMA_MAXNREG is None else {"maxnreg": _MMA_MAXNREG}),
         )
         tail_in_combine = True

@@ -51,7 +51,9 @@ Scope: 4-bit K, 2- or 4-bit V, 64- or 128-token blocks (a 128-token record is re
 64-token halves: its K words of a channel are consecutive, V rows are tokens; splits are of
 whole records, as in the combine's formula), head_dim 128, at most 16 query rows per KV head
 (T * GQA), one warp per program; up to 8 rows take ``decode_mma_t.py`` (rows in the MMA's N
-dimension), which reuses this file's loads and unpack. Both read full blocks only; the exact
+dimension), which reuses this file's loads and unpack, and at head_dim 64 takes two KV heads
+per program as one 128-channel head (``decode_mma_pair.py``: at most 4 rows a head). Both read
+full blocks only; the exact
 tail is folded in by the combine kernel (``decode._decode_combine_kernel`` with
 ``TAIL=True``). Everything else uses the Triton split kernel. Gluon kernels do not run under
 the Triton interpreter: on the CPU the offline-compile tests build these kernels for sm_90a
@@ -170,14 +172,14 @@ _CPV16: gl.constexpr = gl.BlockedLayout(
 
 
 def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: int, rows: int):
-    """Whether a geometry takes this kernel (on a GPU with mma.sync, i.e. sm_80 and newer)."""
-    return (
-        k_bits == 4
-        and v_bits in (2, 4)
-        and block_size in MMA_DECODE_GROUPS
-        and head_dim == MMA_DECODE_D
-        and rows <= 16
-    )
+    """Whether a geometry takes an MMA kernel (on a GPU with mma.sync, i.e. sm_80 and newer):
+    this one or ``decode_mma_t`` at head_dim 128, or ``decode_mma_t`` taking KV heads in pairs
+    at head_dim 64 (``decode_mma_pair``: at most 4 rows a head)."""
+    if k_bits != 4 or v_bits not in (2, 4) or block_size not in MMA_DECODE_GROUPS:
+        return False
+    if head_dim == MMA_DECODE_D:
+        return rows <= 16
+    return head_dim == MMA_DECODE_D // 2 and 1 <= rows and 2 * rows <= 8
 
 
 @gluon.jit

@@ -38,6 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kvarn_ops.kernels import decode_mma as M
+from kvarn_ops.kernels import decode_mma_pair as P
 
 __all__ = ["mma_decode_t_kernel"]
 
@@ -265,12 +266,38 @@ def _values_t(acc, pwb, pt, va, vb, vcs_run, CQ: gl.constexpr, VB: gl.constexpr)
 
 
 @gluon.jit
-def _store_t(acc, inv_l, ws_rows, row_ok, CQ: gl.constexpr, VB: gl.constexpr):
+def _store_t(acc, inv_l, ws_rows, row_ok, hr, CQ: gl.constexpr, VB: gl.constexpr,
+             PAIR: gl.constexpr):  # fmt: skip
+    """Chunk ``CQ`` of the output rows; with ``PAIR`` (head pairs, ``decode_mma_pair``) each
+    row keeps the 64 virtual channels of its own head ``hr``."""
     mrow = gl.arange(0, 32, layout=_TOK)  # 16 mt + 8 y + g -> channel 16 g + 4 CQ + 2 mt + y
     phys = (mrow & 7) * 16 + 4 * CQ + (mrow >> 4) * 2 + ((mrow >> 3) & 1)
     if VB == 2:
         acc = acc * _v_factors(False)[:, None]
-    gl.store(ws_rows[None, :] + phys[:, None], acc * inv_l[None, :], mask=row_ok[None, :])
+    if PAIR:
+        ok = row_ok[None, :] & ((phys >> 6)[:, None] == hr[None, :])
+        phys = phys & 63
+    else:
+        ok = row_ok[None, :] & (phys >= 0)[:, None]
+    gl.store(ws_rows[None, :] + phys[:, None], acc * inv_l[None, :], mask=ok)
+
+
+@gluon.jit
+def _issue(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h, dh, rec32_ptr,
+           rec16_ptr, REC: gl.constexpr, K_OFF: gl.constexpr, KCS_OFF: gl.constexpr,
+           KZP_OFF: gl.constexpr, KRS_OFF: gl.constexpr, V_OFF: gl.constexpr,
+           VCS_OFF: gl.constexpr, VRS_OFF: gl.constexpr, VZP_OFF: gl.constexpr,
+           VB: gl.constexpr, G: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+    """Stage unit ``uu``: one head's record (``decode_mma._issue_stage``, this kernel's
+    layout) or, with ``PAIR``, the records of heads ``h`` and ``h + dh``."""
+    if PAIR:
+        P.issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h, dh,
+                      rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
+                      VCS_OFF, VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
+    else:
+        M._issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h,
+                       rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
+                       VCS_OFF, VRS_OFF, VZP_OFF, VB, G, True)  # fmt: skip
 
 
 @gluon.jit
@@ -304,17 +331,28 @@ def mma_decode_t_kernel(
     G: gl.constexpr = 64,
     PDL: gl.constexpr = False,
     LAG: gl.constexpr = 0,
+    PAIR: gl.constexpr = False,
 ):
-    """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2)."""
+    """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2). With
+    ``PAIR`` the heads have 64 channels and program ``(split, b * ceil(Hkv / 2) + j)`` takes
+    KV heads ``2 j`` and ``2 j + 1`` (``decode_mma_pair``; T * GQA <= 4); ``REC`` and the
+    offsets are then the 64-channel record's."""
     if PDL:
         M.launch_dependents()
-    gl.static_assert(T * GQA <= 8)
+    gl.static_assert(T * GQA <= (4 if PAIR else 8))
     gl.static_assert(NBUF >= 2)
     QB: gl.constexpr = _as_linear(gl.to_linear_layout(_OPB, [32, 8]))
     split = gl.program_id(0)
     bh = gl.program_id(1)
-    b = bh // num_kv_heads
-    h = bh % num_kv_heads
+    if PAIR:
+        npairs = (num_kv_heads + 1) // 2
+        b = bh // npairs
+        h = (bh % npairs) * 2
+        dh = gl.minimum(h + 1, num_kv_heads - 1) - h  # 0: the odd head out has no partner
+    else:
+        b = bh // num_kv_heads
+        h = bh % num_kv_heads
+        dh = 0
     seq_len = gl.load(seq_ptr + b)
     # splits of whole records (the combine's formula); the loop walks their 64-token halves
     n_full = seq_len // G
@@ -331,17 +369,18 @@ def mma_decode_t_kernel(
     # records staged by cp.async NBUF - 1 blocks ahead; the first copies are issued before q
     # is loaded and rotated, which hides their latency
     HV: gl.constexpr = VB // 2
+    NH: gl.constexpr = 2 if PAIR else 1  # heads whose token vectors a stage holds
     sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
     sv = gl.allocate_shared_memory(gl.int32, [NBUF, 16 * HV, 32], _SH2)
     skc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
     skz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
-    skr = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 8], _SH2)
+    skr = gl.allocate_shared_memory(gl.float16, [NBUF, 8 * NH, 8], _SH2)
     svc = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 16], _SH2)
-    svr = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 8], _SH2)
-    svz = gl.allocate_shared_memory(gl.float16, [NBUF, 8, 8], _SH2)
+    svr = gl.allocate_shared_memory(gl.float16, [NBUF, 8 * NH, 8], _SH2)
+    svz = gl.allocate_shared_memory(gl.float16, [NBUF, 8 * NH, 8], _SH2)
     bt_row = bt_ptr + b.to(gl.int64) * bt_stride
     for st in gl.static_range(NBUF - 1):
-        M._issue_stage(
+        _issue(
             sk.index(st),
             sv.index(st),
             skc.index(st),
@@ -355,6 +394,7 @@ def mma_decode_t_kernel(
             bt_row,
             num_kv_heads,
             h,
+            dh,
             rec32_ptr,
             rec16_ptr,
             REC,
@@ -368,11 +408,14 @@ def mma_decode_t_kernel(
             VZP_OFF,
             VB,
             G,
-            True,
+            PAIR,
         )
 
     # q rows [8, 128] (lane 4 n + t: row n, channels 32 t ..), scaled and rotated in fp32
-    qrot = M._q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
+    if PAIR:
+        qrot = P.q_rows(q_ptr, b, h, dh > 0, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
+    else:
+        qrot = M._q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
     qr0 = _q_chunk(qrot, QB, 0)
     qr1 = _q_chunk(qrot, QB, 1)
     qr2 = _q_chunk(qrot, QB, 2)
@@ -382,9 +425,15 @@ def mma_decode_t_kernel(
     qh2, ql2 = _q_parts(qr2, QB)
     qh3, ql3 = _q_parts(qr3, QB)
 
-    r = gl.arange(0, 8, layout=_QR)
-    row_ok = r < T * GQA
-    q_pos = seq_len - (T + LAG) + r // GQA
+    if PAIR:
+        hr, rr = P.row_heads(T, GQA, gl.constexpr(_QR))
+        row_ok = (hr == 0) | ((hr == 1) & (dh > 0))
+    else:
+        rr = gl.arange(0, 8, layout=_QR)
+        hr = rr * 0
+        row_ok = rr < T * GQA
+    colb = hr == 1  # columns of the pair's second head
+    q_pos = seq_len - (T + LAG) + rr // GQA
     mt = gl.arange(0, 64, layout=_TOK)
     tok_of_row = (mt & 7) * 8 + (mt >> 4) * 2 + ((mt >> 3) & 1)
 
@@ -398,7 +447,7 @@ def mma_decode_t_kernel(
         j = u - u0
         nst = (j + NBUF - 1) % NBUF
         gl.thread_barrier()  # every lane is done with the stage about to be overwritten
-        M._issue_stage(
+        _issue(
             sk.index(nst),
             sv.index(nst),
             skc.index(nst),
@@ -412,6 +461,7 @@ def mma_decode_t_kernel(
             bt_row,
             num_kv_heads,
             h,
+            dh,
             rec32_ptr,
             rec16_ptr,
             REC,
@@ -425,7 +475,7 @@ def mma_decode_t_kernel(
             VZP_OFF,
             VB,
             G,
-            True,
+            PAIR,
         )
         async_copy.wait_group(NBUF - 1)
         gl.thread_barrier()
@@ -455,8 +505,11 @@ def mma_decode_t_kernel(
         kf = _tok_rows(
             _run_consts(gl.constexpr(_RUNG8), 8, _C_OUT, 0.0625 * _C_OUT, _C_OUT, 0.0625 * _C_OUT)
         )
-        krs = _tok_rows(skr.index(cst).load(_RUNG8)) * kf
-        s = s * krs[:, None]
+        krs = _tok_rows(skr.index(cst).slice(0, 8).load(_RUNG8)) * kf
+        if PAIR:
+            s = s * P.per_column(colb, krs, _tok_rows(skr.index(cst).slice(8, 8).load(_RUNG8)) * kf)
+        else:
+            s = s * krs[:, None]
         if T + LAG > 1:
             key = u * 64 + tok_of_row
             s = gl.where(key[:, None] <= q_pos[None, :], s, float("-inf"))
@@ -469,10 +522,16 @@ def mma_decode_t_kernel(
         p = gl.exp2(s - m_new[None, :])
         m = m_new
         l = l * alpha + gl.sum(p, axis=0)
-        vzp = _tok_rows(svz.index(cst).load(_RUNG8))
-        vrs = _tok_rows(svr.index(cst).load(_RUNG8))
-        pz = gl.sum(p * vzp[:, None], axis=0)
-        pwb = gl.convert_layout((p * vrs[:, None]).to(gl.float16), _OPB)  # the transpose
+        vzp = _tok_rows(svz.index(cst).slice(0, 8).load(_RUNG8))
+        vrs = _tok_rows(svr.index(cst).slice(0, 8).load(_RUNG8))
+        if PAIR:
+            vzp2 = P.per_column(colb, vzp, _tok_rows(svz.index(cst).slice(8, 8).load(_RUNG8)))
+            vrs2 = P.per_column(colb, vrs, _tok_rows(svr.index(cst).slice(8, 8).load(_RUNG8)))
+            pz = gl.sum(p * vzp2, axis=0)
+            pwb = gl.convert_layout((p * vrs2).to(gl.float16), _OPB)  # the transpose
+        else:
+            pz = gl.sum(p * vzp[:, None], axis=0)
+            pwb = gl.convert_layout((p * vrs[:, None]).to(gl.float16), _OPB)  # the transpose
         if VB == 2 and _SUB:
             pt = pz[None, :] * _v_factors(True)[:, None]
         elif VB == 2:
@@ -509,11 +568,11 @@ def mma_decode_t_kernel(
     seen = l > 0.0
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l, 1.0), 0.0)
     lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
-    q_row = ((b * T + r // GQA) * num_q_heads + h * GQA + r % GQA).to(gl.int64)
+    q_row = ((b * T + rr // GQA) * num_q_heads + (h + hr) * GQA + rr % GQA).to(gl.int64)
     ws_row = q_row * S + split
     gl.store(ws_ptr + ws_row, lse, mask=row_ok)
-    ws_rows = ws_ptr + lse_numel + ws_row * 128
-    _store_t(a0, inv_l, ws_rows, row_ok, 0, VB)
-    _store_t(a1, inv_l, ws_rows, row_ok, 1, VB)
-    _store_t(a2, inv_l, ws_rows, row_ok, 2, VB)
-    _store_t(a3, inv_l, ws_rows, row_ok, 3, VB)
+    ws_rows = ws_ptr + lse_numel + ws_row * (64 if PAIR else 128)
+    _store_t(a0, inv_l, ws_rows, row_ok, hr, 0, VB, PAIR)
+    _store_t(a1, inv_l, ws_rows, row_ok, hr, 1, VB, PAIR)
+    _store_t(a2, inv_l, ws_rows, row_ok, hr, 2, VB, PAIR)
+    _store_t(a3, inv_l, ws_rows, row_ok, hr, 3, VB, PAIR)
