@@ -49,29 +49,36 @@ def pair_rows_fit(rows: int) -> bool:
 
 
 @gluon.jit
-def _stage_words(sk, sv, r32, r32b, ok, half, K_OFF, V_OFF, VB: gl.constexpr, G: gl.constexpr):
+def _stage_words(sk, sv, r32, r32b, ok, ok2, half, K_OFF, V_OFF, VB: gl.constexpr,
+                 G: gl.constexpr):  # fmt: skip
     """``decode_mma._stage_words`` for a head pair (records at ``r32`` and ``r32b``): K word
     ``w`` of virtual channel ``c`` is word ``w`` of channel ``c % 64`` in head ``c // 64``'s
     record; a token's virtual V row is the two heads' 64-channel rows one after the other
     (``2 VB`` words each). Each lane picks its head's record pointer once, so its offsets
-    are small constants over its registers (one base a lane, immediate offsets)."""
+    are small constants over its registers (one base a lane, immediate offsets). ``ok2``
+    false: no second head, its half of the stage is zero-filled (nothing read)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 64 * VB // 32
     # K: row r, lane c + 4 w: virtual channel 32 c + r (head c // 2, channel 32 (c % 2) + r)
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, M._CPK))
     ln = gl.arange(0, 32, layout=gl.SliceLayout(0, M._CPK))
-    kb = gl.where(((ln >> 1) & 1) == 1, r32b, r32) + (K_OFF // 4 + half * 8)
+    kh = ((ln >> 1) & 1) == 1
+    kb = gl.where(kh, r32b, r32) + (K_OFF // 4 + half * 8)
     koff = r[:, None] * (G // 8) + ((ln & 1) * (32 * (G // 8)) + (ln >> 2))[None, :]
-    async_copy.async_copy_global_to_shared(sk, kb[None, :] + koff, mask=(koff >= 0) & ok)
+    km = (koff >= 0) & ((ok & (kh == 0)) | ok2)[None, :]
+    async_copy.async_copy_global_to_shared(sk, kb[None, :] + koff, mask=km)
     # V: row i * HV + x, lane c + 4 g: token 16 c + i, virtual word g HV + x (head g // 4)
     CPV: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[16 * HV, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
     )
     vr = gl.arange(0, 16 * HV, layout=gl.SliceLayout(1, CPV))
     vl = gl.arange(0, 32, layout=gl.SliceLayout(0, CPV))
-    vb = gl.where((vl >> 4) == 1, r32b, r32) + (V_OFF // 4 + half * (64 * WV))
-    voff = ((vr // HV) * WV + vr % HV)[:, None] + ((vl & 3) * (16 * WV) + ((vl >> 2) & 3) * HV)[None, :]
-    async_copy.async_copy_global_to_shared(sv, vb[None, :] + voff, mask=(voff >= 0) & ok)
+    vh = (vl >> 4) == 1
+    vb = gl.where(vh, r32b, r32) + (V_OFF // 4 + half * (64 * WV))
+    vlane = (vl & 3) * (16 * WV) + ((vl >> 2) & 3) * HV
+    voff = ((vr // HV) * WV + vr % HV)[:, None] + vlane[None, :]
+    vm = (voff >= 0) & ((ok & (vh == 0)) | ok2)[None, :]
+    async_copy.async_copy_global_to_shared(sv, vb[None, :] + voff, mask=vm)
 
 
 @gluon.jit
@@ -84,25 +91,26 @@ def _runs(r16, r16b, rows, RUN: gl.constexpr):
 
 
 @gluon.jit
-def _stage_vectors(skc, skz, skr, svc, svr, svz, r16, r16b, ok, half, KCS_OFF, KZP_OFF, KRS_OFF,
-                   VCS_OFF, VRS_OFF, VZP_OFF):  # fmt: skip
+def _stage_vectors(skc, skz, skr, svc, svr, svz, r16, r16b, ok, ok2, half, KCS_OFF, KZP_OFF,
+                   KRS_OFF, VCS_OFF, VRS_OFF, VZP_OFF):  # fmt: skip
     """The channel vectors of the virtual 128 channels (K scale and zero point [4, 32], V
     scale [8, 16], as ``decode_mma_t`` reads them) and the token vectors of both heads
     ([16, 8]: rows 0-7 head ``h``, 8-15 head ``h + 1``)."""
     c32 = gl.arange(0, 4, layout=gl.SliceLayout(1, M._CP32))
     j32 = gl.arange(0, 32, layout=gl.SliceLayout(0, M._CP32))
     p32 = _runs(r16, r16b, c32, 32)[:, None] + j32[None, :]
-    m32 = (j32[None, :] >= 0) & ok
+    m32 = (j32[None, :] >= 0) & ((ok & (c32 < 2)) | ok2)[:, None]
     async_copy.async_copy_global_to_shared(skc, p32 + KCS_OFF // 2, mask=m32)
     async_copy.async_copy_global_to_shared(skz, p32 + KZP_OFF // 2, mask=m32)
     g16 = gl.arange(0, 8, layout=gl.SliceLayout(1, M._CP816))
     i16 = gl.arange(0, 16, layout=gl.SliceLayout(0, M._CP816))
     pc = _runs(r16, r16b, g16, 16)[:, None] + i16[None, :]
-    async_copy.async_copy_global_to_shared(svc, pc + VCS_OFF // 2, mask=(i16[None, :] >= 0) & ok)
+    mc = (i16[None, :] >= 0) & ((ok & (g16 < 4)) | ok2)[:, None]
+    async_copy.async_copy_global_to_shared(svc, pc + VCS_OFF // 2, mask=mc)
     g8 = gl.arange(0, 16, layout=gl.SliceLayout(1, _CP168))
     i8 = gl.arange(0, 8, layout=gl.SliceLayout(0, _CP168))
     pt = _runs(r16, r16b, g8, 8)[:, None] + (i8[None, :] + half * 64)
-    mt = (i8[None, :] >= 0) & ok
+    mt = (i8[None, :] >= 0) & ((ok & (g8 < 8)) | ok2)[:, None]
     async_copy.async_copy_global_to_shared(skr, pt + KRS_OFF // 2, mask=mt)
     async_copy.async_copy_global_to_shared(svr, pt + VRS_OFF // 2, mask=mt)
     async_copy.async_copy_global_to_shared(svz, pt + VZP_OFF // 2, mask=mt)
@@ -148,9 +156,10 @@ def issue_stage(
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
     ok = uu < u1
-    _stage_words(sk, sv, r32, r32 + dh * (REC // 4), ok, half, K_OFF, V_OFF, VB, G)
-    _stage_vectors(skc, skz, skr, svc, svr, svz, r16, r16 + dh * (REC // 2), ok, half, KCS_OFF,
-                   KZP_OFF, KRS_OFF, VCS_OFF, VRS_OFF, VZP_OFF)  # fmt: skip
+    ok2 = ok & (dh > 0)  # the odd head out: the second half of the stage zero-filled
+    _stage_words(sk, sv, r32, r32 + dh * (REC // 4), ok, ok2, half, K_OFF, V_OFF, VB, G)
+    _stage_vectors(skc, skz, skr, svc, svr, svz, r16, r16 + dh * (REC // 2), ok, ok2, half,
+                   KCS_OFF, KZP_OFF, KRS_OFF, VCS_OFF, VRS_OFF, VZP_OFF)  # fmt: skip
     async_copy.commit_group()
 
 
