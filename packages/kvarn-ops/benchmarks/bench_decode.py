@@ -63,6 +63,10 @@ GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     (1, 32768, 32, 8, 64, "kvarn_k4v2_g64"),
     (32, 16384, 32, 8, 64, "kvarn_k4v4_g64"),
     (64, 16384, 9, 3, 64, "kvarn_k4v2_g64"),
+    # head_dim 64 with 5-8 query rows per KV head (one head a program): TinyLlama (32 / 4),
+    # Qwen2.5-0.5B (14 / 2)
+    (32, 16384, 32, 4, 64, "kvarn_k4v2_g64"),
+    (64, 16384, 14, 2, 64, "kvarn_k4v2_g64"),
 ]
 QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
 #: ``--grid``: the issue's sweep. Llama-3.1-8B geometry, k4v2 g64, every context x batch; the

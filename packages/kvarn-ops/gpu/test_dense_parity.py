@@ -297,6 +297,8 @@ DECODE_GEOMETRIES = [  # (Hq, Hkv, D): Llama-3.1-8B, Qwen-style GQA 8, small d64
     (64, 2, 128),  # GQA 32
     (32, 8, 64),  # Llama-3.2-1B: d64 GQA 4 (head pairs in the transposed MMA kernel)
     (16, 8, 64),  # d64 GQA 2
+    (32, 4, 64),  # TinyLlama: d64 GQA 8 (one KV head a program of the transposed kernel)
+    (14, 2, 64),  # Qwen2.5-0.5B: d64 GQA 7
 ]
 DECODE_CASES = [
     # (format, geometry index, seq_lens, T, q dtype, pool dtype)
@@ -338,10 +340,14 @@ DECODE_CASES = [
     ("kvarn_k4v4_g64", 8, [2, 65, 130, 3000], 2, torch.float16, torch.float8_e4m3fn),
     ("kvarn_k4v2_g64", 8, [4, 66, 1000], 2, torch.bfloat16, torch.bfloat16),
     ("kvarn_k4v4_g128", 4, [4, 128, 257, 9000], 4, torch.bfloat16, torch.bfloat16),
+    # head_dim 64 with 5-8 rows a head: one KV head a program
+    ("kvarn_k4v2_g64", 9, [1, 65, 4113, 32768], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v4_g64", 10, [3, 64, 200, 2049], 1, torch.float16, torch.float8_e4m3fn),
+    ("kvarn_k4v2_g128", 8, [3, 128, 257, 5000], 3, torch.bfloat16, torch.bfloat16),
 ]
-#: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, <= 16 rows at d128, head
-#: pairs of <= 4 rows each at d64)
-MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22, 23, 24, 25, 26, 27}
+#: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, <= 16 rows at d128, <= 8
+#: rows at d64: head pairs up to 4 rows each)
+MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 31)}
 
 
 ILL_CONDITIONED_CASES = [
@@ -355,6 +361,7 @@ ILL_CONDITIONED_CASES = [
     # head pairs (d64): an odd head out, 2-token causal rows with 4-bit V
     ("kvarn_k4v2_g64", 64, 3, 3, 1),
     ("kvarn_k4v4_g64", 64, 2, 2, 2),
+    ("kvarn_k4v2_g64", 64, 2, 8, 1),  # one head a program (8 rows)
 ]
 
 

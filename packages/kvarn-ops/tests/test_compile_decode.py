@@ -316,7 +316,7 @@ def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0, d=
         LAG=lag,
     )  # fmt: skip
     if transposed:
-        consts["PAIR"] = d == 64
+        consts["PAIR"] = (2 if 2 * t * gqa <= 8 else 1) if d == 64 else 0
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
         consts[name] = c[name]
     consts["VZP_OFF"] = c["VZP_OFF"]
@@ -427,15 +427,17 @@ PAIR_CASES = [
     ("kvarn_k4v4_g64", 2, 2, "*fp16"),  # 4-bit V, 2-token causal rows (4 a head)
     ("kvarn_k4v2_g128", 3, 1, "*bf16"),  # SmolLM2's GQA 3, 128-token records
     ("kvarn_k4v4_g128", 1, 4, "*fp32"),
+    ("kvarn_k4v2_g64", 8, 1, "*bf16"),  # TinyLlama's GQA 8: one head a program
+    ("kvarn_k4v4_g64", 7, 1, "*fp16"),  # Qwen2.5-0.5B's GQA 7
 ]
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
 def test_mma_decode_head_pairs_compile(target, case):
-    """head_dim 64 through the transposed kernel, two KV heads a program
-    (``decode_mma_pair``): the 128-channel kernel's MMAs and unpack, both records' token
-    vectors staged (twice the [8, 8] tiles), no spill (offline: 212-255 registers)."""
+    """head_dim 64 through the transposed kernel, two KV heads a program up to 4 rows a head,
+    else one (``decode_mma_pair``): the 128-channel kernel's MMAs and unpack, both records'
+    token vectors staged (twice the [8, 8] tiles), no spill (offline: 212-255 registers)."""
     from kvarn_ops.kernels import decode_mma_t
 
     src = _mma_source(*case, nbuf=2, transposed=True, d=64)

@@ -1216,11 +1216,12 @@ def _launch(
         c = _layout_consts(format_name, d)
         mod, mod_t = _mma_module()
         kern = mod.mma_decode_kernel
-        pair = d == 64  # two 64-channel KV heads per program (decode_mma_pair)
+        # head_dim 64: one or two KV heads per program of the transposed kernel (decode_mma_pair)
+        pair = (2 if 2 * t * (hq // hkv) <= 8 else 1) if d == 64 else 0
         if pair or (_MMA_TRANSPOSED and t * (hq // hkv) <= 8 and _MMA_STAGES >= 2):
             kern = mod_t.mma_decode_t_kernel
-        extra = {"PAIR": True} if pair else {}
-        kern[(num_splits, b * (-(-hkv // 2) if pair else hkv))](
+        extra = {"PAIR": pair} if pair else {}
+        kern[(num_splits, b * (-(-hkv // pair) if pair else hkv))](
             q,
             packed.view(torch.float16),
             packed.view(torch.int32),

@@ -21,6 +21,10 @@ per program the same instructions per 64-token block as at head_dim 128, and the
 first one again, its rows masked. The Walsh-Hadamard rotation of q runs over each head's 64
 channels (six stages, the 128-channel transform without its stage on channel bit 6).
 
+With 5 to 8 rows a head (TinyLlama's GQA 8, Qwen2.5-0.5B's GQA 7) the rows do not fit twice:
+a program then takes one KV head (``PAIR = 1``), the second half of every stage zero-filled
+(nothing read), so it does a pair's work for one head's bytes.
+
 This file holds what differs: the staging addresses, the query rows and the row bookkeeping.
 """
 

@@ -331,24 +331,29 @@ def mma_decode_t_kernel(
     G: gl.constexpr = 64,
     PDL: gl.constexpr = False,
     LAG: gl.constexpr = 0,
-    PAIR: gl.constexpr = False,
+    PAIR: gl.constexpr = 0,
 ):
     """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2). With
-    ``PAIR`` the heads have 64 channels and program ``(split, b * ceil(Hkv / 2) + j)`` takes
-    KV heads ``2 j`` and ``2 j + 1`` (``decode_mma_pair``; T * GQA <= 4); ``REC`` and the
-    offsets are then the 64-channel record's."""
+    ``PAIR`` the heads have 64 channels (``decode_mma_pair``; ``REC`` and the offsets are
+    then the 64-channel record's): at ``PAIR = 2`` program ``(split, b * ceil(Hkv / 2) + j)``
+    takes KV heads ``2 j`` and ``2 j + 1`` (T * GQA <= 4), at ``PAIR = 1`` one KV head
+    (T * GQA <= 8; the second head's half of each stage zero-filled)."""
     if PDL:
         M.launch_dependents()
-    gl.static_assert(T * GQA <= (4 if PAIR else 8))
+    gl.static_assert(T * GQA <= (4 if PAIR == 2 else 8))
     gl.static_assert(NBUF >= 2)
     QB: gl.constexpr = _as_linear(gl.to_linear_layout(_OPB, [32, 8]))
     split = gl.program_id(0)
     bh = gl.program_id(1)
-    if PAIR:
+    if PAIR == 2:
         npairs = (num_kv_heads + 1) // 2
         b = bh // npairs
         h = (bh % npairs) * 2
         dh = gl.minimum(h + 1, num_kv_heads - 1) - h  # 0: the odd head out has no partner
+    elif PAIR == 1:
+        b = bh // num_kv_heads
+        h = bh % num_kv_heads
+        dh = h - h  # no second head
     else:
         b = bh // num_kv_heads
         h = bh % num_kv_heads
