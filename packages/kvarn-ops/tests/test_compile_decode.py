@@ -316,7 +316,7 @@ def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0, d=
         LAG=lag,
     )  # fmt: skip
     if transposed:
-        consts["PAIR"] = (2 if 2 * t * gqa <= 8 else 1) if d == 64 else 0
+        consts["PAIR"] = KD.mma_heads_per_program(d, t * gqa)
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
         consts[name] = c[name]
     consts["VZP_OFF"] = c["VZP_OFF"]
@@ -420,6 +420,31 @@ def test_mma_decode_transposed_compiles(target, case):
     # its two cross-lane stages: one butterfly shuffle per register each
     assert ptx.count("shfl.sync.bfly.b32") >= 64
     assert "popc" not in ptx  # no sign matrix
+
+
+def test_mma_decode_scope_and_splits():
+    """Which geometries the MMA kernels take (4-bit K, 2/4-bit V, G 64/128; d128 up to 16
+    query rows a KV head, d64 up to 8: head pairs up to 4 rows each), and the workspace's
+    split count sized for the programs of two heads at d64."""
+    from kvarn_ops.kernels import decode_mma
+
+    ok = decode_mma.mma_decode_supported
+    assert ok(4, 2, 64, 128, 16) and not ok(4, 2, 64, 128, 17)
+    assert ok(4, 2, 64, 64, 4) and ok(4, 4, 128, 64, 8) and not ok(4, 2, 64, 64, 9)
+    assert not ok(2, 2, 64, 64, 4) and not ok(4, 3, 64, 64, 4) and not ok(4, 2, 32, 64, 4)
+    assert not ok(4, 2, 64, 256, 4) and not ok(4, 2, 64, 96, 4) and not ok(4, 2, 64, 64, 0)
+
+    def splits(b, t, hq, hkv, d):
+        ws = KD.decode_workspace(b, t, hq, hkv, d, 32768, 64, device="cpu")
+        return ws.numel() // (b * t * hq * (d + 1))
+
+    # 8 one-warp programs per SM on 132 SMs: 1,056 / (batch x programs per step)
+    assert splits(32, 1, 32, 8, 64) == KD.decode_num_splits(32, 4, 32768, 64) == 8
+    assert splits(32, 1, 32, 8, 128) == KD.decode_num_splits(32, 8, 32768, 64) == 4
+    assert splits(8, 1, 9, 3, 64) == KD.decode_num_splits(8, 2, 32768, 64) == 66
+    # 5-8 rows a head: one head a program
+    assert splits(32, 1, 32, 4, 64) == KD.decode_num_splits(32, 4, 32768, 64)
+    assert splits(32, 2, 32, 8, 64) == KD.decode_num_splits(32, 8, 32768, 64)
 
 
 PAIR_CASES = [

@@ -1019,6 +1019,15 @@ def combine_config(head_dim: int, num_splits: int) -> tuple[dict, dict]:
     return dict(SC=sc), dict(num_warps=8 if sc * head_dim > 4096 else 4)
 
 
+def mma_heads_per_program(head_dim: int, rows: int) -> int:
+    """KV heads per program of the transposed MMA kernel at head_dim 64 (``decode_mma_pair``):
+    2 where ``rows`` query rows (T * GQA) fit its 8 columns twice, else 1; 0 at other
+    head_dims (one 128-channel head, the kernel's own layout)."""
+    if head_dim != 64:
+        return 0
+    return 2 if 2 * rows <= 8 else 1
+
+
 def decode_num_splits(
     batch: int,
     num_kv_heads: int,
@@ -1056,14 +1065,17 @@ def decode_workspace(
     """Scratch for :func:`decode`: float32 ``[S * B * T * Hq * (D + 1)]``.
 
     Allocate once per geometry (outside CUDA-graph capture). ``S`` (the largest split count)
-    defaults to :func:`decode_num_splits`; the live split count of each call is at most ``S``
-    and follows each request's live context length.
+    defaults to :func:`decode_num_splits` of the programs a step launches (at head_dim 64 up to
+    two KV heads a program, :func:`mma_heads_per_program`, whichever kernel serves the format);
+    the live split count of each call is at most ``S`` and follows each request's live context
+    length.
     """
     if num_splits is None:
-        # at head_dim 64 the MMA kernel's programs take two KV heads each (decode_mma_pair)
-        pairs = head_dim == 64 and 2 * query_len * (num_q_heads // max(1, num_kv_heads)) <= 8
-        heads = -(-num_kv_heads // 2) if pairs else num_kv_heads
-        num_splits = decode_num_splits(batch, heads, max_seq_len, block_size, device)
+        # at head_dim 64 the MMA kernel's programs take up to two KV heads each
+        rows = query_len * (num_q_heads // max(1, num_kv_heads))
+        hpp = max(1, mma_heads_per_program(head_dim, rows))
+        num_splits = decode_num_splits(batch, -(-num_kv_heads // hpp), max_seq_len, block_size,
+                                       device)  # fmt: skip
     if not 1 <= num_splits <= DECODE_MAX_SPLITS:
         raise ValueError(f"num_splits: must be in [1, {DECODE_MAX_SPLITS}], got {num_splits}")
     n = num_splits * batch * query_len * num_q_heads * (head_dim + 1)
@@ -1216,8 +1228,7 @@ def _launch(
         c = _layout_consts(format_name, d)
         mod, mod_t = _mma_module()
         kern = mod.mma_decode_kernel
-        # head_dim 64: one or two KV heads per program of the transposed kernel (decode_mma_pair)
-        pair = (2 if 2 * t * (hq // hkv) <= 8 else 1) if d == 64 else 0
+        pair = mma_heads_per_program(d, t * (hq // hkv))
         if pair or (_MMA_TRANSPOSED and t * (hq // hkv) <= 8 and _MMA_STAGES >= 2):
             kern = mod_t.mma_decode_t_kernel
         extra = {"PAIR": pair} if pair else {}

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from kvarn_ops.kernels import decode_mma as M
 
-__all__ = ["PAIR_D", "pair_rows_fit"]
+__all__ = ["PAIR_D"]
 
 PAIR_D = 64
 """The head_dim whose KV heads the transposed kernel takes in pairs."""
@@ -45,11 +45,6 @@ PAIR_D = 64
 _CP168: gl.constexpr = gl.BlockedLayout(
     size_per_thread=[1, 8], threads_per_warp=[16, 2], warps_per_cta=[1, 1], order=[1, 0]
 )
-
-
-def pair_rows_fit(rows: int) -> bool:
-    """Whether ``rows`` query rows per KV head (T * GQA) fit the 8 columns twice."""
-    return 1 <= rows and 2 * rows <= 8
 
 
 @gluon.jit

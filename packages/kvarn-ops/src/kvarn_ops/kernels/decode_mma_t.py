@@ -340,7 +340,8 @@ def mma_decode_t_kernel(
     (T * GQA <= 8; the second head's half of each stage zero-filled)."""
     if PDL:
         M.launch_dependents()
-    gl.static_assert(T * GQA <= (4 if PAIR == 2 else 8))
+    ROWS_MAX: gl.constexpr = 4 if PAIR == 2 else 8
+    gl.static_assert(T * GQA <= ROWS_MAX)
     gl.static_assert(NBUF >= 2)
     QB: gl.constexpr = _as_linear(gl.to_linear_layout(_OPB, [32, 8]))
     split = gl.program_id(0)
