@@ -67,6 +67,10 @@ GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     # Qwen2.5-0.5B (14 / 2)
     (32, 16384, 32, 4, 64, "kvarn_k4v2_g64"),
     (64, 16384, 14, 2, 64, "kvarn_k4v2_g64"),
+    # head_dim 256 (the two-half MMA kernel): Gemma-3-12B (16 / 8 heads)
+    (64, 16384, 16, 8, 256, "kvarn_k4v2_g64"),
+    (8, 32768, 16, 8, 256, "kvarn_k4v2_g64"),
+    (1, 32768, 16, 8, 256, "kvarn_k4v2_g64"),
 ]
 QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
 #: ``--grid``: the issue's sweep. Llama-3.1-8B geometry, k4v2 g64, every context x batch; the

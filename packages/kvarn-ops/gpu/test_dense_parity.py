@@ -299,6 +299,7 @@ DECODE_GEOMETRIES = [  # (Hq, Hkv, D): Llama-3.1-8B, Qwen-style GQA 8, small d64
     (16, 8, 64),  # d64 GQA 2
     (32, 4, 64),  # TinyLlama: d64 GQA 8 (one KV head a program of the transposed kernel)
     (14, 2, 64),  # Qwen2.5-0.5B: d64 GQA 7
+    (16, 8, 256),  # Gemma-3-12B: d256 GQA 2 (the two-half MMA kernel)
 ]
 DECODE_CASES = [
     # (format, geometry index, seq_lens, T, q dtype, pool dtype)
@@ -344,10 +345,16 @@ DECODE_CASES = [
     ("kvarn_k4v2_g64", 9, [1, 65, 4113, 32768], 1, torch.bfloat16, torch.bfloat16),
     ("kvarn_k4v4_g64", 10, [3, 64, 200, 2049], 1, torch.float16, torch.float8_e4m3fn),
     ("kvarn_k4v2_g128", 8, [3, 128, 257, 5000], 3, torch.bfloat16, torch.bfloat16),
+    # head_dim 256: each block as two 128-channel halves (decode_mma_d256)
+    ("kvarn_k4v2_g64", 3, [1, 63, 64, 65, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v4_g128", 3, [4, 130, 3000], 2, torch.float16, torch.float8_e4m3fn),
+    ("kvarn_k4v2_g64", 11, [32768 + 5], 1, torch.bfloat16, torch.float8_e4m3fn),
+    ("kvarn_k4v2_g128", 11, [2, 128, 257, 5000], 2, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k4v4_g64", 11, [4096 + 7] * 32, 1, torch.float16, torch.bfloat16),
 ]
 #: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, <= 16 rows at d128, <= 8
-#: rows at d64: head pairs up to 4 rows each)
-MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 31)}
+#: rows at d64 (head pairs up to 4 rows each) and d256)
+MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 36)}
 
 
 ILL_CONDITIONED_CASES = [
@@ -362,6 +369,9 @@ ILL_CONDITIONED_CASES = [
     ("kvarn_k4v2_g64", 64, 3, 3, 1),
     ("kvarn_k4v4_g64", 64, 2, 2, 2),
     ("kvarn_k4v2_g64", 64, 2, 8, 1),  # one head a program (8 rows)
+    # d256: two 128-channel halves
+    ("kvarn_k4v2_g64", 256, 2, 4, 1),
+    ("kvarn_k4v4_g64", 256, 1, 2, 2),
 ]
 
 
@@ -562,10 +572,11 @@ def _check_decode_replays(gen, cache, q, grow):
         assert_decode_error(out, q, cache, scale, ref)
 
 
-@pytest.mark.parametrize("d", [128, 64], ids=["d128", "d64_pairs"])
+@pytest.mark.parametrize("d", [128, 64, 256], ids=["d128", "d64_pairs", "d256_halves"])
 def test_decode_cuda_graph_replay(gen, d):
     """Captured once, replayed with new queries and longer contexts: no host sync inside,
-    split count read from the device, results equal to eager calls (d64: the head pairs)."""
+    split count read from the device, results equal to eager calls (d64: the head pairs,
+    d256: the two-half kernel)."""
     hq, hkv = 32, 8
     lens = [5000, 70, 20000, 640]
     # built up to a block's last token past the longest replay (+78): the exact pool's tail

@@ -152,6 +152,8 @@ def test_split_kernel_compiles(case, target):
         (128, "bfloat16", True, "bfloat16"),
         (128, "float16", True, "float8_e4m3fn"),
         (64, "float32", True, "float16"),
+        (256, "bfloat16", True, "bfloat16"),
+        (256, "float16", True, "float8_e4m3fn"),
     ],
 )
 def test_combine_kernel_compiles(d, out, tail, pool, splits, target):
@@ -306,16 +308,18 @@ def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0, d=
     """The Gluon MMA decode kernel's source (``d`` 64: the transposed kernel on head pairs)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kvarn_ops.kernels import decode_mma, decode_mma_t
+    from kvarn_ops.kernels import decode_mma, decode_mma_d256, decode_mma_t
 
     kern = decode_mma_t.mma_decode_t_kernel if transposed else decode_mma.mma_decode_kernel
+    if d == 256:
+        kern = decode_mma_d256.mma_decode_t256_kernel
 
     c = KD._layout_consts(fmt, d)
     consts = dict(
         T=t, GQA=gqa, VB=c["VB"], REC=c["REC"], S=16, MIN_UNITS=2, NBUF=nbuf, G=c["G"], PDL=pdl,
         LAG=lag,
     )  # fmt: skip
-    if transposed:
+    if transposed and d != 256:
         consts["PAIR"] = KD.mma_heads_per_program(d, t * gqa)
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
         consts[name] = c[name]
@@ -432,7 +436,8 @@ def test_mma_decode_scope_and_splits():
     assert ok(4, 2, 64, 128, 16) and not ok(4, 2, 64, 128, 17)
     assert ok(4, 2, 64, 64, 4) and ok(4, 4, 128, 64, 8) and not ok(4, 2, 64, 64, 9)
     assert not ok(2, 2, 64, 64, 4) and not ok(4, 3, 64, 64, 4) and not ok(4, 2, 32, 64, 4)
-    assert not ok(4, 2, 64, 256, 4) and not ok(4, 2, 64, 96, 4) and not ok(4, 2, 64, 64, 0)
+    assert ok(4, 2, 64, 256, 8) and ok(4, 4, 128, 256, 1) and not ok(4, 2, 64, 256, 9)
+    assert not ok(4, 2, 64, 96, 4) and not ok(4, 2, 64, 512, 4) and not ok(4, 2, 64, 64, 0)
 
     def splits(b, t, hq, hkv, d):
         ws = KD.decode_workspace(b, t, hq, hkv, d, 32768, 64, device="cpu")
@@ -455,6 +460,38 @@ PAIR_CASES = [
     ("kvarn_k4v2_g64", 8, 1, "*bf16"),  # TinyLlama's GQA 8: one head a program
     ("kvarn_k4v4_g64", 7, 1, "*fp16"),  # Qwen2.5-0.5B's GQA 7
 ]
+
+
+D256_CASES = [
+    ("kvarn_k4v2_g64", 4, 1, "*bf16"),
+    ("kvarn_k4v4_g64", 2, 2, "*fp16"),  # Gemma-2/3's GQA 2, 2-token causal rows
+    ("kvarn_k4v2_g128", 8, 1, "*fp32"),
+    ("kvarn_k4v4_g128", 4, 1, "*bf16"),
+]
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("case", D256_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
+def test_mma_decode_d256_compiles(target, case):
+    """head_dim 256 (``decode_mma_d256``): a block as two 128-channel halves, scores of both
+    into one accumulator, values into eight; the q parts read from shared memory in the loop
+    (``ldmatrix``, not hoisted into registers), no spill (offline: 209-220 registers)."""
+    from kvarn_ops.kernels import decode_mma_t
+
+    src = _mma_source(*case, nbuf=2, transposed=True, d=256)
+    k = triton.compile(src, target=target, options=dict(num_warps=1))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    vb = KD._layout_consts(case[0], 256)["VB"]
+    print(f"{case} sm{target.arch}: {regs} registers, {frame} B spill frame")
+    assert frame == 0, f"{frame} B of spill frame"
+    # a stage: twice the 128-channel record's words and channel vectors, one head's token
+    # vectors; the q parts 16 x [32, 8] fp16
+    assert k.metadata.shared == 2 * (8192 + 2048 * vb + 1024 + 512 + 3 * 128) + 8192
+    ones = 4 if vb == 2 and not decode_mma_t.SUBNORMAL_CODES else 0
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 2 * 80 + 64 + ones
+    assert ptx.count("ldmatrix") >= 16  # the q parts, in the loop
+    assert "popc" not in ptx
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")

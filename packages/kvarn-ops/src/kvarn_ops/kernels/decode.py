@@ -1178,8 +1178,9 @@ always does (tests set it to check that combine path under the interpreter)."""
 
 
 def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int, t: int | None = None) -> bool:
-    """The Gluon kernel (``decode_mma.py``) serves 4-bit K, 2/4-bit V, G 64 or 128, d128 on
-    sm_80+, up to 16 query rows per KV head (``t`` query tokens; default: q's)."""
+    """The Gluon kernels (``decode_mma.py`` and the transposed ones) serve 4-bit K, 2/4-bit V,
+    G 64 or 128 on sm_80+: d128 up to 16 query rows per KV head (``t`` query tokens; default:
+    q's), d64 and d256 up to 8."""
     if not cuda_feature(q, "KVARN_DECODE_MMA", (8, 0)):
         return False
     c = _layout_consts(format_name, q.shape[3])
@@ -1194,7 +1195,7 @@ def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int, t: int | None =
 
 @functools.cache
 def _mma_module():
-    return gluon_modules("decode_mma", "decode_mma_t")
+    return gluon_modules("decode_mma", "decode_mma_t", "decode_mma_d256")
 
 
 def _launch(
@@ -1226,11 +1227,13 @@ def _launch(
     pdl = cuda_feature(q, "KVARN_DECODE_PDL", (9, 0))  # combine as programmatic dependent
     if mma:
         c = _layout_consts(format_name, d)
-        mod, mod_t = _mma_module()
+        mod, mod_t, mod_256 = _mma_module()
         kern = mod.mma_decode_kernel
         pair = mma_heads_per_program(d, t * (hq // hkv))
         if pair or (_MMA_TRANSPOSED and t * (hq // hkv) <= 8 and _MMA_STAGES >= 2):
             kern = mod_t.mma_decode_t_kernel
+        if d == 256:
+            kern = mod_256.mma_decode_t256_kernel  # two 128-channel halves a block
         extra = {"PAIR": pair} if pair else {}
         kern[(num_splits, b * (-(-hkv // pair) if pair else hkv))](
             q,

@@ -53,7 +53,8 @@ whole records, as in the combine's formula), head_dim 128, at most 16 query rows
 (T * GQA), one warp per program; up to 8 rows take ``decode_mma_t.py`` (rows in the MMA's N
 dimension), which reuses this file's loads and unpack, and at head_dim 64 takes two KV heads
 per program as one 128-channel head (``decode_mma_pair.py``: at most 4 rows a head; up to 8
-rows, one head a program). Both read
+rows, one head a program); at head_dim 256 ``decode_mma_d256.py`` reads each block as two
+128-channel halves. All read
 full blocks only; the exact
 tail is folded in by the combine kernel (``decode._decode_combine_kernel`` with
 ``TAIL=True``). Everything else uses the Triton split kernel. Gluon kernels do not run under
@@ -174,13 +175,14 @@ _CPV16: gl.constexpr = gl.BlockedLayout(
 
 def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: int, rows: int):
     """Whether a geometry takes an MMA kernel (on a GPU with mma.sync, i.e. sm_80 and newer):
-    this one or ``decode_mma_t`` at head_dim 128, or ``decode_mma_t`` at head_dim 64 with up
-    to 8 rows (``decode_mma_pair``: two KV heads a program up to 4 rows each, else one)."""
+    this one or ``decode_mma_t`` at head_dim 128, ``decode_mma_t`` at head_dim 64 with up to 8
+    rows (``decode_mma_pair``: two KV heads a program up to 4 rows each, else one), or
+    ``decode_mma_d256`` at head_dim 256 with up to 8 rows."""
     if k_bits != 4 or v_bits not in (2, 4) or block_size not in MMA_DECODE_GROUPS:
         return False
     if head_dim == MMA_DECODE_D:
         return rows <= 16
-    return head_dim == MMA_DECODE_D // 2 and 1 <= rows <= 8
+    return head_dim in (MMA_DECODE_D // 2, 2 * MMA_DECODE_D) and 1 <= rows <= 8
 
 
 @gluon.jit
