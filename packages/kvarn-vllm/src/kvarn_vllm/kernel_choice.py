@@ -3,9 +3,13 @@
 The choice is explicit and made once per process (logged once):
 
 - ``reference`` (``kvarn_ops.reference``): every CPU device, and anywhere on request.
-- ``triton`` (``kvarn_ops.<op>`` launchers): the default on CUDA.
-- ``cutedsl`` (kvarn-cutedsl's decode; store/flush/materialize stay on Triton): on CUDA when
-  kvarn-cutedsl is installed and its capability gate admits the device.
+- ``triton`` (``kvarn_ops.<op>`` launchers: Triton, and the Gluon tensor-core decode kernels
+  where they apply): the default on CUDA.
+- ``cutedsl`` (kvarn-cutedsl's decode; store/flush/materialize stay on Triton): on request,
+  where kvarn-cutedsl is installed and its capability gate admits the device and geometry.
+  Not chosen automatically: on the H200 its decode (a scalar GEMV, 1.0.0) reaches 6-15% of
+  the copy bandwidth, kvarn-ops's 44-62% on the geometries both serve (each package's
+  BENCHMARKS.md).
 
 One setting overrides it: the environment variable ``KVARN_DECODE_KERNEL`` =
 ``auto`` (default) | ``triton`` | ``cutedsl`` | ``reference``. An explicit choice that cannot run
@@ -115,7 +119,7 @@ def choose_kernel(
     if raw not in CHOICES:
         raise ValueError(
             f"{ENV_VAR}={raw!r} is not one of {', '.join(CHOICES)}; unset it for the automatic "
-            "choice (reference on CPU, CuTe DSL where its gate admits the GPU, else Triton)"
+            "choice (reference on CPU, Triton on CUDA)"
         )
     if raw == "reference":
         return KernelChoice("reference", f"{ENV_VAR}=reference")
@@ -131,13 +135,11 @@ def choose_kernel(
         if problem is not None:
             raise ValueError(f"{ENV_VAR}=cutedsl but {problem}: set {ENV_VAR}=triton (or unset it)")
         return KernelChoice("cutedsl", f"{ENV_VAR}=cutedsl")
-    # auto
+    # auto: kvarn-ops on CUDA (its decode is the faster one wherever both serve; cutedsl only
+    # on request)
     if device_type != "cuda":
         return KernelChoice("reference", f"device {device_type!r} has no Triton kernels")
-    problem = cutedsl_probe(device_type, device_index, geometry)
-    if problem is None:
-        return KernelChoice("cutedsl", "kvarn-cutedsl is installed and admits the device")
-    return KernelChoice("triton", f"CUDA device; CuTe DSL not used: {problem}")
+    return KernelChoice("triton", f"CUDA device ({ENV_VAR}=cutedsl selects kvarn-cutedsl)")
 
 
 _LOGGED: set[tuple[str, str]] = set()
