@@ -376,6 +376,70 @@ def test_tail_folded_in_by_the_combine(case, monkeypatch):
     run_and_check(rng, fmt, d, hkv, gqa, t, seqs, pool)
 
 
+class _Launches:
+    """Stands in for a Gluon or Triton kernel: records ``kernel[grid](*args, **kwargs)``."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.name, tuple(grid), kwargs))
+
+
+ROUTES = [
+    # (format, D, Hkv, GQA, T): kernel, KV heads a program (0: the kernel's own 128 channels)
+    ("kvarn_k4v2_g64", 128, 8, 4, 1, "t", 0),
+    ("kvarn_k4v2_g64", 128, 2, 16, 1, "rows16", 0),
+    ("kvarn_k4v4_g128", 64, 8, 4, 1, "t", 2),
+    ("kvarn_k4v2_g64", 64, 3, 3, 1, "t", 2),
+    ("kvarn_k4v2_g64", 64, 2, 2, 2, "t", 2),
+    ("kvarn_k4v2_g64", 64, 4, 8, 1, "t", 1),
+    ("kvarn_k4v2_g64", 64, 2, 2, 3, "t", 1),
+    ("kvarn_k4v2_g64", 256, 8, 2, 1, "d256", 0),
+    ("kvarn_k4v4_g128", 256, 2, 4, 2, "d256", 0),
+]
+
+
+@pytest.mark.parametrize("case", ROUTES, ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}x{c[3]}-T{c[4]}")
+def test_mma_launch_routing(case, monkeypatch):
+    """Where the MMA kernels serve a call (here forced, as on a GPU), which kernel the
+    launcher starts, on which grid, with which record layout: d128 up to 8 rows the
+    transposed kernel, 9-16 the 16-row one; d64 the transposed kernel on head pairs up to 4
+    rows a head (``PAIR = 2``, ``ceil(Hkv / 2)`` programs a request and split), else one head
+    a program (``PAIR = 1``); d256 the two-half kernel. The split count is the workspace's,
+    sized for those programs."""
+    fmt, d, hkv, gqa, t, kern, pair = case
+    calls = []
+    mods = tuple(
+        type("M", (), {n: _Launches(k, calls)})
+        for n, k in (
+            ("mma_decode_kernel", "rows16"),
+            ("mma_decode_t_kernel", "t"),
+            ("mma_decode_t256_kernel", "d256"),
+        )
+    )
+    monkeypatch.setattr(kd, "_mma_module", lambda: mods)
+    monkeypatch.setattr(kd, "_use_mma_kernel", lambda *a, **k: True)
+    monkeypatch.setattr(kd, "_decode_combine_kernel", _Launches("combine", calls))
+    rng = np.random.default_rng([SEED, 700])
+    lens = [3 * 64 + 5, 40 * 64]
+    args, _ = build_case(rng, fmt, d, hkv, gqa, t, lens, torch.bfloat16, torch.float32, False)
+    b = len(lens)
+    ws = kd.decode_workspace(b, t, hkv * gqa, hkv, d, max(lens), args["layout"].block_size, "cpu")
+    splits = ws.numel() // (b * t * hkv * gqa * (d + 1))
+    programs = -(-hkv // pair) if pair else hkv
+    assert splits == kd.decode_num_splits(b, programs, max(lens), args["layout"].block_size)
+    kd.decode(**args, out=torch.empty(args["q"].shape), workspace=ws)
+    (name, grid, kw), (cname, cgrid, ckw) = calls
+    assert (name, cname) == (kern, "combine")
+    assert grid == (splits, b * programs)
+    assert kw.get("PAIR", 0) == pair
+    assert (kw["T"], kw["GQA"], kw["S"]) == (t, gqa, splits)
+    lay = kf.dense_layout(fmt, d)
+    assert kw["REC"] == lay.record_bytes and kw["V_OFF"] == lay.field("v_codes").offset
+    assert ckw["TAIL"] and ckw["D"] == d and cgrid == (b * t * hkv * gqa,)
+
+
 @pytest.mark.parametrize("tail_in_combine", [False, True], ids=["split_tail", "combine_tail"])
 def test_combine_reads_splits_by_tiles(tail_in_combine, monkeypatch):
     """The combine's tile loop (taken when all partial rows exceed one tile: d >= 256 with many
