@@ -41,6 +41,9 @@ OPS = {
     "combine_b1": ("_decode_combine_kernel", "k4v2 g64, B=1, 32K, 32/8/128"),
     "mma_t_b64": ("mma_decode_t_kernel", "k4v2 g64, B=64, 32K, 32/8/128"),
     "combine_b64": ("_decode_combine_kernel", "k4v2 g64, B=64, 32K, 32/8/128"),
+    # head_dim 64 on head pairs (decode_mma_pair.py) and 256 as two halves (decode_mma_d256.py)
+    "mma_pair_b64": ("mma_decode_t_kernel", "k4v2 g64, B=64, 32K, 32/8/64"),
+    "mma_d256_b64": ("mma_decode_t256_kernel", "k4v2 g64, B=64, 16K, 16/8/256"),
     "store": ("_store_kernel", "T=32768, Hkv 8, D 128, bf16 pool"),
     "materialize": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128"),
     # the Gluon full-block kernel (materialize_mma.py)
@@ -125,6 +128,12 @@ def run(op: str) -> None:
         if op.startswith("decode_"):  # the Triton split kernel
             bench_decode.kd._use_mma_kernel = lambda *a, **k: False
         args, _ = bench_decode.make_inputs(b, ctx, 32, 8, 128, "kvarn_k4v2_g64")
+        _fake_do_bench(lambda: bench_decode.kd.decode(*args))
+    elif op == "mma_pair_b64":
+        args, _ = bench_decode.make_inputs(64, 32768, 32, 8, 64, "kvarn_k4v2_g64")
+        _fake_do_bench(lambda: bench_decode.kd.decode(*args))
+    elif op == "mma_d256_b64":
+        args, _ = bench_decode.make_inputs(64, 16384, 16, 8, 256, "kvarn_k4v2_g64")
         _fake_do_bench(lambda: bench_decode.kd.decode(*args))
     elif op == "store":
         bench_kernels.bench_store(128, 8, 32768, 64, torch.bfloat16)
