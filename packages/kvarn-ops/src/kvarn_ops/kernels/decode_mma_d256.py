@@ -14,8 +14,7 @@ The halves' words, channel vectors (K scale and zero point, V scale) sit in one 
 side; the token vectors (row scales, V zero points) are the head's, staged once. q is rotated by
 the 256-point Walsh-Hadamard transform as two 128-point transforms and one butterfly between
 the halves; its fp16 parts (``hi + lo`` per 32-channel chunk, 64 registers at d256) wait in
-shared memory and each chunk's are read where its score operand is formed, through a
-loop-dependent view (otherwise the compiler hoists the reads and keeps all 64 registers).
+shared memory and each chunk's are read (``ldmatrix``) where its score operand is formed.
 """
 
 from __future__ import annotations
@@ -142,20 +141,19 @@ def _store_q_parts(sq, qrot, HF: gl.constexpr, QB: gl.constexpr):
 
 
 @gluon.jit
-def _half_scores(s, sq, z, ck, kc, kz, odd, HF: gl.constexpr, QB: gl.constexpr):
+def _half_scores(s, sq, ck, kc, kz, odd, HF: gl.constexpr, QB: gl.constexpr):
     """``s`` plus half ``HF``'s score sums over its 128 channels: its zero-point term (odd
     nibble rows 16 times it), then each chunk's code operand against both fp16 parts of
-    ``q_rot * s_col_K`` (the q parts read from ``sq`` at entries ``z + ..``, ``z`` a
-    loop-dependent 0)."""
+    ``q_rot * s_col_K`` (the q parts read from ``sq``)."""
     B: gl.constexpr = 8 * HF
     qz = gl.full([16, 8], 0.0, gl.float32, _MMA)
-    qs0, qt0, qz = MT._qs_t(qz, sq.index(z + B).load(_OPB), sq.index(z + B + 1).load(_OPB),
+    qs0, qt0, qz = MT._qs_t(qz, sq.index(B).load(_OPB), sq.index(B + 1).load(_OPB),
                             M._run8(kc, 0), M._run8(kz, 0), QB)  # fmt: skip
-    qs1, qt1, qz = MT._qs_t(qz, sq.index(z + B + 2).load(_OPB), sq.index(z + B + 3).load(_OPB),
+    qs1, qt1, qz = MT._qs_t(qz, sq.index(B + 2).load(_OPB), sq.index(B + 3).load(_OPB),
                             M._run8(kc, 1), M._run8(kz, 1), QB)  # fmt: skip
-    qs2, qt2, qz = MT._qs_t(qz, sq.index(z + B + 4).load(_OPB), sq.index(z + B + 5).load(_OPB),
+    qs2, qt2, qz = MT._qs_t(qz, sq.index(B + 4).load(_OPB), sq.index(B + 5).load(_OPB),
                             M._run8(kc, 2), M._run8(kz, 2), QB)  # fmt: skip
-    qs3, qt3, qz = MT._qs_t(qz, sq.index(z + B + 6).load(_OPB), sq.index(z + B + 7).load(_OPB),
+    qs3, qt3, qz = MT._qs_t(qz, sq.index(B + 6).load(_OPB), sq.index(B + 7).load(_OPB),
                             M._run8(kc, 3), M._run8(kz, 3), QB)  # fmt: skip
     qzg = MT._equal_rows(qz) * MT._C_IN
     s = s + gl.where(odd[:, None], MT._rows_like(16.0 * qzg, 64), MT._rows_like(qzg, 64))
@@ -306,15 +304,12 @@ def mma_decode_t256_kernel(
         async_copy.wait_group(NBUF - 1)
         gl.thread_barrier()
         cst = j % NBUF
-        # the q parts through an index that is 0 but depends on the loop: the compiler would
-        # hoist loop-invariant reads and keep all 64 registers of them
-        z = u >> 30
         ck = sk.index(cst)
         kc = skc.index(cst)
         kz = skz.index(cst)
         s = gl.full([64, 8], 0.0, gl.float32, _MMA)
-        s = _half_scores(s, sq, z, ck.slice(0, 32), kc.slice(0, 4), kz.slice(0, 4), odd, 0, QB)
-        s = _half_scores(s, sq, z, ck.slice(32, 32), kc.slice(4, 4), kz.slice(4, 4), odd, 1, QB)
+        s = _half_scores(s, sq, ck.slice(0, 32), kc.slice(0, 4), kz.slice(0, 4), odd, 0, QB)
+        s = _half_scores(s, sq, ck.slice(32, 32), kc.slice(4, 4), kz.slice(4, 4), odd, 1, QB)
         kf = MT._tok_rows(
             MT._run_consts(gl.constexpr(MT._RUNG8), 8, MT._C_OUT, 0.0625 * MT._C_OUT, MT._C_OUT,
                           0.0625 * MT._C_OUT)

@@ -16,10 +16,12 @@ other head's channels. Then
   (the other half, the other head's values under this head's weights, is not stored).
 
 The unpack, the MMAs and the softmax are the 128-channel kernel's, on two records' bytes:
-per program the same instructions per 64-token block as at head_dim 128, and the same bytes
-(two 64-channel records). With an odd number of KV heads the last pair's second head is the
-first one again, its rows masked. The Walsh-Hadamard rotation of q runs over each head's 64
-channels (six stages, the 128-channel transform without its stage on channel bit 6).
+per program about the instructions of a 128-channel block (offline 1,321 against 1,244 a
+block: the per-column token vectors and the copies' masks) for the same bytes (two
+64-channel records). With an odd number of KV heads the last pair has no second head: that
+half of each stage is zero-filled (nothing read) and its rows are masked. The Walsh-Hadamard
+rotation of q runs over each head's 64 channels (six stages, the 128-channel transform
+without its stage on channel bit 6).
 
 With 5 to 8 rows a head (TinyLlama's GQA 8, Qwen2.5-0.5B's GQA 7) the rows do not fit twice:
 a program then takes one KV head (``PAIR = 1``), the second half of every stage zero-filled
@@ -145,8 +147,9 @@ def issue_stage(
     VB: gl.constexpr,
     G: gl.constexpr,
 ):
-    """``decode_mma._issue_stage`` for the head pair ``h``, ``h + dh`` (``dh`` 1, or 0 for
-    the odd head out): both records of the block are read into one stage."""
+    """``decode_mma._issue_stage`` for the head pair ``h``, ``h + dh``: both records of the
+    block into one stage (``dh`` 0 where the program has one head, the odd head out or 5-8
+    rows a head: the second half zero-filled)."""
     HALVES: gl.constexpr = G // 64
     uc = gl.minimum(uu, u1 - 1)
     blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
@@ -155,7 +158,7 @@ def issue_stage(
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
     ok = uu < u1
-    ok2 = ok & (dh > 0)  # the odd head out: the second half of the stage zero-filled
+    ok2 = ok & (dh > 0)  # one head: the second half of the stage zero-filled
     _stage_words(sk, sv, r32, r32 + dh * (REC // 4), ok, ok2, half, K_OFF, V_OFF, VB, G)
     _stage_vectors(skc, skz, skr, svc, svr, svz, r16, r16 + dh * (REC // 2), ok, ok2, half,
                    KCS_OFF, KZP_OFF, KRS_OFF, VCS_OFF, VRS_OFF, VZP_OFF)  # fmt: skip
