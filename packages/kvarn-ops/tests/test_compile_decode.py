@@ -470,26 +470,33 @@ D256_CASES = [
 ]
 
 
+def _compile_transposed(case, target, d):
+    """The transposed kernel (or the d256 one) for ``case`` at head_dim ``d``, compiled and
+    checked to have no spill frame: ``(kernel, ptx, V bits, MMAs a block should have)``."""
+    from kvarn_ops.kernels import decode_mma_t
+
+    src = _mma_source(*case, nbuf=2, transposed=True, d=d)
+    k = triton.compile(src, target=target, options=dict(num_warps=1))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    print(f"{case} d{d} sm{target.arch}: {regs} registers, {frame} B spill frame")
+    assert frame == 0, f"{frame} B of spill frame"
+    vb = KD._layout_consts(case[0], d)["VB"]
+    ones = 4 if vb == 2 and not decode_mma_t.SUBNORMAL_CODES else 0
+    # a 128-channel block: scores 80 (two fp16 parts + zero points), values 32, ones column
+    return k, k.asm["ptx"], vb, 80 + 32 + ones
+
+
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
 @pytest.mark.parametrize("case", D256_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
 def test_mma_decode_d256_compiles(target, case):
     """head_dim 256 (``decode_mma_d256``): a block as two 128-channel halves, scores of both
     into one accumulator, values into eight; the q parts read from shared memory in the loop
-    (``ldmatrix``, not hoisted into registers), no spill (offline: 209-220 registers)."""
-    from kvarn_ops.kernels import decode_mma_t
-
-    src = _mma_source(*case, nbuf=2, transposed=True, d=256)
-    k = triton.compile(src, target=target, options=dict(num_warps=1))
-    regs, frame = cubin_resources(k.asm["cubin"])
-    ptx = k.asm["ptx"]
-    vb = KD._layout_consts(case[0], 256)["VB"]
-    print(f"{case} sm{target.arch}: {regs} registers, {frame} B spill frame")
-    assert frame == 0, f"{frame} B of spill frame"
+    (``ldmatrix``), no spill (offline: 209-252 registers)."""
+    k, ptx, vb, mmas = _compile_transposed(case, target, 256)
     # a stage: twice the 128-channel record's words and channel vectors, one head's token
     # vectors; the q parts 16 x [32, 8] fp16
     assert k.metadata.shared == 2 * (8192 + 2048 * vb + 1024 + 512 + 3 * 128) + 8192
-    ones = 4 if vb == 2 and not decode_mma_t.SUBNORMAL_CODES else 0
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 2 * 80 + 64 + ones
+    assert ptx.count("mma.sync.aligned.m16n8k16") == mmas + 80 + 32  # the second half
     assert ptx.count("ldmatrix") >= 16  # the q parts, in the loop
     assert "popc" not in ptx
 
@@ -499,20 +506,11 @@ def test_mma_decode_d256_compiles(target, case):
 def test_mma_decode_head_pairs_compile(target, case):
     """head_dim 64 through the transposed kernel, two KV heads a program up to 4 rows a head,
     else one (``decode_mma_pair``): the 128-channel kernel's MMAs and unpack, both records'
-    token vectors staged (twice the [8, 8] tiles), no spill (offline: 212-255 registers)."""
-    from kvarn_ops.kernels import decode_mma_t
-
-    src = _mma_source(*case, nbuf=2, transposed=True, d=64)
-    k = triton.compile(src, target=target, options=dict(num_warps=1))
-    regs, frame = cubin_resources(k.asm["cubin"])
-    ptx = k.asm["ptx"]
-    vb = KD._layout_consts(case[0], 64)["VB"]
-    print(f"{case} sm{target.arch}: {regs} registers, {frame} B spill frame")
-    assert frame == 0, f"{frame} B of spill frame"
+    token vectors staged (twice the [8, 8] tiles), no spill (offline: 206-255 registers)."""
+    k, ptx, vb, mmas = _compile_transposed(case, target, 64)
     # a stage: the virtual 128-channel record's words and vectors, token vectors of both heads
     assert k.metadata.shared == 2 * (4096 + 1024 * vb + 1152 + 3 * 128)
-    ones = 4 if vb == 2 and not decode_mma_t.SUBNORMAL_CODES else 0
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 80 + 32 + ones
+    assert ptx.count("mma.sync.aligned.m16n8k16") == mmas
     # the 64-channel rotation: one cross-lane stage (the 128-channel kernel has two)
     assert 32 <= ptx.count("shfl.sync.bfly.b32") < 64
     assert "popc" not in ptx
