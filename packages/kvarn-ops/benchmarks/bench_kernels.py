@@ -30,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ import kvarn_formats as kf
 import kvarn_ops
 from kvarn_ops import kernels
 from kvarn_ops.kernels import mla_gather, mla_pack
+from kvarn_ops.reference import DEFAULT_CONFIG
 
 TARGETS = {"rotate": None, "store": 0.60, "flush": 0.50, "materialize": 0.60}
 
@@ -174,21 +176,24 @@ def bench_store(d: int, hkv: int, tokens: int, g: int, pool_dtype) -> dict:
     )
 
 
-def bench_flush(fmt: str, d: int, hkv: int, blocks: int, pool_dtype) -> dict:
+def bench_flush(fmt: str, d: int, hkv: int, blocks: int, pool_dtype, iters: int = 0) -> dict:
+    """The flush of ``blocks`` full blocks; ``iters`` > 0 replaces ``DEFAULT_CONFIG``'s
+    normalization iterations."""
+    config = replace(DEFAULT_CONFIG, iters=iters) if iters else DEFAULT_CONFIG
     lay = kf.dense_layout(fmt, d)
     g = lay.block_size
     ek, ev, ks, vs = _pool(blocks, g, hkv, d, pool_dtype)
     packed = torch.empty(blocks, hkv, lay.record_bytes, dtype=torch.uint8, device="cuda")
     src = torch.arange(blocks, dtype=torch.int32, device="cuda")
     dst = torch.randperm(blocks, device="cuda").to(torch.int32)
-    ms = do_bench(lambda: kernels.flush(ek, ev, ks, vs, src, dst, packed, lay))
+    ms = do_bench(lambda: kernels.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config))
     e = ek.element_size()
     s = 4 if ks is not None else 0
     moved = 2 * blocks * g * hkv * (d * e + s) + 8 * blocks + blocks * hkv * lay.record_bytes
     bf16_in = 2 * blocks * g * hkv * d * 2
     return dict(
         op="flush",
-        shape=f"{fmt} N={blocks} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]}",
+        shape=f"{fmt} N={blocks} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]} iters={config.iters}",
         ms=ms,
         bytes=moved,
         target_bytes=bf16_in,
@@ -306,6 +311,12 @@ def main(argv=None) -> int:
         default="gpu",
         help="do_bench (host cost included where it exceeds the cache clear), gpu (kernels alone)",
     )
+    ap.add_argument(
+        "--flush-iters",
+        type=int,
+        default=0,
+        help="the flush's normalization iterations; 0 = DEFAULT_CONFIG's",
+    )
     args = ap.parse_args(argv)
     use_timer(args.timer)
     ops = set(args.ops.split(","))
@@ -330,7 +341,7 @@ def main(argv=None) -> int:
         if "store" in ops:
             add(bench_store(d, hkv, 8192 * scale, g, pdt))
         if "flush" in ops:
-            add(bench_flush(fmt, d, hkv, 1024 * scale, pdt))
+            add(bench_flush(fmt, d, hkv, 1024 * scale, pdt, args.flush_iters))
         if "materialize" in ops:
             add(bench_materialize(fmt, d, hkv, 16, 2048 * scale, pdt))
     for r in rows:

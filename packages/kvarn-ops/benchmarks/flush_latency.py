@@ -12,9 +12,12 @@ configuration's bytes (codes may differ where a reduction order flips a rounding
 
     python benchmarks/flush_latency.py --out results/flush_latency.json
         [--blocks 1,4,16,64,256] [--warps 0,8] [--parts 0,1,2,4,8] [--pool bf16,fp8]
+        [--iters 4]
 
 ``0`` in ``--warps`` and ``--parts`` (programs per tile, ``flush.FORCE_PARTS``) is the shipped
-choice. The table printed last has one row per N.
+choice. ``--iters`` times the flush of ``DEFAULT_CONFIG`` with that many normalization
+iterations instead (its bytes are then compared with the shipped configuration's of the same
+iterations). The table printed last has one row per N.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import json
 import platform
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import triton
 
 import kvarn_formats as kf
+from kvarn_ops.reference import DEFAULT_CONFIG
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import _pool  # noqa: E402
@@ -102,13 +107,14 @@ def run_case(args, n, pool, warps, parts, reference=None):
     if warps:
         flush_mod.warps_for = lambda head_dim, group: warps
     flush_mod.FORCE_PARTS = parts or None
+    config = replace(DEFAULT_CONFIG, iters=args.iters) if args.iters else DEFAULT_CONFIG
     try:
-        flush_mod.flush(ek, ev, ks, vs, src, dst, packed, lay)
+        flush_mod.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config)
         torch.cuda.synchronize()
         records = packed[dst.long()].clone()
 
         def call():
-            flush_mod.flush(ek, ev, ks, vs, src, dst, packed, lay)
+            flush_mod.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config)
 
         ms = graph_ms(call, args.launches, args.replays)
     finally:
@@ -122,6 +128,7 @@ def run_case(args, n, pool, warps, parts, reference=None):
         pool=pool,
         warps=warps or shipped(d, g),
         parts=used,
+        iters=config.iters,
         shipped=not warps and not parts,
         us=ms * 1e3,
         tiles=n * hkv * 2,
@@ -143,6 +150,9 @@ def main() -> None:
     ap.add_argument("--pool", default="bf16")
     ap.add_argument("--launches", type=int, default=10)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument(
+        "--iters", type=int, default=0, help="normalization iterations; 0 = DEFAULT_CONFIG's"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("flush_latency.py needs a CUDA GPU")

@@ -503,7 +503,17 @@ def test_flush_saturates_scales_beyond_fp16(config, gen):
     weight <= 2.3e-7; seed 2502968739: one code in a channel of weight 7.9e-4, its row's
     candidate differing, the row's error 1 + 1.9e-9 times the reference's). So differing V
     codes are 1 LSB apart and every row's decoded error (fp64, the tile's own frame, where the
-    column weights are implicit) is the reference's to a relative 1e-6: ties only."""
+    column weights are implicit) is the reference's to a relative 1e-6: ties only.
+
+    K codes: after 8 normalization iterations identical but for ties (seed 32: one code of
+    2048; none in 59 other seeds), so at most 10 may differ. After the default's 4 the
+    normalization of a tile spanning 24 decades has not converged, and its log scales depend
+    on fp32 rounding: the reference's own differ from the same algorithm evaluated in fp64 by
+    up to 0.11 (seeds 9, 23, 32 of this tile; 2e-5 after 8 iterations), so the kernel's other
+    summation order may give other scales and codes (6 of 120 seeds, up to 471 of 2048 K
+    codes). Where codes differ, the K error (mean over channels of the relative RMS error,
+    fp64) must stay within 1.05x the reference's (measured 0.947-1.015x over those 120 seeds,
+    0.98-1.005x at 8 iterations)."""
     cfg = EDGE_CONFIGS[config]
     lay = kf.dense_layout("kvarn_k4v2_g32", 64)
     spread = torch.logspace(-12, 12, 64)
@@ -520,7 +530,17 @@ def test_flush_saturates_scales_beyond_fp16(config, gen):
         if val.dtype == torch.float16:
             assert bool(val.isfinite().all()), name
             assert bool((val.abs() == 65504).any() == (fields_ref[name].abs() == 65504).any())
-    assert torch.equal(fields["k_codes"], fields_ref["k_codes"])
+    k_moved = int((fields["k_codes"] != fields_ref["k_codes"]).sum())
+    if cfg.iters >= 8:
+        assert k_moved <= 10, k_moved
+    if k_moved:
+        xk = ek.double().reshape(1, 32, 64)
+        rms = xk.pow(2).mean(1).sqrt()
+
+        def k_error(f):
+            return ((ref.dequantize_k(f, torch.float64) - xk).pow(2).mean(1).sqrt() / rms).mean()
+
+        assert float(k_error(fields)) <= 1.05 * float(k_error(fields_ref))
     if cfg.rounding == "rtn":
         assert torch.equal(fields["v_codes"], fields_ref["v_codes"])
         return

@@ -47,15 +47,18 @@ METHODS = {
     # The published clip, made scale invariant by the prescale (bounds relative to the tile max).
     "kvarn_clip_ub_v": NormalizeConfig(log_scale_clip=(-0.3, 10.0), rounding_v="unbiased_clip"),
     "kivi_h_ub_v": NormalizeConfig(iters=0, rounding_v="unbiased_clip"),
-    "kvarn_ub": NormalizeConfig(rounding="unbiased_clip"),  # K and V
+    "kvarn_ub": NormalizeConfig(rounding="unbiased_clip"),  # K and V, 8 iterations
     "kvarn_ub_v": NormalizeConfig(rounding_v="unbiased_clip"),
     "kivi_h_ub": NormalizeConfig(iters=0, rounding="unbiased_clip"),
 }
 """Method name -> NormalizeConfig of the record path. ``kvarn``: the project's default
-quantizer (``DEFAULT_CONFIG``: scale invariant, no clip, the clipping search with the unbiased
-refit for K and V; ``kvarn_ub`` is the same configuration under its earlier name);
-``kvarn_rtn``: the same normalization with min/max RTN (the default until the measurements of
-ACCURACY.md); ``kvarn_ub_v``: unbiased clip for V only; ``kvarn_mse``: ``rounding="mse_clip"``;
+quantizer (``DEFAULT_CONFIG``: scale invariant, no clip, 4 normalization iterations, the
+clipping search with the unbiased refit for K and V); ``kvarn_ub``: the same with the
+published 8 iterations (the default until 2026-12-04, and what the tables of ACCURACY.md
+measured before then call ``kvarn``);
+``kvarn_rtn``: that 8-iteration normalization with min/max RTN (the default until the
+measurements of ACCURACY.md; the methods below also keep 8 iterations); ``kvarn_ub_v``:
+unbiased clip for V only; ``kvarn_mse``: ``rounding="mse_clip"``;
 ``published``: the published algorithm (-0.3 log-scale clip, no prescale, plain fp16 scales);
 ``kivi``: KIVI-style RTN without rotation; ``kivi_h``: with the Hadamard rotation;
 ``kvarn_mse_v``/``kvarn_mse_k``: ``mse_clip`` for the V (K) tiles only. A method maps to one

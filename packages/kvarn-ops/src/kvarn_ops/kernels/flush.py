@@ -32,12 +32,12 @@ Other modes (and prescale off, no fp16 rebalance, a log-scale clip) are refused 
 :func:`check_config`.
 
 Cost: per tile element, the normalization takes two passes of about 6 fp32 operations per
-iteration (8 iterations), and the clipping search about 16 per candidate (the codes, the
-refit's code mean and covariance, the error; 15 candidates), so the default rounding is about
-3x the RTN flush's arithmetic. At 50% of the H200's copy bandwidth on bf16 input the flush
-would have about 30 fp32 operations per element: it is compute bound, two orders of magnitude
-from that target
-(BENCHMARKS.md has the measured times and profiles). The compiler's layout gives every thread
+iteration (4 iterations in ``DEFAULT_CONFIG``, 8 published), and the clipping search about
+16 per candidate (the codes, the refit's code mean and covariance, the error; 15
+candidates), so the default rounding is about 3x the RTN flush's arithmetic. At 50% of the
+H200's copy bandwidth on bf16 input the flush would have about 30 fp32 operations per
+element: it is compute bound, two orders of magnitude from that target (BENCHMARKS.md has
+the measured times and profiles). The compiler's layout gives every thread
 8 rows of a tile, each row shared by 8 or 16 threads, so the per-row work of every candidate
 (five IEEE divisions among it) is repeated that often; a layout with whole rows per thread is
 not expressible in Triton. The candidate loop is not unrolled (unrolled, it spilled more).
@@ -498,11 +498,12 @@ def parts_for(tiles: int, group: int, head_dim: int, sms: int) -> int:
     PROGRAMS_PER_SM`` programs, at most ``min(G, D) / MIN_PART_ROWS``; 1 when the tiles alone
     fill half of that or more.
 
-    A tile's program takes about 120 us on an H200 (8 normalization iterations and 15
+    A tile's program took about 120 us on an H200 (8 normalization iterations and 15
     clipping candidates, 64 values per thread, one warp per scheduler), so a flush of a few
     blocks, as in every decode step where a request fills a block, costs that whatever N is.
     The programs of a split tile normalize redundantly (about 60 us of the 120) and share the
-    clipping search (BENCHMARKS.md, "2026-12-04: the flush of a decode step")."""
+    clipping search (BENCHMARKS.md, "2026-12-04: the flush of a decode step"); with the
+    default's 4 iterations a one-block step's flush takes 42 us."""
     slots = sms * PROGRAMS_PER_SM
     if 2 * tiles > slots:
         return 1
