@@ -71,6 +71,13 @@ GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     (64, 16384, 16, 8, 256, "kvarn_k4v2_g64"),
     (8, 32768, 16, 8, 256, "kvarn_k4v2_g64"),
     (1, 32768, 16, 8, 256, "kvarn_k4v2_g64"),
+    # 2-bit K (the transposed MMA kernel with KB = 2): k2v2 and k2v4, GQA 4 and 8
+    (64, 32768, 32, 8, 128, "kvarn_k2v2_g64"),
+    (32, 16384, 32, 8, 128, "kvarn_k2v2_g64"),
+    (8, 32768, 32, 8, 128, "kvarn_k2v2_g64"),
+    (1, 32768, 32, 8, 128, "kvarn_k2v2_g64"),
+    (32, 16384, 32, 8, 128, "kvarn_k2v4_g64"),
+    (32, 16384, 64, 8, 128, "kvarn_k2v2_g128"),
 ]
 QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
 #: ``--grid``: the issue's sweep. Llama-3.1-8B geometry, k4v2 g64, every context x batch; the

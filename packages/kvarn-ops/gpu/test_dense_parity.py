@@ -351,10 +351,17 @@ DECODE_CASES = [
     ("kvarn_k4v2_g64", 11, [32768 + 5], 1, torch.bfloat16, torch.float8_e4m3fn),
     ("kvarn_k4v2_g128", 11, [2, 128, 257, 5000], 2, torch.bfloat16, torch.bfloat16),
     ("kvarn_k4v4_g64", 11, [4096 + 7] * 32, 1, torch.float16, torch.bfloat16),
+    # 2-bit K through the transposed MMA kernel (d128, up to 8 rows): GQA 4 and 8, 2- and
+    # 4-bit V, 128-token records, causal rows, both pools, a long context, a full batch
+    ("kvarn_k2v2_g64", 0, [1, 63, 64, 65, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k2v2_g64", 0, [32768 + 5], 1, torch.bfloat16, torch.float8_e4m3fn),
+    ("kvarn_k2v4_g128", 1, [2, 128, 257, 5000], 1, torch.float16, torch.bfloat16),
+    ("kvarn_k2v2_g64", 0, [2, 65, 130, 3000], 2, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k2v2_g128", 0, [4096 + 7] * 64, 1, torch.float16, torch.float8_e4m3fn),
 ]
 #: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, <= 16 rows at d128, <= 8
-#: rows at d64 (head pairs up to 4 rows each) and d256)
-MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 36)}
+#: rows at d64 (head pairs up to 4 rows each) and d256; 2-bit K at d128 up to 8 rows)
+MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 41)}
 
 
 ILL_CONDITIONED_CASES = [
@@ -372,6 +379,9 @@ ILL_CONDITIONED_CASES = [
     # d256: two 128-channel halves
     ("kvarn_k4v2_g64", 256, 2, 4, 1),
     ("kvarn_k4v4_g64", 256, 1, 2, 2),
+    # 2-bit K through the transposed kernel
+    ("kvarn_k2v2_g64", 128, 2, 4, 1),
+    ("kvarn_k2v4_g128", 128, 1, 8, 1),
 ]
 
 

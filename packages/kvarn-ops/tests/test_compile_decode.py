@@ -321,6 +321,8 @@ def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0, d=
     )  # fmt: skip
     if transposed and d != 256:
         consts["PAIR"] = KD.mma_heads_per_program(d, t * gqa)
+    if "KB" in kern.arg_names:
+        consts["KB"] = c["KB"]
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):
         consts[name] = c[name]
     consts["VZP_OFF"] = c["VZP_OFF"]
@@ -383,6 +385,10 @@ T_CASES = [
     # 128-token records, read as two 64-token halves
     ("kvarn_k4v2_g128", 4, 1, "*bf16"),
     ("kvarn_k4v4_g128", 8, 1, "*fp16"),
+    # 2-bit K (KB = 2): the same staging and MMAs, another unpack
+    ("kvarn_k2v2_g64", 4, 1, "*bf16"),
+    ("kvarn_k2v4_g128", 8, 1, "*fp16"),
+    ("kvarn_k2v2_g64", 4, 2, "*fp32"),
 ]
 #: the transposed kernel: no spill frame on sm_90a; sm_120a measured offline, rounded up
 T_SPILL = {}
@@ -418,6 +424,12 @@ def test_mma_decode_transposed_compiles(target, case):
         # subtraction per operand register, 128 per block)
         assert ptx.count("and.b32 %r") >= 2 * 16 * 4
         assert ptx.count("sub.f16x2") == (0 if vb == 2 else 128)
+    elif KD._layout_consts(case[0], 128)["KB"] == 2:
+        # 2-bit K exact (the 1 of 1 + c / F subtracted): one prmt per byte of two channels'
+        # words (8 per chunk) and four subtractions; 2-bit V one prmt per byte pair (8 per
+        # chunk), 4-bit V one per operand register (32); the rest is the q transform's
+        assert ptx.count("sub.f16x2") >= 4 * 8 * 4
+        assert ptx.count("prmt.b32") == 4 * 8 + 4 * (8 if vb == 2 else 32) + 16
     else:
         # K codes exact (the 1024 of the mantissa trick subtracted): two per byte pair
         assert ptx.count("sub.f16x2") >= 2 * 16 * 4
@@ -428,11 +440,13 @@ def test_mma_decode_transposed_compiles(target, case):
 
 def test_mma_decode_scope_and_splits():
     """Which geometries the MMA kernels take (4-bit K, 2/4-bit V, G 64/128; d128 up to 16
-    query rows a KV head, d64 up to 8: head pairs up to 4 rows each), and the workspace's
-    split count sized for the programs of two heads at d64."""
+    query rows a KV head, d64 up to 8: head pairs up to 4 rows each; 2-bit K at d128 up to 8
+    rows), and the workspace's split count sized for the programs of two heads at d64."""
     from kvarn_ops.kernels import decode_mma
 
     ok = decode_mma.mma_decode_supported
+    assert ok(2, 2, 64, 128, 8) and ok(2, 4, 128, 128, 1) and not ok(2, 2, 64, 128, 9)
+    assert not ok(2, 2, 64, 256, 4) and not ok(2, 2, 32, 128, 4) and not ok(3, 2, 64, 128, 4)
     assert ok(4, 2, 64, 128, 16) and not ok(4, 2, 64, 128, 17)
     assert ok(4, 2, 64, 64, 4) and ok(4, 4, 128, 64, 8) and not ok(4, 2, 64, 64, 9)
     assert not ok(2, 2, 64, 64, 4) and not ok(4, 3, 64, 64, 4) and not ok(4, 2, 32, 64, 4)

@@ -397,6 +397,8 @@ ROUTES = [
     ("kvarn_k4v2_g64", 64, 2, 2, 3, "t", 1),
     ("kvarn_k4v2_g64", 256, 8, 2, 1, "d256", 0),
     ("kvarn_k4v4_g128", 256, 2, 4, 2, "d256", 0),
+    ("kvarn_k2v2_g64", 128, 8, 4, 1, "t", 0),  # 2-bit K: the transposed kernel, KB = 2
+    ("kvarn_k2v4_g128", 128, 2, 4, 2, "t", 0),
 ]
 
 
@@ -406,8 +408,8 @@ def test_mma_launch_routing(case, monkeypatch):
     launcher starts, on which grid, with which record layout: d128 up to 8 rows the
     transposed kernel, 9-16 the 16-row one; d64 the transposed kernel on head pairs up to 4
     rows a head (``PAIR = 2``, ``ceil(Hkv / 2)`` programs a request and split), else one head
-    a program (``PAIR = 1``); d256 the two-half kernel. The split count is the workspace's,
-    sized for those programs."""
+    a program (``PAIR = 1``); d256 the two-half kernel; 2-bit K the transposed kernel with
+    ``KB = 2``. The split count is the workspace's, sized for those programs."""
     fmt, d, hkv, gqa, t, kern, pair = case
     calls = []
     mods = tuple(
@@ -434,6 +436,7 @@ def test_mma_launch_routing(case, monkeypatch):
     assert (name, cname) == (kern, "combine")
     assert grid == (splits, b * programs)
     assert kw.get("PAIR", 0) == pair
+    assert kw.get("KB", 4) == kf.parse_format(fmt).k_bits
     assert (kw["T"], kw["GQA"], kw["S"]) == (t, gqa, splits)
     lay = kf.dense_layout(fmt, d)
     assert kw["REC"] == lay.record_bytes and kw["V_OFF"] == lay.field("v_codes").offset

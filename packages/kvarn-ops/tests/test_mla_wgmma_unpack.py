@@ -49,10 +49,13 @@ def instructions(asm: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def run_ptx(asm: str, args: list[np.ndarray]) -> np.ndarray:
-    """Execute the inline-assembly block ``asm`` (``$0`` its output, ``$1..`` its inputs as
-    uint32 arrays) for the instructions the kernel uses; anything else fails the test."""
-    regs: dict[str, np.ndarray] = {f"${k + 1}": a.astype(np.uint64) for k, a in enumerate(args)}
+def run_ptx(asm: str, args: list[np.ndarray], outputs: int = 1):
+    """Execute the inline-assembly block ``asm`` (``$0 .. $(outputs - 1)`` its outputs, the
+    next ones its inputs as uint32 arrays) for the instructions the kernels use; anything else
+    fails the test. Returns ``$0``, or the list of outputs when there are several."""
+    regs: dict[str, np.ndarray] = {
+        f"${k + outputs}": a.astype(np.uint64) for k, a in enumerate(args)
+    }
 
     def val(tok: str) -> np.ndarray:
         return regs[tok] if tok in regs else np.full_like(args[0], _imm(tok), dtype=np.uint64)
@@ -78,6 +81,14 @@ def run_ptx(asm: str, args: list[np.ndarray]) -> np.ndarray:
                 )
                 out |= ((np.uint64(lut) >> sel) & np.uint64(1)) << np.uint64(bit)
             regs[d] = out
+        elif op == "prmt.b32":  # default mode: selector nibble k picks byte k of {b, a}
+            wide = val(ops[1]) | (val(ops[2]) << np.uint64(32))
+            sel = val(ops[3])
+            out = np.zeros_like(wide)
+            for k in range(4):
+                byte = (sel >> np.uint64(4 * k)) & np.uint64(7)
+                out |= ((wide >> (byte * np.uint64(8))) & np.uint64(0xFF)) << np.uint64(8 * k)
+            regs[d] = out
         elif op == "sub.f16x2":
             (al, ah), (bl, bh) = (_f16x2(val(t)) for t in ops[1:3])
             regs[d] = _pack_f16x2(al - bl, ah - bh)
@@ -88,7 +99,7 @@ def run_ptx(asm: str, args: list[np.ndarray]) -> np.ndarray:
             regs[d] = _pack_f16x2(al * bl + cl, ah * bh + ch)
         else:
             raise AssertionError(f"instruction the emulator does not know: {op} {ops}")
-    return regs["$0"]
+    return regs["$0"] if outputs == 1 else [regs[f"${k}"] for k in range(outputs)]
 
 
 def _records(bits: int, seed: int):

@@ -177,9 +177,12 @@ def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: in
     """Whether a geometry takes an MMA kernel (on a GPU with mma.sync, i.e. sm_80 and newer):
     this one or ``decode_mma_t`` at head_dim 128, ``decode_mma_t`` at head_dim 64 with up to 8
     rows (``decode_mma_pair``: two KV heads a program up to 4 rows each, else one), or
-    ``decode_mma_d256`` at head_dim 256 with up to 8 rows."""
-    if k_bits != 4 or v_bits not in (2, 4) or block_size not in MMA_DECODE_GROUPS:
+    ``decode_mma_d256`` at head_dim 256 with up to 8 rows; all with 4-bit K codes. 2-bit K:
+    ``decode_mma_t`` at head_dim 128 with up to 8 rows."""
+    if k_bits not in (2, 4) or v_bits not in (2, 4) or block_size not in MMA_DECODE_GROUPS:
         return False
+    if k_bits == 2:  # decode_mma_t only, one head a program, codes in normal fp16
+        return head_dim == MMA_DECODE_D and 1 <= rows <= 8 and not SUBNORMAL_CODES
     if head_dim == MMA_DECODE_D:
         return rows <= 16
     return head_dim in (MMA_DECODE_D // 2, 2 * MMA_DECODE_D) and 1 <= rows <= 8
@@ -682,17 +685,22 @@ def _values_chunk(acc, alpha, pw, pt, va, vb, vcs, CQ: gl.constexpr, VB: gl.cons
 
 
 @gluon.jit
-def _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB: gl.constexpr, G: gl.constexpr):
+def _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB: gl.constexpr, G: gl.constexpr,
+                 KB: gl.constexpr = 4):  # fmt: skip
     """cp.async of the K words [8 * chunk + i, lane] and V words [i * HV + h, lane] of the
     64-token half ``half`` of a G-token record (channel ``d``'s K words are ``d * G / 8 ..``,
-    a half's eight follow ``8 * half`` of them; V rows are tokens)."""
+    a half's eight follow ``8 * half`` of them; V rows are tokens). 2-bit K (``KB = 2``):
+    channel ``d``'s words are ``d * G / 16 ..``, four a half, and lanes ``c + 4 w`` and ``c +
+    4 (w ^ 1)`` both get word ``w // 2`` (tokens ``8 w ..`` are its half ``w % 2``)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 128 * VB // 32
+    KW: gl.constexpr = 64 * KB // 32  # K words of a channel in a 64-token half
     # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w of the half
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CPK))
     ln = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPK))
-    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * (G // 8) + (ln[None, :] >> 2)
-    kbase = r32 + K_OFF // 4 + half * 8
+    WSH: gl.constexpr = 2 if KB == 4 else 3  # lane -> word of the half
+    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * (G * KB // 32) + (ln[None, :] >> WSH)
+    kbase = r32 + K_OFF // 4 + half * KW
     async_copy.async_copy_global_to_shared(sk, kbase + koff, mask=(koff >= 0) & ok)
     # V: row i * HV + h, lane c + 4 g: token 16 c + i of the half, word g * HV + h
     CPV: gl.constexpr = gl.BlockedLayout(
@@ -743,13 +751,14 @@ def _stage_block(
     VB: gl.constexpr,
     G: gl.constexpr,
     T_LAYOUT: gl.constexpr,
+    KB: gl.constexpr = 4,
 ):
     """Issue the cp.async copies of one 64-token half of a record into a stage (nothing read
     when ``ok`` is false): K words lane-major [chunk, i, lane], V words [i, h, lane], the K
     channel vectors (s_col, zero point) as [4, 32], the half's token vectors (K s_row, V s_row
     and zero point) and the V column scales: [4, 16] and [4, 2, 16] for this file's kernel,
     with ``T_LAYOUT`` [8, 8] and [8, 16] for ``decode_mma_t``; field offsets in bytes."""
-    _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G)
+    _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G, KB)
     _stage_kchan(skc, skz, r16, ok, KCS_OFF, KZP_OFF)
     if T_LAYOUT:
         g8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP88))
@@ -803,6 +812,7 @@ def _issue_stage(
     VB: gl.constexpr,
     G: gl.constexpr,
     T_LAYOUT: gl.constexpr,
+    KB: gl.constexpr = 4,
 ):
     """Stage 64-token unit ``uu`` of the request (half ``uu % (G / 64)`` of the record of
     block-table entry ``uu // (G / 64)``; nothing is read from ``u1`` on) into the given stage
@@ -817,7 +827,8 @@ def _issue_stage(
     r16 = rec16_ptr + rbase * (REC // 2)
     ok = uu < u1
     _stage_block(sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, half, K_OFF, KCS_OFF,
-                 KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G, T_LAYOUT)  # fmt: skip
+                 KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G, T_LAYOUT,
+                 KB)  # fmt: skip
     async_copy.commit_group()
 
 

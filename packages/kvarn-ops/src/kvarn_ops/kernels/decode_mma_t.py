@@ -45,6 +45,7 @@ __all__ = ["mma_decode_t_kernel"]
 _MMA = M._MMA
 _OPA = M._OPA
 _OPB = M._OPB
+_KW = M._KW  # K words [8 c + i, w]
 _TOK: gl.constexpr = gl.SliceLayout(1, _MMA)  # rows of S^T (tokens) / O^T (channels)
 _QR: gl.constexpr = gl.SliceLayout(0, _MMA)  # columns: the query rows
 # lane g (lane // 4) holds a run: 8 tokens 8 g + i, or 4 channels 16 g + 4 CQ + i
@@ -125,6 +126,105 @@ def _k_operand_a(kw):
     c = gl.reshape(c, [2, 2, 2, 2, 8, 2, 2, 2, 2])  # c1 c0 kt0 z w x j2 j1 j0
     c = gl.permute(c, [6, 7, 8, 4, 2, 3, 0, 1, 5])
     return gl.convert_layout(gl.reshape(c, [64, 32]), _OPA, assert_trivial=True)
+
+
+K2_SEL_BYTE0 = gl.constexpr(0x4400)
+"""``prmt`` selector of byte 0 of both words, each copied into both bytes of its half."""
+K2_SEL_BYTE = gl.constexpr(0x1111)
+"""Selector step from one byte to the next."""
+K2_SEL_ODD_LANE = gl.constexpr(0x2222)
+"""Added for the lanes whose tokens are the high half of their words (``w`` odd)."""
+
+
+@gluon.constexpr_function
+def k2_crumbs_asm():
+    """PTX of :func:`_crumbs_exact`: ``$4`` / ``$5`` the words of two channels, ``$6`` the
+    ``prmt`` selector (``$7`` its copy, unused); ``$0 .. $3`` the fp16 pairs of fields 0-3."""
+    return (
+        "{ .reg .b32 t, o, x, y, z, w; prmt.b32 t, $4, $5, $6; mov.b32 o, 0x3C003C00; "
+        "lop3.b32 x, t, 0x03000300, o, 0xea; "  # field 0, from the copy's high byte
+        "lop3.b32 y, t, 0x000C000C, o, 0xea; "
+        "lop3.b32 z, t, 0x00300030, o, 0xea; "
+        "lop3.b32 w, t, 0x00C000C0, o, 0xea; "
+        "sub.f16x2 $0, x, o; sub.f16x2 $1, y, o; sub.f16x2 $2, z, o; sub.f16x2 $3, w, o; }"
+    )
+
+
+@gluon.jit
+def _crumbs_exact(a, b, sel):
+    """The four 2-bit codes of one byte of words ``a`` and ``b`` (byte ``B`` of both, copied
+    into both bytes of each half by the ``prmt`` selector ``K2_SEL_BYTE0 + B * K2_SEL_BYTE``,
+    i.e. ``B | B << 4 | (B + 4) << 8 | (B + 4) << 12``) as exact fp16 ``c / F`` (F = 4, 256, 64, 16
+    for the fields at bits 0, 2, 4, 6): :func:`M._crumb_pairs`'s ``1 + c / F`` with the 1
+    taken out in fp16 (exact), so the score sums carry no offset (2.25 instructions per
+    operand register)."""
+    return gl.inline_asm_elementwise(
+        k2_crumbs_asm(),
+        "=r,=r,=r,=r,r,r,r,r",
+        [M._joined(a, b), M._joined(sel, sel)],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _k2_operand_a(kw):
+    """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 2-bit K codes, from
+    words staged as for 4-bit K (``kw`` [8 c + i, w]) but each holding 16 tokens: lane ``w``'s
+    tokens ``8 w ..`` are bytes ``2 (w % 2)`` and ``2 (w % 2) + 1`` of its word (the ``prmt``
+    selector says which). Token ``8 w + j`` is field ``j % 4`` of the lane's byte ``j // 4``,
+    so with ``j = 2 mt + y`` the rows keep the 4-bit operand's token order; row ``j`` holds
+    ``c / F_(j % 4)`` (:func:`_crumbs_exact`)."""
+    w = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
+    sel0 = gl.full([32, 8], K2_SEL_BYTE0, gl.int32, _KW) + ((w & 1) * K2_SEL_ODD_LANE)[None, :]
+    ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
+    s0, s1 = gl.split(gl.permute(gl.reshape(sel0, [16, 2, 8]), [0, 2, 1]))
+    c0, c1, c2, c3 = _crumbs_exact(ka, kb, s0)
+    c4, c5, c6, c7 = _crumbs_exact(ka, kb, s0 + K2_SEL_BYTE)
+    c = M._stack8(c0, c1, c2, c3, c4, c5, c6, c7)
+    c = gl.reshape(c, [2, 2, 2, 2, 8, 2, 2, 2, 2])  # c1 c0 kt0 z w x j2 j1 j0
+    c = gl.permute(c, [6, 7, 8, 4, 2, 3, 0, 1, 5])
+    return gl.convert_layout(gl.reshape(c, [64, 32]), _OPA, assert_trivial=True)
+
+
+@gluon.jit
+def _k_operand(kw, KB: gl.constexpr):
+    if KB == 2:
+        return _k2_operand_a(kw)
+    else:
+        return _k_operand_a(kw)
+
+
+@gluon.jit
+def _k_row_factors(AFTER: gl.constexpr, KB: gl.constexpr):
+    """Per S^T row (token ``8 w + j``) the factor its score sum carries from the code
+    operand (constants): 4-bit K, 1 or 16 (odd nibbles); 2-bit K, ``1 / F_(j % 4)``. With
+    ``AFTER``, its inverse (times ``_C_OUT``), what the row's sum is multiplied by."""
+    if KB == 2:
+        if AFTER:
+            r = _run_consts(
+                gl.constexpr(_RUNG8),
+                8,
+                M._crumb_factor(0, False) * _C_OUT,
+                M._crumb_factor(1, False) * _C_OUT,
+                M._crumb_factor(2, False) * _C_OUT,
+                M._crumb_factor(3, False) * _C_OUT,
+            )
+        else:
+            r = _run_consts(
+                gl.constexpr(_RUNG8),
+                8,
+                M._crumb_factor(0, True),
+                M._crumb_factor(1, True),
+                M._crumb_factor(2, True),
+                M._crumb_factor(3, True),
+            )
+    elif AFTER:
+        r = _run_consts(gl.constexpr(_RUNG8), 8, _C_OUT, 0.0625 * _C_OUT, _C_OUT, 0.0625 * _C_OUT)
+    else:
+        r = _run_consts(gl.constexpr(_RUNG8), 8, 1.0, 16.0, 1.0, 16.0)
+    return _tok_rows(r)
 
 
 @gluon.jit
@@ -287,9 +387,10 @@ def _issue(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h
            rec16_ptr, REC: gl.constexpr, K_OFF: gl.constexpr, KCS_OFF: gl.constexpr,
            KZP_OFF: gl.constexpr, KRS_OFF: gl.constexpr, V_OFF: gl.constexpr,
            VCS_OFF: gl.constexpr, VRS_OFF: gl.constexpr, VZP_OFF: gl.constexpr,
-           VB: gl.constexpr, G: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+           VB: gl.constexpr, G: gl.constexpr, PAIR: gl.constexpr,
+           KB: gl.constexpr = 4):  # fmt: skip
     """Stage unit ``uu``: one head's record (``decode_mma._issue_stage``, this kernel's
-    layout) or, with ``PAIR``, the records of heads ``h`` and ``h + dh``."""
+    layout) or, with ``PAIR``, the records of heads ``h`` and ``h + dh`` (4-bit K only)."""
     if PAIR:
         P.issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h, dh,
                       rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
@@ -297,7 +398,7 @@ def _issue(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h
     else:
         M._issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h,
                        rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
-                       VCS_OFF, VRS_OFF, VZP_OFF, VB, G, True)  # fmt: skip
+                       VCS_OFF, VRS_OFF, VZP_OFF, VB, G, True, KB)  # fmt: skip
 
 
 @gluon.jit
@@ -332,8 +433,10 @@ def mma_decode_t_kernel(
     PDL: gl.constexpr = False,
     LAG: gl.constexpr = 0,
     PAIR: gl.constexpr = 0,
+    KB: gl.constexpr = 4,
 ):
-    """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2). With
+    """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2), and 2-bit
+    K codes with ``KB = 2`` (one head a program, without ``SUBNORMAL_CODES``). With
     ``PAIR`` the heads have 64 channels (``decode_mma_pair``; ``REC`` and the offsets are
     then the 64-channel record's): at ``PAIR = 2`` program ``(split, b * ceil(Hkv / 2) + j)``
     takes KV heads ``2 j`` and ``2 j + 1`` (T * GQA <= 4), at ``PAIR = 1`` one KV head
@@ -343,6 +446,7 @@ def mma_decode_t_kernel(
     ROWS_MAX: gl.constexpr = 4 if PAIR == 2 else 8
     gl.static_assert(T * GQA <= ROWS_MAX)
     gl.static_assert(NBUF >= 2)
+    gl.static_assert(KB == 4 or (KB == 2 and PAIR == 0 and not _SUB))
     QB: gl.constexpr = _as_linear(gl.to_linear_layout(_OPB, [32, 8]))
     split = gl.program_id(0)
     bh = gl.program_id(1)
@@ -415,6 +519,7 @@ def mma_decode_t_kernel(
             VB,
             G,
             PAIR,
+            KB,
         )
 
     # q rows [8, 128] (lane 4 n + t: row n, channels 32 t ..), scaled and rotated in fp32
@@ -482,6 +587,7 @@ def mma_decode_t_kernel(
             VB,
             G,
             PAIR,
+            KB,
         )
         async_copy.wait_group(NBUF - 1)
         gl.thread_barrier()
@@ -494,23 +600,25 @@ def mma_decode_t_kernel(
         qs1, qt1, qz = _qs_t(qz, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), QB)
         qs2, qt2, qz = _qs_t(qz, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), QB)
         qs3, qt3, qz = _qs_t(qz, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
-        # the score MMAs start from the zero-point term; odd-nibble token rows run on 16 c,
-        # so theirs is 16 qz and their row scale is divided by 16 (exact)
+        # the score MMAs start from the zero-point term; a token row whose codes run scaled
+        # (4-bit: odd nibbles as 16 c; 2-bit: c / F) starts from it scaled alike, and its row
+        # scale takes the inverse (exact powers of two)
         qzg = _equal_rows(qz) * _C_IN
-        odd = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0)) > 0.5
-        s = gl.where(odd[:, None], _rows_like(16.0 * qzg, 64), _rows_like(qzg, 64))
+        if KB == 2:
+            s = _rows_like(qzg, 64) * _k_row_factors(False, KB)[:, None]
+        else:
+            odd = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0)) > 0.5
+            s = gl.where(odd[:, None], _rows_like(16.0 * qzg, 64), _rows_like(qzg, 64))
         # each code operand meets both fp16 parts of qs (the low part's MMAs first)
-        ka = _k_operand_a(M._staged_kw(ck, 0))
+        ka = _k_operand(M._staged_kw(ck, 0), KB)
         s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
-        ka = _k_operand_a(M._staged_kw(ck, 1))
+        ka = _k_operand(M._staged_kw(ck, 1), KB)
         s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
-        ka = _k_operand_a(M._staged_kw(ck, 2))
+        ka = _k_operand(M._staged_kw(ck, 2), KB)
         s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
-        ka = _k_operand_a(M._staged_kw(ck, 3))
+        ka = _k_operand(M._staged_kw(ck, 3), KB)
         s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
-        kf = _tok_rows(
-            _run_consts(gl.constexpr(_RUNG8), 8, _C_OUT, 0.0625 * _C_OUT, _C_OUT, 0.0625 * _C_OUT)
-        )
+        kf = _k_row_factors(True, KB)
         krs = _tok_rows(skr.index(cst).slice(0, 8).load(_RUNG8)) * kf
         if PAIR:
             s = s * P.per_column(colb, krs, _tok_rows(skr.index(cst).slice(8, 8).load(_RUNG8)) * kf)
