@@ -358,10 +358,16 @@ DECODE_CASES = [
     ("kvarn_k2v4_g128", 1, [2, 128, 257, 5000], 1, torch.float16, torch.bfloat16),
     ("kvarn_k2v2_g64", 0, [2, 65, 130, 3000], 2, torch.bfloat16, torch.bfloat16),
     ("kvarn_k2v2_g128", 0, [4096 + 7] * 64, 1, torch.float16, torch.float8_e4m3fn),
+    # 2-bit K at head_dim 64 (head pairs, an odd head out, one head a program) and 256
+    ("kvarn_k2v2_g64", 7, [1, 63, 64, 65, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k2v4_g128", 2, [3, 128, 257, 5000], 1, torch.float16, torch.float8_e4m3fn),
+    ("kvarn_k2v2_g64", 9, [4, 66, 1000, 32768], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k2v2_g64", 11, [1, 63, 64, 65, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k2v4_g128", 11, [2, 128, 257, 5000], 2, torch.float16, torch.float8_e4m3fn),
 ]
 #: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, <= 16 rows at d128, <= 8
-#: rows at d64 (head pairs up to 4 rows each) and d256; 2-bit K at d128 up to 8 rows)
-MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 41)}
+#: rows at d64 (head pairs up to 4 rows each) and d256; 2-bit K up to 8 rows at each)
+MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 46)}
 
 
 ILL_CONDITIONED_CASES = [
@@ -382,6 +388,11 @@ ILL_CONDITIONED_CASES = [
     # 2-bit K through the transposed kernel
     ("kvarn_k2v2_g64", 128, 2, 4, 1),
     ("kvarn_k2v4_g128", 128, 1, 8, 1),
+    ("kvarn_k2v2_g64", 64, 3, 3, 1),
+    ("kvarn_k2v2_g64", 256, 2, 4, 1),
+    # the Triton kernel (cases 3 and 4 now take the MMA kernels): 5-bit K, 16 rows of 2-bit K
+    ("kvarn_k5v5_g64", 128, 1, 4, 1),
+    ("kvarn_k2v2_g64", 128, 1, 16, 1),
 ]
 
 

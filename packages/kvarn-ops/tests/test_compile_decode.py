@@ -440,16 +440,18 @@ def test_mma_decode_transposed_compiles(target, case):
 
 def test_mma_decode_scope_and_splits():
     """Which geometries the MMA kernels take (4-bit K, 2/4-bit V, G 64/128; d128 up to 16
-    query rows a KV head, d64 up to 8: head pairs up to 4 rows each; 2-bit K at d128 up to 8
-    rows), and the workspace's split count sized for the programs of two heads at d64."""
+    query rows a KV head, d64 up to 8: head pairs up to 4 rows each; 2-bit K up to 8 rows at
+    d64, d128 and d256), and the workspace's split count sized for the programs of two heads
+    at d64."""
     from kvarn_ops.kernels import decode_mma
 
     ok = decode_mma.mma_decode_supported
     assert ok(2, 2, 64, 128, 8) and ok(2, 4, 128, 128, 1) and not ok(2, 2, 64, 128, 9)
-    assert not ok(2, 2, 64, 256, 4) and not ok(2, 2, 32, 128, 4) and not ok(3, 2, 64, 128, 4)
+    assert ok(2, 2, 64, 64, 4) and ok(2, 2, 64, 256, 8) and not ok(2, 2, 64, 256, 9)
+    assert not ok(2, 2, 32, 128, 4) and not ok(3, 2, 64, 128, 4) and not ok(2, 2, 64, 96, 4)
     assert ok(4, 2, 64, 128, 16) and not ok(4, 2, 64, 128, 17)
     assert ok(4, 2, 64, 64, 4) and ok(4, 4, 128, 64, 8) and not ok(4, 2, 64, 64, 9)
-    assert not ok(2, 2, 64, 64, 4) and not ok(4, 3, 64, 64, 4) and not ok(4, 2, 32, 64, 4)
+    assert not ok(4, 3, 64, 64, 4) and not ok(4, 2, 32, 64, 4)
     assert ok(4, 2, 64, 256, 8) and ok(4, 4, 128, 256, 1) and not ok(4, 2, 64, 256, 9)
     assert not ok(4, 2, 64, 96, 4) and not ok(4, 2, 64, 512, 4) and not ok(4, 2, 64, 64, 0)
 
@@ -473,6 +475,8 @@ PAIR_CASES = [
     ("kvarn_k4v4_g128", 1, 4, "*fp32"),
     ("kvarn_k4v2_g64", 8, 1, "*bf16"),  # TinyLlama's GQA 8: one head a program
     ("kvarn_k4v4_g64", 7, 1, "*fp16"),  # Qwen2.5-0.5B's GQA 7
+    ("kvarn_k2v2_g64", 4, 1, "*bf16"),  # 2-bit K, head pairs
+    ("kvarn_k2v4_g128", 8, 1, "*bf16"),  # 2-bit K, one head a program
 ]
 
 
@@ -481,6 +485,8 @@ D256_CASES = [
     ("kvarn_k4v4_g64", 2, 2, "*fp16"),  # Gemma-2/3's GQA 2, 2-token causal rows
     ("kvarn_k4v2_g128", 8, 1, "*fp32"),
     ("kvarn_k4v4_g128", 4, 1, "*bf16"),
+    ("kvarn_k2v2_g64", 2, 1, "*bf16"),  # 2-bit K
+    ("kvarn_k2v4_g128", 4, 2, "*fp16"),
 ]
 
 

@@ -399,6 +399,8 @@ ROUTES = [
     ("kvarn_k4v4_g128", 256, 2, 4, 2, "d256", 0),
     ("kvarn_k2v2_g64", 128, 8, 4, 1, "t", 0),  # 2-bit K: the transposed kernel, KB = 2
     ("kvarn_k2v4_g128", 128, 2, 4, 2, "t", 0),
+    ("kvarn_k2v2_g64", 64, 8, 4, 1, "t", 2),
+    ("kvarn_k2v2_g64", 256, 8, 2, 1, "d256", 0),
 ]
 
 

@@ -1180,7 +1180,7 @@ always does (tests set it to check that combine path under the interpreter)."""
 def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int, t: int | None = None) -> bool:
     """The Gluon kernels (``decode_mma.py`` and the transposed ones) serve 4-bit K, 2/4-bit V,
     G 64 or 128 on sm_80+: d128 up to 16 query rows per KV head (``t`` query tokens; default:
-    q's), d64 and d256 up to 8; and 2-bit K at d128 up to 8 rows."""
+    q's), d64 and d256 up to 8; and 2-bit K up to 8 rows (the transposed kernels)."""
     if not cuda_feature(q, "KVARN_DECODE_MMA", (8, 0)):
         return False
     c = _layout_consts(format_name, q.shape[3])
@@ -1235,7 +1235,7 @@ def _launch(
         if d == 256:
             kern = mod_256.mma_decode_t256_kernel  # two 128-channel halves a block
         extra = {"PAIR": pair} if pair else {}
-        if c["KB"] == 2:  # decode_mma_t (mma_decode_supported admits nothing else)
+        if c["KB"] == 2:  # a transposed kernel (mma_decode_supported admits nothing else)
             extra["KB"] = 2
         kern[(num_splits, b * (-(-hkv // pair) if pair else hkv))](
             q,

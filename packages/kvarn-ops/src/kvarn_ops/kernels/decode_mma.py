@@ -177,12 +177,14 @@ def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: in
     """Whether a geometry takes an MMA kernel (on a GPU with mma.sync, i.e. sm_80 and newer):
     this one or ``decode_mma_t`` at head_dim 128, ``decode_mma_t`` at head_dim 64 with up to 8
     rows (``decode_mma_pair``: two KV heads a program up to 4 rows each, else one), or
-    ``decode_mma_d256`` at head_dim 256 with up to 8 rows; all with 4-bit K codes. 2-bit K:
-    ``decode_mma_t`` at head_dim 128 with up to 8 rows."""
+    ``decode_mma_d256`` at head_dim 256 with up to 8 rows; 2-bit K codes only in the
+    transposed kernels (up to 8 rows at head_dim 64, 128 and 256)."""
     if k_bits not in (2, 4) or v_bits not in (2, 4) or block_size not in MMA_DECODE_GROUPS:
         return False
-    if k_bits == 2:  # decode_mma_t only, one head a program, codes in normal fp16
-        return head_dim == MMA_DECODE_D and 1 <= rows <= 8 and not SUBNORMAL_CODES
+    if k_bits == 2:  # the transposed kernels only, codes in normal fp16
+        if SUBNORMAL_CODES or head_dim not in (MMA_DECODE_D // 2, MMA_DECODE_D, 2 * MMA_DECODE_D):
+            return False
+        return 1 <= rows <= 8
     if head_dim == MMA_DECODE_D:
         return rows <= 16
     return head_dim in (MMA_DECODE_D // 2, 2 * MMA_DECODE_D) and 1 <= rows <= 8

@@ -51,16 +51,19 @@ _CP1616: gl.constexpr = gl.BlockedLayout(
 
 @gluon.jit
 def _stage_half(sk, sv, r32, ok, half, HF: gl.constexpr, K_OFF, V_OFF, VB: gl.constexpr,
-                G: gl.constexpr):  # fmt: skip
+                G: gl.constexpr, KB: gl.constexpr = 4):  # fmt: skip
     """``decode_mma._stage_words`` of channel half ``HF`` (channels ``128 HF ..``) of a
-    256-channel record: K words of channel ``d`` at ``d * G / 8``, V rows of ``8 VB`` words (the
-    half's ``4 VB`` from word ``4 VB HF``)."""
+    256-channel record: K words of channel ``d`` at ``d * G / 8`` (2-bit K: ``d * G / 16``,
+    lanes ``w`` and ``w ^ 1`` copying word ``w // 2``), V rows of ``8 VB`` words (the half's
+    ``4 VB`` from word ``4 VB HF``)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 256 * VB // 32
+    CW: gl.constexpr = G * KB // 32  # K words of a channel
+    WSH: gl.constexpr = 2 if KB == 4 else 3  # lane -> word of the half
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, M._CPK))
     ln = gl.arange(0, 32, layout=gl.SliceLayout(0, M._CPK))
-    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * (G // 8) + (ln[None, :] >> 2)
-    kbase = r32 + (K_OFF // 4 + HF * 128 * (G // 8)) + half * 8
+    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * CW + (ln[None, :] >> WSH)
+    kbase = r32 + (K_OFF // 4 + HF * 128 * CW) + half * (2 * KB)
     async_copy.async_copy_global_to_shared(sk, kbase + koff, mask=(koff >= 0) & ok)
     CPV: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[16 * HV, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]
@@ -78,7 +81,8 @@ def _issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_he
                  rec32_ptr, rec16_ptr, REC: gl.constexpr, K_OFF: gl.constexpr,
                  KCS_OFF: gl.constexpr, KZP_OFF: gl.constexpr, KRS_OFF: gl.constexpr,
                  V_OFF: gl.constexpr, VCS_OFF: gl.constexpr, VRS_OFF: gl.constexpr,
-                 VZP_OFF: gl.constexpr, VB: gl.constexpr, G: gl.constexpr):  # fmt: skip
+                 VZP_OFF: gl.constexpr, VB: gl.constexpr, G: gl.constexpr,
+                 KB: gl.constexpr = 4):  # fmt: skip
     """Stage 64-token unit ``uu`` of the request: both halves' words ([64, 32] K words, V words
     half by half), the channel vectors of 256 channels ([8, 32] K scale and zero point, [16,
     16] V scale) and the unit's token vectors ([8, 8]); then commit the copy group."""
@@ -91,9 +95,10 @@ def _issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_he
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
     ok = uu < u1
-    _stage_half(sk.slice(0, 32), sv.slice(0, 16 * HV), r32, ok, half, 0, K_OFF, V_OFF, VB, G)
+    _stage_half(sk.slice(0, 32), sv.slice(0, 16 * HV), r32, ok, half, 0, K_OFF, V_OFF, VB, G,
+                KB)  # fmt: skip
     _stage_half(sk.slice(32, 32), sv.slice(16 * HV, 16 * HV), r32, ok, half, 1, K_OFF, V_OFF,
-                VB, G)  # fmt: skip
+                VB, G, KB)  # fmt: skip
     c = gl.arange(0, 8, layout=gl.SliceLayout(1, _CP832))
     j = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP832))
     oc = c[:, None] * 32 + j[None, :]
@@ -141,10 +146,11 @@ def _store_q_parts(sq, qrot, HF: gl.constexpr, QB: gl.constexpr):
 
 
 @gluon.jit
-def _half_scores(s, sq, ck, kc, kz, odd, HF: gl.constexpr, QB: gl.constexpr):
+def _half_scores(s, sq, ck, kc, kz, odd, HF: gl.constexpr, QB: gl.constexpr,
+                 KB: gl.constexpr = 4):  # fmt: skip
     """``s`` plus half ``HF``'s score sums over its 128 channels: its zero-point term (odd
-    nibble rows 16 times it), then each chunk's code operand against both fp16 parts of
-    ``q_rot * s_col_K`` (the q parts read from ``sq``)."""
+    nibble rows 16 times it; 2-bit K: each row ``1 / F`` times it), then each chunk's code
+    operand against both fp16 parts of ``q_rot * s_col_K`` (the q parts read from ``sq``)."""
     B: gl.constexpr = 8 * HF
     qz = gl.full([16, 8], 0.0, gl.float32, _MMA)
     qs0, qt0, qz = MT._qs_t(qz, sq.index(B).load(_OPB), sq.index(B + 1).load(_OPB),
@@ -156,14 +162,17 @@ def _half_scores(s, sq, ck, kc, kz, odd, HF: gl.constexpr, QB: gl.constexpr):
     qs3, qt3, qz = MT._qs_t(qz, sq.index(B + 6).load(_OPB), sq.index(B + 7).load(_OPB),
                             M._run8(kc, 3), M._run8(kz, 3), QB)  # fmt: skip
     qzg = MT._equal_rows(qz) * MT._C_IN
-    s = s + gl.where(odd[:, None], MT._rows_like(16.0 * qzg, 64), MT._rows_like(qzg, 64))
-    ka = MT._k_operand_a(M._staged_kw(ck, 0))
+    if KB == 2:
+        s = s + MT._rows_like(qzg, 64) * MT._k_row_factors(False, KB)[:, None]
+    else:
+        s = s + gl.where(odd[:, None], MT._rows_like(16.0 * qzg, 64), MT._rows_like(qzg, 64))
+    ka = MT._k_operand(M._staged_kw(ck, 0), KB)
     s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
-    ka = MT._k_operand_a(M._staged_kw(ck, 1))
+    ka = MT._k_operand(M._staged_kw(ck, 1), KB)
     s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
-    ka = MT._k_operand_a(M._staged_kw(ck, 2))
+    ka = MT._k_operand(M._staged_kw(ck, 2), KB)
     s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
-    ka = MT._k_operand_a(M._staged_kw(ck, 3))
+    ka = MT._k_operand(M._staged_kw(ck, 3), KB)
     return mma_v2(ka, qs3, mma_v2(ka, qt3, s))
 
 
@@ -230,12 +239,14 @@ def mma_decode_t256_kernel(
     G: gl.constexpr = 64,
     PDL: gl.constexpr = False,
     LAG: gl.constexpr = 0,
+    KB: gl.constexpr = 4,
 ):
     """``decode_mma_t.mma_decode_t_kernel`` at head_dim 256 (``T * GQA <= 8``, the query
-    tokens ``T``; the 256-channel record's ``REC`` and offsets)."""
+    tokens ``T``; the 256-channel record's ``REC`` and offsets; 2-bit K with ``KB = 2``)."""
     if PDL:
         M.launch_dependents()
     gl.static_assert(T * GQA <= 8)
+    gl.static_assert(KB == 4 or (KB == 2 and not MT._SUB))
     gl.static_assert(NBUF >= 2)
     QB: gl.constexpr = MT._as_linear(gl.to_linear_layout(_OPB, [32, 8]))
     split = gl.program_id(0)
@@ -269,7 +280,7 @@ def mma_decode_t256_kernel(
         _issue_stage(sk.index(st), sv.index(st), skc.index(st), skz.index(st), skr.index(st),
                      svc.index(st), svr.index(st), svz.index(st), u0 + st, u1, bt_row,
                      num_kv_heads, h, rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF,
-                     KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
+                     KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G, KB)  # fmt: skip
 
     qlo, qhi = _q_rows256(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
     _store_q_parts(sq, qlo, 0, QB)
@@ -300,7 +311,7 @@ def mma_decode_t256_kernel(
                      skr.index(nst), svc.index(nst), svr.index(nst), svz.index(nst),
                      u + NBUF - 1, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC,
                      K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB,
-                     G)  # fmt: skip
+                     G, KB)  # fmt: skip
         async_copy.wait_group(NBUF - 1)
         gl.thread_barrier()
         cst = j % NBUF
@@ -308,12 +319,9 @@ def mma_decode_t256_kernel(
         kc = skc.index(cst)
         kz = skz.index(cst)
         s = gl.full([64, 8], 0.0, gl.float32, _MMA)
-        s = _half_scores(s, sq, ck.slice(0, 32), kc.slice(0, 4), kz.slice(0, 4), odd, 0, QB)
-        s = _half_scores(s, sq, ck.slice(32, 32), kc.slice(4, 4), kz.slice(4, 4), odd, 1, QB)
-        kf = MT._tok_rows(
-            MT._run_consts(gl.constexpr(MT._RUNG8), 8, MT._C_OUT, 0.0625 * MT._C_OUT, MT._C_OUT,
-                          0.0625 * MT._C_OUT)
-        )  # fmt: skip
+        s = _half_scores(s, sq, ck.slice(0, 32), kc.slice(0, 4), kz.slice(0, 4), odd, 0, QB, KB)
+        s = _half_scores(s, sq, ck.slice(32, 32), kc.slice(4, 4), kz.slice(4, 4), odd, 1, QB, KB)
+        kf = MT._k_row_factors(True, KB)
         krs = MT._tok_rows(skr.index(cst).load(MT._RUNG8)) * kf
         s = s * krs[:, None]
         if T + LAG > 1:

@@ -51,21 +51,26 @@ _CP168: gl.constexpr = gl.BlockedLayout(
 
 @gluon.jit
 def _stage_words(sk, sv, r32, r32b, ok, ok2, half, K_OFF, V_OFF, VB: gl.constexpr,
-                 G: gl.constexpr):  # fmt: skip
+                 G: gl.constexpr, KB: gl.constexpr = 4):  # fmt: skip
     """``decode_mma._stage_words`` for a head pair (records at ``r32`` and ``r32b``): K word
     ``w`` of virtual channel ``c`` is word ``w`` of channel ``c % 64`` in head ``c // 64``'s
     record; a token's virtual V row is the two heads' 64-channel rows one after the other
     (``2 VB`` words each). Each lane picks its head's record pointer once, so its offsets
     are small constants over its registers (one base a lane, immediate offsets). ``ok2``
-    false: no second head, its half of the stage is zero-filled (nothing read)."""
+    false: no second head, its half of the stage is zero-filled (nothing read). 2-bit K
+    (``KB = 2``): four words a channel and half, lanes ``w`` and ``w ^ 1`` copy word ``w //
+    2`` (as ``decode_mma._stage_words``)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 64 * VB // 32
+    KW: gl.constexpr = 64 * KB // 32  # K words of a channel in a 64-token half
+    WSH: gl.constexpr = 2 if KB == 4 else 3  # lane -> word of the half
     # K: row r, lane c + 4 w: virtual channel 32 c + r (head c // 2, channel 32 (c % 2) + r)
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, M._CPK))
     ln = gl.arange(0, 32, layout=gl.SliceLayout(0, M._CPK))
     kh = ((ln >> 1) & 1) == 1
-    kb = gl.where(kh, r32b, r32) + (K_OFF // 4 + half * 8)
-    koff = r[:, None] * (G // 8) + ((ln & 1) * (32 * (G // 8)) + (ln >> 2))[None, :]
+    kb = gl.where(kh, r32b, r32) + (K_OFF // 4 + half * KW)
+    CW: gl.constexpr = G * KB // 32  # K words of a channel
+    koff = r[:, None] * CW + ((ln & 1) * (32 * CW) + (ln >> WSH))[None, :]
     km = (koff >= 0) & ((ok & (kh == 0)) | ok2)[None, :]
     async_copy.async_copy_global_to_shared(sk, kb[None, :] + koff, mask=km)
     # V: row i * HV + x, lane c + 4 g: token 16 c + i, virtual word g HV + x (head g // 4)
@@ -146,6 +151,7 @@ def issue_stage(
     VZP_OFF: gl.constexpr,
     VB: gl.constexpr,
     G: gl.constexpr,
+    KB: gl.constexpr = 4,
 ):
     """``decode_mma._issue_stage`` for the head pair ``h``, ``h + dh``: both records of the
     block into one stage (``dh`` 0 where the program has one head, the odd head out or 5-8
@@ -159,7 +165,7 @@ def issue_stage(
     r16 = rec16_ptr + rbase * (REC // 2)
     ok = uu < u1
     ok2 = ok & (dh > 0)  # one head: the second half of the stage zero-filled
-    _stage_words(sk, sv, r32, r32 + dh * (REC // 4), ok, ok2, half, K_OFF, V_OFF, VB, G)
+    _stage_words(sk, sv, r32, r32 + dh * (REC // 4), ok, ok2, half, K_OFF, V_OFF, VB, G, KB)
     _stage_vectors(skc, skz, skr, svc, svr, svz, r16, r16 + dh * (REC // 2), ok, ok2, half,
                    KCS_OFF, KZP_OFF, KRS_OFF, VCS_OFF, VRS_OFF, VZP_OFF)  # fmt: skip
     async_copy.commit_group()

@@ -390,11 +390,11 @@ def _issue(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h
            VB: gl.constexpr, G: gl.constexpr, PAIR: gl.constexpr,
            KB: gl.constexpr = 4):  # fmt: skip
     """Stage unit ``uu``: one head's record (``decode_mma._issue_stage``, this kernel's
-    layout) or, with ``PAIR``, the records of heads ``h`` and ``h + dh`` (4-bit K only)."""
+    layout) or, with ``PAIR``, the records of heads ``h`` and ``h + dh``."""
     if PAIR:
         P.issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h, dh,
                       rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
-                      VCS_OFF, VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
+                      VCS_OFF, VRS_OFF, VZP_OFF, VB, G, KB)  # fmt: skip
     else:
         M._issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h,
                        rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
@@ -436,7 +436,7 @@ def mma_decode_t_kernel(
     KB: gl.constexpr = 4,
 ):
     """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2), and 2-bit
-    K codes with ``KB = 2`` (one head a program, without ``SUBNORMAL_CODES``). With
+    K codes with ``KB = 2`` (without ``SUBNORMAL_CODES``). With
     ``PAIR`` the heads have 64 channels (``decode_mma_pair``; ``REC`` and the offsets are
     then the 64-channel record's): at ``PAIR = 2`` program ``(split, b * ceil(Hkv / 2) + j)``
     takes KV heads ``2 j`` and ``2 j + 1`` (T * GQA <= 4), at ``PAIR = 1`` one KV head
@@ -446,7 +446,7 @@ def mma_decode_t_kernel(
     ROWS_MAX: gl.constexpr = 4 if PAIR == 2 else 8
     gl.static_assert(T * GQA <= ROWS_MAX)
     gl.static_assert(NBUF >= 2)
-    gl.static_assert(KB == 4 or (KB == 2 and PAIR == 0 and not _SUB))
+    gl.static_assert(KB == 4 or (KB == 2 and not _SUB))
     QB: gl.constexpr = _as_linear(gl.to_linear_layout(_OPB, [32, 8]))
     split = gl.program_id(0)
     bh = gl.program_id(1)
