@@ -81,6 +81,8 @@ GEOMS = [  # (batch, context, Hq, Hkv, D, format)
     # 2-bit K at head_dim 64 (head pairs: Llama-3.2-1B) and 256 (two halves: Gemma-3-12B)
     (64, 32768, 32, 8, 64, "kvarn_k2v2_g64"),
     (64, 16384, 16, 8, 256, "kvarn_k2v2_g64"),
+    # 2-bit K with 16 rows (GQA 16: the 16-row MMA kernel)
+    (32, 16384, 16, 1, 128, "kvarn_k2v2_g64"),
 ]
 QUICK = [GEOMS[0], GEOMS[2], GEOMS[3]]
 #: ``--grid``: the issue's sweep. Llama-3.1-8B geometry, k4v2 g64, every context x batch; the

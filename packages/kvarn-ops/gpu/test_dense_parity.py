@@ -364,10 +364,13 @@ DECODE_CASES = [
     ("kvarn_k2v2_g64", 9, [4, 66, 1000, 32768], 1, torch.bfloat16, torch.bfloat16),
     ("kvarn_k2v2_g64", 11, [1, 63, 64, 65, 1000, 4113], 1, torch.bfloat16, torch.bfloat16),
     ("kvarn_k2v4_g128", 11, [2, 128, 257, 5000], 2, torch.float16, torch.float8_e4m3fn),
+    # 2-bit K with 9-16 rows (the 16-row kernel): GQA 8 with 2-token causal rows, GQA 16
+    ("kvarn_k2v2_g64", 1, [2, 64, 129, 5000], 2, torch.bfloat16, torch.bfloat16),
+    ("kvarn_k2v4_g128", 5, [1, 127, 4113, 32768], 1, torch.float16, torch.float8_e4m3fn),
 ]
 #: cases that must run the Gluon MMA kernels (4-bit K, 2/4-bit V, <= 16 rows at d128, <= 8
 #: rows at d64 (head pairs up to 4 rows each) and d256; 2-bit K up to 8 rows at each)
-MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 46)}
+MMA_DECODE_CASES = {0, 1, 2, 3, 5, 9, 10, 11, 12, 13, 14, 15, 16, *range(20, 48)}
 
 
 ILL_CONDITIONED_CASES = [
@@ -390,7 +393,8 @@ ILL_CONDITIONED_CASES = [
     ("kvarn_k2v4_g128", 128, 1, 8, 1),
     ("kvarn_k2v2_g64", 64, 3, 3, 1),
     ("kvarn_k2v2_g64", 256, 2, 4, 1),
-    # the Triton kernel (cases 3 and 4 now take the MMA kernels): 5-bit K, 16 rows of 2-bit K
+    # the Triton kernel (cases 3 and 4 now take the MMA kernels): 5-bit K; 2-bit K at 16 rows
+    # (the 16-row MMA kernel)
     ("kvarn_k5v5_g64", 128, 1, 4, 1),
     ("kvarn_k2v2_g64", 128, 1, 16, 1),
 ]
@@ -452,7 +456,7 @@ def test_decode_many_query_rows(request, case):
 
 CHUNKED_CASES = [
     # (format, D, Hkv, GQA, T, pool): more rows per KV head than a launch computes, in chunks
-    # of query tokens (16-row chunks through the MMA kernel at k4v2 / k4v4 d128 with GQA <= 16,
+    # of query tokens (16-row chunks through the MMA kernel at 4- and 2-bit K, d128, GQA <= 16;
     # 32-row chunks through the Triton kernel elsewhere); the first four computed wrong results
     # or faulted as 64-row tiles (2026-12-02)
     ("kvarn_k4v2_g64", 128, 2, 16, 4, torch.float8_e4m3fn),
@@ -473,7 +477,7 @@ CHUNKED_CASES = [
 CHUNKED_PARAMS = [(i, True) for i in range(len(CHUNKED_CASES))] + [
     (i, False)
     for i, c in enumerate(CHUNKED_CASES)
-    if c[0] in ("kvarn_k4v2_g64", "kvarn_k4v4_g64") and c[1] == 128 and c[3] <= 16
+    if c[0] in ("kvarn_k4v2_g64", "kvarn_k4v4_g64", "kvarn_k2v2_g64") and c[1] == 128 and c[3] <= 16
 ]
 
 

@@ -292,15 +292,19 @@ MMA_CASES = [
     ("kvarn_k4v2_g64", 4, 4, "*fp32"),
     ("kvarn_k4v2_g128", 4, 4, "*bf16"),  # 128-token records, two 64-token halves
     ("kvarn_k4v2_g64", 16, 1, "*bf16"),  # GQA 16 (Llama-3.1-405B, GLM-4): 16 rows
+    ("kvarn_k2v2_g64", 8, 2, "*bf16"),  # 2-bit K, 16 rows (a 2-token verify at GQA 8)
+    ("kvarn_k2v4_g128", 16, 1, "*fp16"),
 ]
 #: spill frame allowed (bytes, the larger of sm_90a / sm_120a measured offline, rounded up):
 #: the benchmark target spills nothing on sm_90a (32 B on sm_120a), 4-bit V 32 B, T > 1 with
-#: the causal mask 112-136 B (with 128-token records, bf16 q: 8 B on sm_90a)
+#: the causal mask 112-136 B (with 128-token records, bf16 q: 8 B on sm_90a), 2-bit K 8-16 B
 MMA_SPILL = {
     MMA_CASES[0]: 64,
     MMA_CASES[1]: 64,
     MMA_CASES[2]: 192,
     MMA_CASES[3]: 192,
+    MMA_CASES[5]: 64,  # 2-bit K at 16 rows: 8 B on sm_90a
+    MMA_CASES[6]: 64,  # 16 B on both targets
 }
 
 
@@ -375,7 +379,9 @@ def test_mma_decode_compiles_without_operand_trips(target, case, nbuf):
     assert "popc" not in ptx and "cvt.rn.f16.s32" not in ptx
     # one prmt per byte pair: K 16 per chunk (each feeds two operand registers), 2-bit V 8 per
     # chunk (four registers each); 4-bit V keeps one per register, 32 per chunk
-    assert ptx.count("prmt.b32") == 4 * 16 + 4 * (8 if vb == 2 else 32)
+    # (2-bit K: one per byte of two channels' words, 8 per chunk)
+    kb = KD._layout_consts(case[0], 128)["KB"]
+    assert ptx.count("prmt.b32") == 4 * (16 if kb == 4 else 8) + 4 * (8 if vb == 2 else 32)
 
 
 T_CASES = [
@@ -440,13 +446,12 @@ def test_mma_decode_transposed_compiles(target, case):
 
 def test_mma_decode_scope_and_splits():
     """Which geometries the MMA kernels take (4-bit K, 2/4-bit V, G 64/128; d128 up to 16
-    query rows a KV head, d64 up to 8: head pairs up to 4 rows each; 2-bit K up to 8 rows at
-    d64, d128 and d256), and the workspace's split count sized for the programs of two heads
-    at d64."""
+    query rows a KV head, d64 up to 8: head pairs up to 4 rows each; 2-bit K alike), and the
+    workspace's split count sized for the programs of two heads at d64."""
     from kvarn_ops.kernels import decode_mma
 
     ok = decode_mma.mma_decode_supported
-    assert ok(2, 2, 64, 128, 8) and ok(2, 4, 128, 128, 1) and not ok(2, 2, 64, 128, 9)
+    assert ok(2, 2, 64, 128, 16) and ok(2, 4, 128, 128, 1) and not ok(2, 2, 64, 128, 17)
     assert ok(2, 2, 64, 64, 4) and ok(2, 2, 64, 256, 8) and not ok(2, 2, 64, 256, 9)
     assert not ok(2, 2, 32, 128, 4) and not ok(3, 2, 64, 128, 4) and not ok(2, 2, 64, 96, 4)
     assert ok(4, 2, 64, 128, 16) and not ok(4, 2, 64, 128, 17)

@@ -401,6 +401,7 @@ ROUTES = [
     ("kvarn_k2v4_g128", 128, 2, 4, 2, "t", 0),
     ("kvarn_k2v2_g64", 64, 8, 4, 1, "t", 2),
     ("kvarn_k2v2_g64", 256, 8, 2, 1, "d256", 0),
+    ("kvarn_k2v2_g64", 128, 2, 8, 2, "rows16", 0),
 ]
 
 
@@ -410,8 +411,8 @@ def test_mma_launch_routing(case, monkeypatch):
     launcher starts, on which grid, with which record layout: d128 up to 8 rows the
     transposed kernel, 9-16 the 16-row one; d64 the transposed kernel on head pairs up to 4
     rows a head (``PAIR = 2``, ``ceil(Hkv / 2)`` programs a request and split), else one head
-    a program (``PAIR = 1``); d256 the two-half kernel; 2-bit K the transposed kernel with
-    ``KB = 2``. The split count is the workspace's, sized for those programs."""
+    a program (``PAIR = 1``); d256 the two-half kernel; 2-bit K the same kernels with ``KB =
+    2``. The split count is the workspace's, sized for those programs."""
     fmt, d, hkv, gqa, t, kern, pair = case
     calls = []
     mods = tuple(

@@ -1,8 +1,7 @@
-"""The 2-bit K unpack of the transposed MMA decode kernel (``decode_mma_t``), on the CPU: the
-words each lane stages (``decode_mma._stage_words`` at ``KB = 2``), the ``prmt`` selector each
-lane uses (``decode_mma_t._k2_operand_a``) and the PTX of ``decode_mma_t.k2_crumbs_asm``
-executed by the emulator of ``test_mla_wgmma_unpack`` on real records, against the
-reference's codes.
+"""The 2-bit K unpack of the MMA decode kernels (``decode_mma._k2_codes``, which all of them
+use), on the CPU: the words each lane stages (``decode_mma._stage_words`` at ``KB = 2``), the
+``prmt`` selector each lane uses and the PTX of ``decode_mma.k2_crumbs_asm`` executed by the
+emulator of ``test_mla_wgmma_unpack`` on real records, against the reference's codes.
 
 The Gluon kernel itself runs only on a GPU (``gpu/test_dense_parity.py``); this checks what a
 new code width is most likely to get wrong: which word a lane copies, which bytes of it are
@@ -17,12 +16,12 @@ import torch
 
 import kvarn_formats as kf
 from kvarn_ops import reference as ref
-from kvarn_ops.kernels import decode_mma, decode_mma_t
+from kvarn_ops.kernels import decode_mma
 from test_mla_wgmma_unpack import _f16x2, run_ptx
 
-SEL0 = decode_mma_t.K2_SEL_BYTE0.value
-SEL_BYTE = decode_mma_t.K2_SEL_BYTE.value
-SEL_ODD = decode_mma_t.K2_SEL_ODD_LANE.value
+SEL0 = decode_mma.K2_SEL_BYTE0.value
+SEL_BYTE = decode_mma.K2_SEL_BYTE.value
+SEL_ODD = decode_mma.K2_SEL_ODD_LANE.value
 
 
 def _words_and_codes(fmt: str, gen: torch.Generator):
@@ -51,7 +50,7 @@ def _staged_word(words, k_off, g, half, ln, r):
 @pytest.mark.parametrize("fmt", ["kvarn_k2v2_g64", "kvarn_k2v4_g128"])
 def test_k2_operand_is_every_code_exactly(fmt, gen):
     words, codes, k_off, g = _words_and_codes(fmt, gen)
-    asm = decode_mma_t.k2_crumbs_asm()
+    asm = decode_mma.k2_crumbs_asm()
     factors = [decode_mma._crumb_factor(f, False) for f in range(4)]
     assert sorted(factors) == [4.0, 16.0, 64.0, 256.0]
     seen = np.zeros(codes.shape, dtype=np.int64)

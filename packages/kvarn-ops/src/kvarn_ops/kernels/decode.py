@@ -1180,13 +1180,13 @@ always does (tests set it to check that combine path under the interpreter)."""
 def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int, t: int | None = None) -> bool:
     """The Gluon kernels (``decode_mma.py`` and the transposed ones) serve 4-bit K, 2/4-bit V,
     G 64 or 128 on sm_80+: d128 up to 16 query rows per KV head (``t`` query tokens; default:
-    q's), d64 and d256 up to 8; and 2-bit K up to 8 rows (the transposed kernels)."""
+    q's), d64 and d256 up to 8; 2-bit K alike."""
     if not cuda_feature(q, "KVARN_DECODE_MMA", (8, 0)):
         return False
     c = _layout_consts(format_name, q.shape[3])
     rows = (q.shape[1] if t is None else t) * (q.shape[2] // hkv)
-    if (q.shape[3] != 128 or c["KB"] == 2) and not (_MMA_TRANSPOSED and _MMA_STAGES >= 2):
-        return False  # head pairs (head_dim 64) and 2-bit K exist in the transposed kernel only
+    if q.shape[3] != 128 and not (_MMA_TRANSPOSED and _MMA_STAGES >= 2):
+        return False  # head pairs (head_dim 64) exist in the transposed kernel only
     mods = _mma_module()
     return mods is not None and mods[0].mma_decode_supported(
         c["KB"], c["VB"], c["G"], q.shape[3], rows
@@ -1235,7 +1235,7 @@ def _launch(
         if d == 256:
             kern = mod_256.mma_decode_t256_kernel  # two 128-channel halves a block
         extra = {"PAIR": pair} if pair else {}
-        if c["KB"] == 2:  # a transposed kernel (mma_decode_supported admits nothing else)
+        if c["KB"] == 2:
             extra["KB"] = 2
         kern[(num_splits, b * (-(-hkv // pair) if pair else hkv))](
             q,

@@ -177,14 +177,12 @@ def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: in
     """Whether a geometry takes an MMA kernel (on a GPU with mma.sync, i.e. sm_80 and newer):
     this one or ``decode_mma_t`` at head_dim 128, ``decode_mma_t`` at head_dim 64 with up to 8
     rows (``decode_mma_pair``: two KV heads a program up to 4 rows each, else one), or
-    ``decode_mma_d256`` at head_dim 256 with up to 8 rows; 2-bit K codes only in the
-    transposed kernels (up to 8 rows at head_dim 64, 128 and 256)."""
+    ``decode_mma_d256`` at head_dim 256 with up to 8 rows; 4-bit or 2-bit K codes (2-bit
+    not with ``SUBNORMAL_CODES``)."""
     if k_bits not in (2, 4) or v_bits not in (2, 4) or block_size not in MMA_DECODE_GROUPS:
         return False
-    if k_bits == 2:  # the transposed kernels only, codes in normal fp16
-        if SUBNORMAL_CODES or head_dim not in (MMA_DECODE_D // 2, MMA_DECODE_D, 2 * MMA_DECODE_D):
-            return False
-        return 1 <= rows <= 8
+    if k_bits == 2 and SUBNORMAL_CODES:  # 2-bit K codes in normal fp16 only
+        return False
     if head_dim == MMA_DECODE_D:
         return rows <= 16
     return head_dim in (MMA_DECODE_D // 2, 2 * MMA_DECODE_D) and 1 <= rows <= 8
@@ -605,17 +603,79 @@ def _q_chunk_rows(qrot, CQ: gl.constexpr):
     return gl.convert_layout(gl.reshape(x, [16, 32]), _MMA, assert_trivial=True)
 
 
+K2_SEL_BYTE0 = gl.constexpr(0x4400)
+"""``prmt`` selector of byte 0 of both words, each copied into both bytes of its half."""
+K2_SEL_BYTE = gl.constexpr(0x1111)
+"""Selector step from one byte to the next."""
+K2_SEL_ODD_LANE = gl.constexpr(0x2222)
+"""Added for the lanes whose tokens are the high half of their words (``w`` odd)."""
+
+
+@gluon.constexpr_function
+def k2_crumbs_asm():
+    """PTX of :func:`_crumbs_exact`: ``$4`` / ``$5`` the words of two channels, ``$6`` the
+    ``prmt`` selector (``$7`` its copy, unused); ``$0 .. $3`` the fp16 pairs of fields 0-3."""
+    return (
+        "{ .reg .b32 t, o, x, y, z, w; prmt.b32 t, $4, $5, $6; mov.b32 o, 0x3C003C00; "
+        "lop3.b32 x, t, 0x03000300, o, 0xea; "  # field 0, from the copy's high byte
+        "lop3.b32 y, t, 0x000C000C, o, 0xea; "
+        "lop3.b32 z, t, 0x00300030, o, 0xea; "
+        "lop3.b32 w, t, 0x00C000C0, o, 0xea; "
+        "sub.f16x2 $0, x, o; sub.f16x2 $1, y, o; sub.f16x2 $2, z, o; sub.f16x2 $3, w, o; }"
+    )
+
+
 @gluon.jit
-def _k_operand_pairs(kw):
+def _crumbs_exact(a, b, sel):
+    """The four 2-bit codes of one byte of words ``a`` and ``b`` (byte ``B`` of both, copied
+    into both bytes of each half by the ``prmt`` selector ``K2_SEL_BYTE0 + B * K2_SEL_BYTE``,
+    i.e. ``B | B << 4 | (B + 4) << 8 | (B + 4) << 12``) as exact fp16 ``c / F`` (F = 4, 256,
+    64, 16 for the fields at bits 0, 2, 4, 6): :func:`_crumb_pairs`'s ``1 + c / F`` with the
+    1 taken out in fp16 (exact), so the score sums carry no offset (2.25 instructions per
+    operand register)."""
+    return gl.inline_asm_elementwise(
+        k2_crumbs_asm(),
+        "=r,=r,=r,=r,r,r,r,r",
+        [_joined(a, b), _joined(sel, sel)],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _k2_codes(kw):
+    """The 2-bit K codes of staged words ``kw`` [8 c + i, w] (``_KW``; each word holds 16
+    tokens of one channel, staged for lanes ``w`` and ``w ^ 1`` alike, see
+    :func:`_stage_words`) as :func:`_k_operand_pairs` has the 4-bit ones: [(8 c + i) // 2, w,
+    x, j], token ``8 w + j`` of channel ``8 c + 2 ((8 c + i) // 2 % 4) + x``, exact fp16 ``c /
+    F_(j % 4)`` (:func:`_crumbs_exact`). Lane ``w``'s tokens are bytes ``2 (w % 2)`` and ``2
+    (w % 2) + 1`` of its word: the ``prmt`` selector (per lane, a constant) picks them, and
+    field ``j % 4`` of byte ``j // 4`` is token ``j``, the 4-bit codes' token order."""
+    w = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
+    sel = gl.full([32, 8], K2_SEL_BYTE0, gl.int32, _KW) + ((w & 1) * K2_SEL_ODD_LANE)[None, :]
+    ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
+    s0, s1 = gl.split(gl.permute(gl.reshape(sel, [16, 2, 8]), [0, 2, 1]))
+    c0, c1, c2, c3 = _crumbs_exact(ka, kb, s0)
+    c4, c5, c6, c7 = _crumbs_exact(ka, kb, s0 + K2_SEL_BYTE)
+    return _stack8(c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@gluon.jit
+def _k_operand_pairs(kw, KB: gl.constexpr = 4):
     """B operand [32 channels, 64 tokens] of 4-bit K codes in the order of :func:`_k_codes`,
     unpacked by :func:`_nibble_pairs`: token columns of odd nibbles (odd ``n // 8``) hold
-    ``16 c``, the others ``c``."""
-    ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
-    n0, n1 = _nibble_pairs(ka, kb, 0, _SUB)
-    n2, n3 = _nibble_pairs(ka, kb, 1, _SUB)
-    n4, n5 = _nibble_pairs(ka, kb, 2, _SUB)
-    n6, n7 = _nibble_pairs(ka, kb, 3, _SUB)
-    c = _stack8(n0, n1, n2, n3, n4, n5, n6, n7)  # [(8 c + i) // 2, w, x, j]
+    ``16 c``, the others ``c``. 2-bit K (``KB = 2``, :func:`_k2_codes`): column ``n`` holds
+    ``c / F_(n // 8 % 4)``."""
+    if KB == 2:
+        c = _k2_codes(kw)
+    else:
+        ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
+        n0, n1 = _nibble_pairs(ka, kb, 0, _SUB)
+        n2, n3 = _nibble_pairs(ka, kb, 1, _SUB)
+        n4, n5 = _nibble_pairs(ka, kb, 2, _SUB)
+        n6, n7 = _nibble_pairs(ka, kb, 3, _SUB)
+        c = _stack8(n0, n1, n2, n3, n4, n5, n6, n7)  # [(8 c + i) // 2, w, x, j]
     c = gl.permute(gl.reshape(c, [2, 2, 2, 2, 8, 2, 8]), [2, 3, 0, 1, 5, 6, 4])
     return gl.convert_layout(gl.reshape(c, [32, 64]), _OPB, assert_trivial=True)
 
@@ -644,6 +704,23 @@ def _odd_nibble_cols():
 
 
 @gluon.jit
+def _k2_factor_cols(INVERSE: gl.constexpr):
+    """[64] in ``_COLS``: the 2-bit K field factor F (or 1 / F) of each token column (the
+    field is the run index of ``_RUN16`` modulo 4: constants)."""
+    i = gl.arange(0, 16, layout=gl.SliceLayout(0, _RUN16)) % 4
+    c = gl.where(
+        i == 0,
+        _crumb_factor(0, INVERSE),
+        gl.where(
+            i == 1,
+            _crumb_factor(1, INVERSE),
+            gl.where(i == 2, _crumb_factor(2, INVERSE), _crumb_factor(3, INVERSE)),
+        ),
+    )
+    return _tok_from_run(gl.full([4, 16], 0.0, gl.float32, _RUN16) + c[None, :])
+
+
+@gluon.jit
 def _v_factor_cols(INVERSE: gl.constexpr):
     """[32] in ``_COLS``: the 2-bit V field factor F (or 1 / F) of each channel column of a
     chunk (constants: the field is the run index of ``_RUN4``)."""
@@ -661,7 +738,7 @@ def _v_factor_cols(INVERSE: gl.constexpr):
 
 
 @gluon.jit
-def _scores_chunk(s, qz, q_rot, kcs, kzp, kw):
+def _scores_chunk(s, qz, q_rot, kcs, kzp, kw, KB: gl.constexpr = 4):
     """Scores of one 32-channel chunk: ``q_rot * s_col_K`` enters as two fp16 operands
     ``hi + lo`` (relative error about 2^-22 instead of 2^-12; see ``decode_mma_t._qs_t`` for
     the records that need it), each meeting the same code operand."""
@@ -671,7 +748,7 @@ def _scores_chunk(s, qz, q_rot, kcs, kzp, kw):
     qs = gl.convert_layout(hi, _OPA, assert_trivial=True)
     qt = gl.convert_layout(lo, _OPA, assert_trivial=True)
     qz = qz + gl.sum(q_rot * kzp[None, :], axis=1)
-    kop = _k_operand_pairs(kw)
+    kop = _k_operand_pairs(kw, KB)
     return mma_v2(qs, kop, mma_v2(qt, kop, s)), qz
 
 
@@ -871,13 +948,30 @@ def _store_chunk(acc, inv_l, out_rows, row_ok, CQ: gl.constexpr, VB: gl.constexp
 
 @gluon.jit
 def _softmax_step(
-    s, ze, zo, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T: gl.constexpr, VB: gl.constexpr
+    s,
+    ze,
+    zo,
+    krs,
+    vzp,
+    vrs,
+    m,
+    l,
+    u,
+    tok_of_col,
+    q_pos,
+    T: gl.constexpr,
+    VB: gl.constexpr,
+    KB: gl.constexpr = 4,
 ):
     """Scores -> online softmax of one block: new (m, l), the rescale factor, the value
     MMAs' starting accumulator ``pt`` and the value operand ``fp16(p * s_row_V)``. Token
     columns of odd nibbles ran on ``16 c``: they take ``zo`` (16 times the zero-point term)
-    instead of ``ze``, and ``krs`` already holds 1/16 of their row scale."""
-    s = (s + gl.where(_odd_nibble_cols()[None, :], zo[:, None], ze[:, None])) * krs[None, :]
+    instead of ``ze``, and ``krs`` already holds 1/16 of their row scale. 2-bit K: columns
+    ran on ``c / F``, they take ``ze / F`` and ``krs`` holds F times their row scale."""
+    if KB == 2:
+        s = (s + ze[:, None] * _k2_factor_cols(True)[None, :]) * krs[None, :]
+    else:
+        s = (s + gl.where(_odd_nibble_cols()[None, :], zo[:, None], ze[:, None])) * krs[None, :]
     if T > 1:
         key = u * 64 + tok_of_col
         s = gl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -930,14 +1024,16 @@ def mma_decode_kernel(
     G: gl.constexpr = 64,
     PDL: gl.constexpr = False,
     LAG: gl.constexpr = 0,
+    KB: gl.constexpr = 4,
 ):
     """Grid ``(S, B * Hkv)``, one warp: split ``program_id(0)`` of request ``b``'s full blocks
     for KV head ``h``; writes the normalized partial rows and their base-2 log-sum-exp to the
     workspace exactly as the Triton split kernel does (the tail is left to the combine).
     ``LAG``: query tokens of the request that follow these ``T`` (a chunk of a longer verify
-    run; their keys are masked)."""
+    run; their keys are masked). ``KB = 2``: 2-bit K codes (not with ``SUBNORMAL_CODES``)."""
     if PDL:
         launch_dependents()
+    gl.static_assert(KB == 4 or (KB == 2 and not _SUB))
     split = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -997,6 +1093,7 @@ def mma_decode_kernel(
             VB,
             G,
             False,
+            KB,
         )
 
     # query rows r = t * GQA + g (token t at position seq_len - T + t, head h * GQA + g),
@@ -1051,6 +1148,7 @@ def mma_decode_kernel(
             VB,
             G,
             False,
+            KB,
         )
         async_copy.wait_group(NBUF - 1)
         gl.thread_barrier()
@@ -1062,24 +1160,27 @@ def mma_decode_kernel(
         s = gl.full([16, 64], 0.0, gl.float32, _MMA)
         qz = gl.full([16], 0.0, gl.float32, _ROWS)
         s, qz = _scores_chunk(
-            s, qz, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0)
+            s, qz, q0, _staged_chan(kc, 0), _staged_chan(kz, 0), _staged_kw(ck, 0), KB
         )
         s, qz = _scores_chunk(
-            s, qz, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1)
+            s, qz, q1, _staged_chan(kc, 1), _staged_chan(kz, 1), _staged_kw(ck, 1), KB
         )
         s, qz = _scores_chunk(
-            s, qz, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2)
+            s, qz, q2, _staged_chan(kc, 2), _staged_chan(kz, 2), _staged_kw(ck, 2), KB
         )
         s, qz = _scores_chunk(
-            s, qz, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3)
+            s, qz, q3, _staged_chan(kc, 3), _staged_chan(kz, 3), _staged_kw(ck, 3), KB
         )
-        kf = gl.where(_odd_nibble_cols(), 0.0625 * _C_OUT, _C_OUT)
+        if KB == 2:
+            kf = _k2_factor_cols(False) * _C_OUT
+        else:
+            kf = gl.where(_odd_nibble_cols(), 0.0625 * _C_OUT, _C_OUT)
         krs = _staged_tok(skr.index(cst)) * kf
         vrs = _staged_tok(svr.index(cst))
         vzp = _staged_tok(svz.index(cst))
         qz = qz * _C_IN
         m, l, alpha, pt, pw = _softmax_step(
-            s, qz, 16.0 * qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T + LAG, VB
+            s, qz, 16.0 * qz, krs, vzp, vrs, m, l, u, tok_of_col, q_pos, T + LAG, VB, KB
         )
         RDV: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[16 * HV, 1],

@@ -128,61 +128,13 @@ def _k_operand_a(kw):
     return gl.convert_layout(gl.reshape(c, [64, 32]), _OPA, assert_trivial=True)
 
 
-K2_SEL_BYTE0 = gl.constexpr(0x4400)
-"""``prmt`` selector of byte 0 of both words, each copied into both bytes of its half."""
-K2_SEL_BYTE = gl.constexpr(0x1111)
-"""Selector step from one byte to the next."""
-K2_SEL_ODD_LANE = gl.constexpr(0x2222)
-"""Added for the lanes whose tokens are the high half of their words (``w`` odd)."""
-
-
-@gluon.constexpr_function
-def k2_crumbs_asm():
-    """PTX of :func:`_crumbs_exact`: ``$4`` / ``$5`` the words of two channels, ``$6`` the
-    ``prmt`` selector (``$7`` its copy, unused); ``$0 .. $3`` the fp16 pairs of fields 0-3."""
-    return (
-        "{ .reg .b32 t, o, x, y, z, w; prmt.b32 t, $4, $5, $6; mov.b32 o, 0x3C003C00; "
-        "lop3.b32 x, t, 0x03000300, o, 0xea; "  # field 0, from the copy's high byte
-        "lop3.b32 y, t, 0x000C000C, o, 0xea; "
-        "lop3.b32 z, t, 0x00300030, o, 0xea; "
-        "lop3.b32 w, t, 0x00C000C0, o, 0xea; "
-        "sub.f16x2 $0, x, o; sub.f16x2 $1, y, o; sub.f16x2 $2, z, o; sub.f16x2 $3, w, o; }"
-    )
-
-
-@gluon.jit
-def _crumbs_exact(a, b, sel):
-    """The four 2-bit codes of one byte of words ``a`` and ``b`` (byte ``B`` of both, copied
-    into both bytes of each half by the ``prmt`` selector ``K2_SEL_BYTE0 + B * K2_SEL_BYTE``,
-    i.e. ``B | B << 4 | (B + 4) << 8 | (B + 4) << 12``) as exact fp16 ``c / F`` (F = 4, 256, 64, 16
-    for the fields at bits 0, 2, 4, 6): :func:`M._crumb_pairs`'s ``1 + c / F`` with the 1
-    taken out in fp16 (exact), so the score sums carry no offset (2.25 instructions per
-    operand register)."""
-    return gl.inline_asm_elementwise(
-        k2_crumbs_asm(),
-        "=r,=r,=r,=r,r,r,r,r",
-        [M._joined(a, b), M._joined(sel, sel)],
-        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-        is_pure=True,
-        pack=2,
-    )
-
-
 @gluon.jit
 def _k2_operand_a(kw):
-    """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 2-bit K codes, from
-    words staged as for 4-bit K (``kw`` [8 c + i, w]) but each holding 16 tokens: lane ``w``'s
-    tokens ``8 w ..`` are bytes ``2 (w % 2)`` and ``2 (w % 2) + 1`` of its word (the ``prmt``
-    selector says which). Token ``8 w + j`` is field ``j % 4`` of the lane's byte ``j // 4``,
-    so with ``j = 2 mt + y`` the rows keep the 4-bit operand's token order; row ``j`` holds
-    ``c / F_(j % 4)`` (:func:`_crumbs_exact`)."""
-    w = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
-    sel0 = gl.full([32, 8], K2_SEL_BYTE0, gl.int32, _KW) + ((w & 1) * K2_SEL_ODD_LANE)[None, :]
-    ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
-    s0, s1 = gl.split(gl.permute(gl.reshape(sel0, [16, 2, 8]), [0, 2, 1]))
-    c0, c1, c2, c3 = _crumbs_exact(ka, kb, s0)
-    c4, c5, c6, c7 = _crumbs_exact(ka, kb, s0 + K2_SEL_BYTE)
-    c = M._stack8(c0, c1, c2, c3, c4, c5, c6, c7)
+    """A operand [64 tokens (S^T rows), 32 channels (logical chunk)] of 2-bit K codes
+    (:func:`M._k2_codes`): token ``8 w + j`` is field ``j % 4`` of the lane's byte ``j //
+    4``, so with ``j = 2 mt + y`` the rows keep the 4-bit operand's token order; row ``j``
+    holds ``c / F_(j % 4)``."""
+    c = M._k2_codes(kw)
     c = gl.reshape(c, [2, 2, 2, 2, 8, 2, 2, 2, 2])  # c1 c0 kt0 z w x j2 j1 j0
     c = gl.permute(c, [6, 7, 8, 4, 2, 3, 0, 1, 5])
     return gl.convert_layout(gl.reshape(c, [64, 32]), _OPA, assert_trivial=True)
