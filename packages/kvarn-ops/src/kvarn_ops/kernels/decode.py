@@ -8,8 +8,9 @@ Two launches per call:
    cache frame (Sylvester Hadamard built from ``popcount(i & j)``), walks its share of the
    request's full blocks (packed records) and, in the last split, the exact tail, and writes
    a normalized partial output and its log-sum-exp (base 2) to the workspace.
-   On a CUDA GPU, 4-bit K with 2- or 4-bit V at G 64 or 128 and d128 (T * GQA <= 16) takes
-   the Gluon kernels of ``decode_mma.py`` / ``decode_mma_t.py`` instead (same grid and
+   On a CUDA GPU, 4- or 2-bit K with 2- or 4-bit V at G 64 or 128 (d128 with T * GQA <= 16,
+   d64 and d256 with T * GQA <= 8) takes the Gluon kernels of ``decode_mma.py`` /
+   ``decode_mma_t.py`` (and its head-pair and d256 variants) instead (same grid and
    workspace contract, one warp per program, codes unpacked straight into MMA operand
    registers; the exact tail is then folded in by the combine kernel). ``KVARN_DECODE_MMA=0``
    turns them off.

@@ -47,7 +47,13 @@ lane-major so that 32 lanes read 32 consecutive words. (Loading straight from gl
 before each use, with no latency hiding, measured 38.7% of copy bandwidth against 46.3% with the
 staging, B=64 32K on the H200; that path is gone.)
 
-Scope: 4-bit K, 2- or 4-bit V, 64- or 128-token blocks (a 128-token record is read as two
+2-bit K (:func:`_k2_codes`): a K word holds 16 tokens, so lanes ``w`` and ``w ^ 1`` stage the
+same word and a per-lane ``prmt`` selector picks each lane's two bytes; the four fields of a
+byte are masked in place into the mantissa of 1.0 and the 1 subtracted (exact ``c / F``, F =
+4, 256, 64, 16), 2.25 instructions per operand register; each token column's start value and
+row scale carry its ``1 / F`` and ``F``.
+
+Scope: 4- or 2-bit K, 2- or 4-bit V, 64- or 128-token blocks (a 128-token record is read as two
 64-token halves: its K words of a channel are consecutive, V rows are tokens; splits are of
 whole records, as in the combine's formula), head_dim 128, at most 16 query rows per KV head
 (T * GQA), one warp per program; up to 8 rows take ``decode_mma_t.py`` (rows in the MMA's N
