@@ -406,6 +406,19 @@ def test_mma_decode_transposed_compiles(target, case):
     """The kernel with the query rows in the MMA's N dimension (<= 8 rows): no shared-memory
     store besides the per-block transpose of the softmax weights and the once-per-program
     move of q, half the per-block MMAs of the 16-row kernel."""
+    from kvarn_ops.kernels import decode_mma
+
+    kb = KD._layout_consts(case[0], 128)["KB"]
+    if kb == 2 and decode_mma.SUBNORMAL_CODES:
+        # 2-bit K runs on normal fp16 codes only: refused in the subnormal mode, and the
+        # kernel's compile-time check stops a launch that bypasses the refusal
+        assert not decode_mma.mma_decode_supported(2, 2, 64, 128, case[1] * case[2])
+        with pytest.raises(Exception, match="KB == 4 or"):
+            triton.compile(
+                _mma_source(*case, nbuf=2, transposed=True), target=target,
+                options=dict(num_warps=1),
+            )  # fmt: skip
+        return
     src = _mma_source(*case, nbuf=2, transposed=True)
     k = triton.compile(src, target=target, options=dict(num_warps=1))
     regs, frame = cubin_resources(k.asm["cubin"])
