@@ -19,7 +19,9 @@ bottom of its fp16 mantissa carries a power-of-two factor: K's high nibbles beco
 the 1024 of their mantissa trick subtracted, see ``decode_mma.py`` for why), 2-bit V fields
 become ``1 + c / F`` with F = 4, 256, 64, 16 for the fields at bits 0, 2, 4, 6 (the output
 accumulator is kept divided by F and multiplied back once at the end). All factors are exact
-powers of two. The score MMAs start from the zero-point term instead of zero, the value MMAs
+powers of two. 2-bit K (``KB = 2``, ``decode_mma._k2_codes``): 2.25 instructions per operand
+register, fields as exact ``c / F``; each token row's start value takes ``1 / F`` and its row
+scale ``F``. The score MMAs start from the zero-point term instead of zero, the value MMAs
 from ``pz / F - sum(pw)``, so neither needs an fp32 pass over the tile afterwards; rows that
 are equal by construction (the zero-point MMAs) are read from registers, not reduced across
 lanes.
@@ -45,7 +47,6 @@ __all__ = ["mma_decode_t_kernel"]
 _MMA = M._MMA
 _OPA = M._OPA
 _OPB = M._OPB
-_KW = M._KW  # K words [8 c + i, w]
 _TOK: gl.constexpr = gl.SliceLayout(1, _MMA)  # rows of S^T (tokens) / O^T (channels)
 _QR: gl.constexpr = gl.SliceLayout(0, _MMA)  # columns: the query rows
 # lane g (lane // 4) holds a run: 8 tokens 8 g + i, or 4 channels 16 g + 4 CQ + i
