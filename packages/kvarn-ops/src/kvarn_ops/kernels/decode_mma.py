@@ -661,7 +661,7 @@ def _k2_codes(kw):
     w = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
     sel = gl.full([32, 8], K2_SEL_BYTE0, gl.int32, _KW) + ((w & 1) * K2_SEL_ODD_LANE)[None, :]
     ka, kb = gl.split(gl.permute(gl.reshape(kw, [16, 2, 8]), [0, 2, 1]))
-    s0, s1 = gl.split(gl.permute(gl.reshape(sel, [16, 2, 8]), [0, 2, 1]))
+    s0, _ = gl.split(gl.permute(gl.reshape(sel, [16, 2, 8]), [0, 2, 1]))  # equal halves
     c0, c1, c2, c3 = _crumbs_exact(ka, kb, s0)
     c4, c5, c6, c7 = _crumbs_exact(ka, kb, s0 + K2_SEL_BYTE)
     return _stack8(c0, c1, c2, c3, c4, c5, c6, c7)
@@ -769,6 +769,26 @@ def _values_chunk(acc, alpha, pw, pt, va, vb, vcs, CQ: gl.constexpr, VB: gl.cons
     return acc * alpha[:, None] + vcs[None, :] * o
 
 
+@gluon.constexpr_function
+def k_lane_shift(kb):
+    """``lane >> k_lane_shift(KB)`` is the K word of a 64-token half a lane ``c + 4 w`` stages:
+    ``w`` at 4 bits (8 tokens a word), ``w // 2`` at 2 bits (16 tokens a word: lanes ``w`` and
+    ``w ^ 1`` share it)."""
+    return 2 if int(getattr(kb, "value", kb)) == 4 else 3
+
+
+@gluon.jit
+def k_word_offsets(G: gl.constexpr, KB: gl.constexpr):
+    """[32 rows, 32 lanes] word offsets of the K words a stage holds, from a 128-channel K
+    field's start plus the half's ``64 KB / 32`` words: row ``r``, lane ``c + 4 w`` gets
+    channel ``32 c + r``'s word :func:`k_lane_shift` of the half (``G KB / 32`` words a
+    channel)."""
+    r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CPK))
+    ln = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPK))
+    CW: gl.constexpr = G * KB // 32
+    return ((ln[None, :] & 3) * 32 + r[:, None]) * CW + (ln[None, :] >> k_lane_shift(KB))
+
+
 @gluon.jit
 def _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB: gl.constexpr, G: gl.constexpr,
                  KB: gl.constexpr = 4):  # fmt: skip
@@ -779,13 +799,9 @@ def _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB: gl.constexpr, G: gl.co
     4 (w ^ 1)`` both get word ``w // 2`` (tokens ``8 w ..`` are its half ``w % 2``)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 128 * VB // 32
-    KW: gl.constexpr = 64 * KB // 32  # K words of a channel in a 64-token half
     # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w of the half
-    r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CPK))
-    ln = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPK))
-    WSH: gl.constexpr = 2 if KB == 4 else 3  # lane -> word of the half
-    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * (G * KB // 32) + (ln[None, :] >> WSH)
-    kbase = r32 + K_OFF // 4 + half * KW
+    koff = k_word_offsets(G, KB)
+    kbase = r32 + K_OFF // 4 + half * (2 * KB)
     async_copy.async_copy_global_to_shared(sk, kbase + koff, mask=(koff >= 0) & ok)
     # V: row i * HV + h, lane c + 4 g: token 16 c + i of the half, word g * HV + h
     CPV: gl.constexpr = gl.BlockedLayout(

@@ -58,12 +58,8 @@ def _stage_half(sk, sv, r32, ok, half, HF: gl.constexpr, K_OFF, V_OFF, VB: gl.co
     ``4 VB`` from word ``4 VB HF``)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 256 * VB // 32
-    CW: gl.constexpr = G * KB // 32  # K words of a channel
-    WSH: gl.constexpr = 2 if KB == 4 else 3  # lane -> word of the half
-    r = gl.arange(0, 32, layout=gl.SliceLayout(1, M._CPK))
-    ln = gl.arange(0, 32, layout=gl.SliceLayout(0, M._CPK))
-    koff = ((ln[None, :] & 3) * 32 + r[:, None]) * CW + (ln[None, :] >> WSH)
-    kbase = r32 + (K_OFF // 4 + HF * 128 * CW) + half * (2 * KB)
+    koff = M.k_word_offsets(G, KB)
+    kbase = r32 + (K_OFF // 4 + HF * 128 * (G * KB // 32)) + half * (2 * KB)
     async_copy.async_copy_global_to_shared(sk, kbase + koff, mask=(koff >= 0) & ok)
     CPV: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[16 * HV, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]

@@ -62,15 +62,13 @@ def _stage_words(sk, sv, r32, r32b, ok, ok2, half, K_OFF, V_OFF, VB: gl.constexp
     2`` (as ``decode_mma._stage_words``)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 64 * VB // 32
-    KW: gl.constexpr = 64 * KB // 32  # K words of a channel in a 64-token half
-    WSH: gl.constexpr = 2 if KB == 4 else 3  # lane -> word of the half
     # K: row r, lane c + 4 w: virtual channel 32 c + r (head c // 2, channel 32 (c % 2) + r)
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, M._CPK))
     ln = gl.arange(0, 32, layout=gl.SliceLayout(0, M._CPK))
     kh = ((ln >> 1) & 1) == 1
-    kb = gl.where(kh, r32b, r32) + (K_OFF // 4 + half * KW)
+    kb = gl.where(kh, r32b, r32) + (K_OFF // 4 + half * (2 * KB))
     CW: gl.constexpr = G * KB // 32  # K words of a channel
-    koff = r[:, None] * CW + ((ln & 1) * (32 * CW) + (ln >> WSH))[None, :]
+    koff = r[:, None] * CW + ((ln & 1) * (32 * CW) + (ln >> M.k_lane_shift(KB)))[None, :]
     km = (koff >= 0) & ((ok & (kh == 0)) | ok2)[None, :]
     async_copy.async_copy_global_to_shared(sk, kb[None, :] + koff, mask=km)
     # V: row i * HV + x, lane c + 4 g: token 16 c + i, virtual word g HV + x (head g // 4)

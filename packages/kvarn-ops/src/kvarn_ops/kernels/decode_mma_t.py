@@ -152,8 +152,9 @@ def _k_operand(kw, KB: gl.constexpr):
 @gluon.jit
 def _k_row_factors(AFTER: gl.constexpr, KB: gl.constexpr):
     """Per S^T row (token ``8 w + j``) the factor its score sum carries from the code
-    operand (constants): 4-bit K, 1 or 16 (odd nibbles); 2-bit K, ``1 / F_(j % 4)``. With
-    ``AFTER``, its inverse (times ``_C_OUT``), what the row's sum is multiplied by."""
+    operand (constants): 2-bit K, ``1 / F_(j % 4)``. With ``AFTER``, its inverse (times
+    ``_C_OUT``), what the row's sum is multiplied by: 2-bit K ``F``, 4-bit K 1 or 1/16 (odd
+    nibbles)."""
     if KB == 2:
         if AFTER:
             r = _run_consts(
@@ -173,10 +174,9 @@ def _k_row_factors(AFTER: gl.constexpr, KB: gl.constexpr):
                 M._crumb_factor(2, True),
                 M._crumb_factor(3, True),
             )
-    elif AFTER:
+    else:  # 4-bit K: the start values are selected (``odd``), only the row scale's factor
+        gl.static_assert(AFTER)
         r = _run_consts(gl.constexpr(_RUNG8), 8, _C_OUT, 0.0625 * _C_OUT, _C_OUT, 0.0625 * _C_OUT)
-    else:
-        r = _run_consts(gl.constexpr(_RUNG8), 8, 1.0, 16.0, 1.0, 16.0)
     return _tok_rows(r)
 
 
