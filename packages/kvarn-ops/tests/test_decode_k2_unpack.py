@@ -42,8 +42,9 @@ def _words_and_codes(fmt: str, gen: torch.Generator):
 
 def _staged_word(words, k_off, g, half, ln, r):
     """The word lane ``ln`` stages at row ``r`` (``8 chunk + i``) of a 64-token half, as
-    ``decode_mma._stage_words`` computes its address at ``KB = 2``."""
-    koff = ((ln & 3) * 32 + r) * (g * 2 // 32) + (ln >> 3)
+    ``decode_mma.k_word_offsets`` computes its address at ``KB = 2`` (its lane rule
+    ``k_lane_shift`` called here)."""
+    koff = ((ln & 3) * 32 + r) * (g * 2 // 32) + (ln >> decode_mma.k_lane_shift(2))
     return words[:, k_off + half * 4 + koff]
 
 
