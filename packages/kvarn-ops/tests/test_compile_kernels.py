@@ -235,7 +235,12 @@ FLUSH_SPILL_ALLOWANCE = {
 }
 
 
-def _compile_flush(case, target, parts=1):
+#: the same with the sink-token step, (programs per tile, arch) -> bytes, measured offline
+#: (312 / 344 B at one program per tile: the step adds 16 / 24 B to the search's frame).
+FLUSH_SINK_SPILL_ALLOWANCE = {(1, 90): 320, (1, 120): 352, (8, 90): 8, (8, 120): 8}
+
+
+def _compile_flush(case, target, parts=1, sink=False):
     fmt, d, pool, k_rounding, v_rounding = case
     mod = M["flush"]
     lay = kf.dense_layout(fmt, d)
@@ -253,6 +258,7 @@ def _compile_flush(case, target, parts=1):
         PARTS=parts,
         ASM=True,
         SCRATCH=mod.scratch_stride(lay.block_size, d),
+        SINK=sink,
         **mod.record_constants(lay),
     )
     types_ = {
@@ -265,14 +271,15 @@ def _compile_flush(case, target, parts=1):
         "packed_ptr": "*u8",
         "scratch_ptr": "*fp32",
         "counter_ptr": "*i32",
+        "sink_ptr": "*i32",
         "num_pool_blocks": "i32",
         "num_blocks": "i32",
     }
     k, _ = _compile(mod._flush_kernel, types_, consts, target, mod.warps_for(d, lay.block_size))
     regs, frame = cubin_resources(k.asm["cubin"])
     print(
-        f"flush {case} parts {parts} sm{target.arch}: {regs} registers, {frame} B stack frame "
-        f"(spills), {k.metadata.shared} B shared memory"
+        f"flush {case} parts {parts} sink {sink} sm{target.arch}: {regs} registers, "
+        f"{frame} B stack frame (spills), {k.metadata.shared} B shared memory"
     )
     return k, regs, frame
 
@@ -301,6 +308,21 @@ def test_flush_split_tiles_compile(target):
     assert ptx.count("fence.acq_rel.gpu") >= 2, "release and acquire fences"
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert "ld.global.cg" in ptx
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("parts", [1, 8])
+def test_flush_sink_compiles(target, parts):
+    """The flush with the sink-token step (``flush_sink.py``: one V row's grid search, the
+    tile divided by the column factors where a sink row is marked), default rounding, the
+    benchmark geometry: it loads the block's sink row and stays within the spill bound."""
+    k, regs, frame = _compile_flush(FLUSH_CASES[1], target, parts=parts, sink=True)
+    assert 0 < regs <= 255
+    assert frame <= FLUSH_SINK_SPILL_ALLOWANCE[(parts, target.arch)], frame
+    plain, _, _ = _compile_flush(FLUSH_CASES[1], target, parts=parts)
+    # The step's code is there (its grid search takes floors; the plain kernel has none).
+    assert plain.asm["ptx"].count("cvt.rmi.") == 0
+    assert k.asm["ptx"].count("cvt.rmi.") >= 5
 
 
 MATERIALIZE_CASES = [

@@ -193,3 +193,21 @@ def test_mixed_attention_without_quantized_keys_is_causal_attention(gen, spec):
         q[None], k[None], v[None], is_causal=True, scale=0.125, enable_gqa=True
     )[0, :, 100:]
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_sequences_first_token_is_the_marked_sink(gen):
+    """The cache variants mark the sequence's first token (row 0 of the first tile, in every
+    KV head) as the attention sink, as a serving engine does, and only it: with the default
+    quantizer its V row decodes almost exactly, every other row as without the mark (the
+    flush quantizes each tile once, so later calls keep the first tile's result)."""
+    k, v = (torch.randn(2, 200, 64, generator=gen) for _ in range(2))
+    v[:, 0] *= 0.1
+    st = att.EvalState(variant=make_variant("kvarn", "kvarn_k4v2_g64"))
+    plain = att.EvalState(variant=make_variant("kvarn_nosinkrow", "kvarn_k4v2_g64"))
+    st.dequantized(0, k, v, 1)
+    _, vq = st.dequantized(0, k, v, 3)  # tiles 1 and 2 added later: no sink in them
+    _, vp = plain.dequantized(0, k, v, 3)
+    assert torch.equal(vq[:, 64:], vp[:, 64:])
+    for h in range(2):
+        err = float((vq[h, 0] - v[h, 0]).norm() / v[h, 0].norm())
+        assert err < 0.5 * float((vp[h, 0] - v[h, 0]).norm() / v[h, 0].norm())

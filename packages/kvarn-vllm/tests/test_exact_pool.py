@@ -27,6 +27,17 @@ def test_fresh_block_partial_then_full():
     assert plan.pool_of == {6: 0} and 5 not in alloc.owned
 
 
+def test_flush_marks_each_requests_first_block():
+    """Token 0 of a request's first block is its attention sink: the flush keeps that V row
+    almost exact, so the plan says which flushed blocks are first blocks."""
+    alloc = ExactPoolAllocator(16)
+    plan = alloc.plan([(0, 9, [5, 6, 7]), (0, 2, [8])], G)  # blocks 5 and 6 fill
+    assert plan.flush == [(0, 5), (1, 6)] and plan.flush_first == [True, False]
+    plan = alloc.plan([(9, 12, [5, 6, 7]), (2, 4, [8])], G)  # 7 (third) and 8 (first) fill
+    assert plan.flush == [(2, 7), (3, 8)] and plan.flush_first == [False, True]
+    assert len(plan.flush_first) == len(plan.flush)
+
+
 def test_null_block_uses_scratch_and_is_never_owned():
     alloc = ExactPoolAllocator(4)
     plan = alloc.plan([(0, 6, [NULL_BLOCK, NULL_BLOCK])], G)

@@ -125,6 +125,38 @@ def test_prefill_decode_and_continuation_match_oracle(make_impl):
     run([(0, 73, 74), (2, 30, 31), (1, 101, 102)])
 
 
+def test_first_block_flush_keeps_the_sink_row(make_impl):
+    """A request's first block is flushed with its token 0 marked as the attention sink (the
+    record equals the reference flush's with ``sink_rows`` 0, and not the one without), later
+    blocks without a mark; the sink's V row decodes far closer to the pool's."""
+    import torch
+
+    import kvarn_ops.reference as ref
+
+    torch.manual_seed(3)
+    impl, cache, alloc = make_impl()
+    n = 2 * G + 3
+    k, v, q = torch.randn(n, HKV, D), torch.randn(n, HKV, D), torch.randn(n, HQ, D)
+    v[0] *= 0.1  # a sink's small value vector
+    plans = []
+    _step(impl, cache, alloc, [(0, n, [3, 7, 9])], q, k, v, plans=plans)
+    md = plans[0]
+    assert md.flush_dst.tolist() == [3, 7] and md.flush_sink.tolist() == [0, -1]
+    packed = impl.packed_view(cache)
+    pools = (impl.exact_k, impl.exact_v, impl.k_scale, impl.v_scale)
+    want = torch.zeros_like(packed)
+    plain = torch.zeros_like(packed)
+    ref.flush(*pools, md.flush_src, md.flush_dst, want, impl.layout, sink_rows=md.flush_sink)
+    ref.flush(*pools, md.flush_src, md.flush_dst, plain, impl.layout)
+    assert torch.equal(packed[3], want[3]) and torch.equal(packed[7], want[7])
+    assert not torch.equal(packed[3], plain[3]) and torch.equal(packed[7], plain[7])
+    _, vd = ref.decode_records(packed[3].reshape(HKV, -1), impl.layout)
+    _, vp = ref.decode_records(plain[3].reshape(HKV, -1), impl.layout)
+    pool_v = ref.read_pool_blocks(impl.exact_v, impl.v_scale, md.flush_src[:1])[0, 0]  # token 0
+    err = (vd[:, 0] - pool_v).norm() / pool_v.norm()
+    assert float(err) < 0.5 * float((vp[:, 0] - pool_v).norm() / pool_v.norm())
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_decode_equals_prefill_for_the_same_positions(make_impl, d):
     import torch

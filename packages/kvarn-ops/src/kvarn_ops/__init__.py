@@ -26,6 +26,11 @@ STRIDED_STORE_TOKENS = True
 ``[Hkv, D]`` is packed (views into a fused QKV projection need no copy). Absent in 1.0.0,
 whose ``store`` requires contiguous K/V: callers supporting both check it with ``getattr``."""
 
+FLUSH_SINK_ROWS = True
+"""``flush`` (reference and kernel) takes ``sink_rows`` (int32 [N]: the attention-sink token
+of each flushed block, -1 for none) and keeps that token's V row almost exact
+(``reference/sink.py``). Absent in 1.0.0: callers supporting both check it with ``getattr``."""
+
 KERNEL_OPS = ("rotate", "store", "flush", "decode", "decode_workspace", "materialize")
 """Names forwarded to the Triton launchers of ``kvarn_ops.kernels`` (``decode_workspace``
 allocates the decode kernel's scratch)."""
@@ -51,4 +56,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'kvarn_ops' has no attribute {name!r}")
 
 
-__all__ = ["KERNEL_OPS", "STRIDED_STORE_TOKENS", "__version__", "reference"]
+__all__ = ["FLUSH_SINK_ROWS", "KERNEL_OPS", "STRIDED_STORE_TOKENS", "__version__", "reference"]

@@ -28,7 +28,7 @@ requests, and only full blocks are shared by prefix caching):
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NULL_BLOCK = 0
 
@@ -57,11 +57,14 @@ class StepPlan:
     """What the layers do in one step, all indices host-side.
 
     ``pool_of`` maps each touched physical block to its pool block; ``flush`` lists
-    ``(pool_block, physical_block)`` pairs to pack after the new tokens are stored.
+    ``(pool_block, physical_block)`` pairs to pack after the new tokens are stored, and
+    ``flush_first`` says for each whether it is its request's first block (its token 0 is the
+    sequence's first token, the attention sink).
     """
 
     pool_of: dict[int, int]
     flush: list[tuple[int, int]]
+    flush_first: list[bool] = field(default_factory=list)
 
 
 class ExactPoolAllocator:
@@ -146,6 +149,7 @@ class ExactPoolAllocator:
                 touched_ids.add(blocks[i])
         pool_of: dict[int, int] = {}
         flush: list[tuple[int, int]] = []
+        flush_first: list[bool] = []
         for computed, total, blocks in requests:
             if total <= computed:
                 continue
@@ -170,5 +174,6 @@ class ExactPoolAllocator:
                 self._last_touch.move_to_end(physical)
                 if (i + 1) * group <= total:
                     flush.append((self._owner[physical], physical))
+                    flush_first.append(i == 0)
                     self._release_next.append(physical)
-        return StepPlan(pool_of=pool_of, flush=flush)
+        return StepPlan(pool_of=pool_of, flush=flush, flush_first=flush_first)

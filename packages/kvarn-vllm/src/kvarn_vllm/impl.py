@@ -251,7 +251,10 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         pools = (self.exact_k, self.exact_v, self.k_scale, self.v_scale)
         ops.store(k, v, md.pool_slots, *pools)
         if md.flush_src.numel():
-            ops.flush(*pools, md.flush_src, md.flush_dst, packed, lay)
+            if ops.flush_sink_rows and md.flush_sink is not None:
+                ops.flush(*pools, md.flush_src, md.flush_dst, packed, lay, sink_rows=md.flush_sink)
+            else:
+                ops.flush(*pools, md.flush_src, md.flush_dst, packed, lay)
         for batch in md.decodes:
             bd = batch.seq_lens.shape[0]
             qd = q[batch.tokens].reshape(bd, batch.t, hq, d).contiguous()

@@ -165,6 +165,9 @@ class OpSet:
         self.choice = choice
         # kvarn-ops 1.0.0's store needs contiguous K/V; later ones read the projection's view.
         self.strided_store = bool(getattr(kvarn_ops, "STRIDED_STORE_TOKENS", False))
+        # kvarn-ops 1.0.0's flush has no sink_rows; later ones keep each request's first
+        # token's V row almost exact (its attention sink).
+        self.flush_sink_rows = bool(getattr(kvarn_ops, "FLUSH_SINK_ROWS", False))
         ref = kvarn_ops.reference
         if choice.name == "reference":
             self.store, self.flush = ref.store, ref.flush

@@ -64,6 +64,8 @@ class KvarnMetadata:
     pool_slots: torch.Tensor  # int64 [num_actual_tokens], -1 = not stored
     flush_src: torch.Tensor  # int32 [N] pool blocks
     flush_dst: torch.Tensor  # int32 [N] physical blocks
+    # int32 [N]: 0 for a request's first block (token 0 is the attention sink), else -1
+    flush_sink: torch.Tensor | None = None
     # decode and speculative verify, one batch per T (ascending)
     decodes: list[DecodeBatch] = field(default_factory=list)
     # prefill
@@ -235,6 +237,7 @@ def plan_step(
         pool_slots=torch.tensor(slots, dtype=torch.int64, device=device),
         flush_src=_i32([s for s, _ in plan.flush], device),
         flush_dst=_i32([d for _, d in plan.flush], device),
+        flush_sink=_i32([0 if first else -1 for first in plan.flush_first], device),
         decodes=[_decode_batch(t, dec[t], block_table, device) for t in sorted(dec)],
         prefills=pre,
         context_rows=ctx,

@@ -61,7 +61,11 @@ class EvalState:
             h, _, d = key.shape
             kt = key[:, n_have * g : n_tiles * g].reshape(h * (n_tiles - n_have), g, d)
             vt = value[:, n_have * g : n_tiles * g].reshape(h * (n_tiles - n_have), g, d)
-            kq, vq = v.roundtrip(kt.float(), vt.float())
+            # The sequence's first token (row 0 of its first tile) is the attention sink.
+            sink = torch.full((h, n_tiles - n_have), -1, dtype=torch.int32)
+            if n_have == 0:
+                sink[:, 0] = 0
+            kq, vq = v.roundtrip(kt.float(), vt.float(), sink.flatten())
             have_k = torch.cat((have_k, kq.reshape(h, -1, d).to(key.dtype)), dim=1)
             have_v = torch.cat((have_v, vq.reshape(h, -1, d).to(value.dtype)), dim=1)
             self._deq[layer] = (have_k, have_v)

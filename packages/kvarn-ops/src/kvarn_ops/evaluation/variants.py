@@ -31,6 +31,7 @@ __all__ = ["METHODS", "CacheVariant", "make_variant", "parse_variant"]
 
 METHODS = {
     "kvarn": DEFAULT_CONFIG,
+    "kvarn_nosinkrow": replace(DEFAULT_CONFIG, sink_token=False),
     "kvarn_rtn": NormalizeConfig(),
     "kvarn_mse": NormalizeConfig(rounding="mse_clip"),
     "kvarn_grid": NormalizeConfig(rounding="mse_grid"),
@@ -53,7 +54,9 @@ METHODS = {
 }
 """Method name -> NormalizeConfig of the record path. ``kvarn``: the project's default
 quantizer (``DEFAULT_CONFIG``: scale invariant, no clip, 4 normalization iterations, the
-clipping search with the unbiased refit for K and V); ``kvarn_ub``: the same with the
+clipping search with the unbiased refit for K and V, the sequence's first token's V row kept
+almost exact); ``kvarn_nosinkrow``: the same without that (the default until 2026-12-05);
+``kvarn_ub``: the same with the
 published 8 iterations (the default until 2026-12-04, and what the tables of ACCURACY.md
 measured before then call ``kvarn``);
 ``kvarn_rtn``: that 8-iteration normalization with min/max RTN (the default until the
@@ -108,9 +111,13 @@ class CacheVariant:
         lay = kf.dense_layout(self.fmt, head_dim)
         return lay.record_bytes * 8.0 / (2 * lay.block_size * head_dim)
 
-    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def roundtrip(
+        self, k: torch.Tensor, v: torch.Tensor, sink_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``(k, v)`` of tiles ``[N, G, D]`` (model frame, float32); for per-token
-        variants any ``[..., D]``. Parts not quantized are returned unchanged."""
+        variants any ``[..., D]``. Parts not quantized are returned unchanged. ``sink_rows``
+        (int [N], -1 for none): each tile's attention-sink token, as a serving engine marks
+        it (the first token of the sequence), used by configs with ``sink_token``."""
         if self.exact:
             return k, v
         if self.per_token:
@@ -124,7 +131,7 @@ class CacheVariant:
             vr = hadamard(v) if rot else v.float()
             kcfg, vcfg = self.config if isinstance(self.config, tuple) else (self.config,) * 2
             fields = quantize_k(kr, int(lay.field("k_codes").bits or 0), kcfg)
-            fields.update(quantize_v(vr, int(lay.field("v_codes").bits or 0), vcfg))
+            fields.update(quantize_v(vr, int(lay.field("v_codes").bits or 0), vcfg, sink_rows))
             rec = fields_to_records(fields, lay)  # the bytes encode_records writes
             kq, vq = decode_records(rec, lay)
             if rot:

@@ -69,6 +69,7 @@ from kvarn_ops.kernels._common import (
     round_half_even,
 )
 from kvarn_ops.kernels.flush_math import normalize_tile, unbiased_clip_search
+from kvarn_ops.kernels.flush_sink import apply_sink, sink_override
 from kvarn_ops.kernels.flush_sync import fence
 from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
 from kvarn_ops.reference.rounding import ROUNDING_MODES
@@ -129,6 +130,8 @@ def _flush_tile(
     part,
     PARTS: tl.constexpr,
     ASM: tl.constexpr,
+    sink_row,
+    SINK: tl.constexpr,
 ):
     """Quantize one tile ``X [R, C]`` (K: R = D channels, C = G tokens; V: R = G tokens,
     C = D) into its record fields: codes ``[R, C]``, row-side scale and zero point ``[R]``,
@@ -138,7 +141,10 @@ def _flush_tile(
     normalize the whole tile (the same instructions on the same data, so the same scales);
     each rounds and packs its ``R / PARTS`` rows (step 4) and leaves their fp32 step and zero
     point in the tile's scratch ``scr_ptr``; the last to arrive (counter ``cnt_ptr``, zero at
-    launch) folds and rebalances the scales of every row (steps 5-6) and stores them."""
+    launch) folds and rebalances the scales of every row (steps 5-6) and stores them.
+
+    With ``SINK`` (V tiles), row ``sink_row`` (-1: none) is the attention-sink token, kept
+    almost exact (``flush_sink.py``, reference ``reference/sink.py``)."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
     if FP8 and not TOKENS_ON_ROWS:
@@ -175,9 +181,17 @@ def _flush_tile(
     # (flush_math.py).
     best_lr, best_lc = normalize_tile(x * scale, R, C, ITERS, STD_FLOOR)
     balanced = apply_log_scales(x * scale, best_lr, best_lc)
+    if SINK:
+        balanced, best_lc, sink_codes, sink_step, sink_lo, sink_row = apply_sink(
+            balanced, best_lc, sink_row, (1 << BITS) - 1, R, C
+        )
 
     if PARTS == 1:
         codes, step, lo = _round_rows(balanced, best_lc, BITS, R, C, ROUNDING)
+        if SINK:
+            codes, step, lo = sink_override(
+                codes, step, lo, r, sink_row, sink_codes, sink_step, sink_lo
+            )
         pack_codes_store(rec_ptr + CODES_OFF, codes, R, C, BITS, L, NB, NBP)
         # Step 5: fold the RTN step and offset into the normalization scales.
         row_mult = tl.exp(best_lr)
@@ -211,6 +225,10 @@ def _flush_tile(
         b = tl.load(scr_ptr + rp[:, None] * C + c[None, :])
         row_mult = tl.exp(tl.load(scr_ptr + R * C + rp))
         codes, step, lo = _round_rows(b, best_lc, BITS, RP, C, ROUNDING)
+        if SINK:
+            codes, step, lo = sink_override(
+                codes, step, lo, rp, sink_row, sink_codes, sink_step, sink_lo
+            )
         pack_codes_store(
             rec_ptr + CODES_OFF + part * (RP * C * BITS // 8), codes, RP, C, BITS, L, NB, NBP
         )
@@ -315,6 +333,7 @@ def _flush_kernel(
     packed_ptr,
     scratch_ptr,
     counter_ptr,
+    sink_ptr,
     num_pool_blocks,
     num_blocks,
     G: tl.constexpr,
@@ -353,6 +372,7 @@ def _flush_kernel(
     PARTS: tl.constexpr,
     ASM: tl.constexpr,
     SCRATCH: tl.constexpr,
+    SINK: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -402,9 +422,14 @@ def _flush_kernel(
                 part,
                 PARTS,
                 ASM,
+                -1,
+                False,
             )
         else:
             # V tile [G, D]: rows = tokens (row_scale/zero_point), columns = channels.
+            sink_row = -1
+            if SINK:
+                sink_row = tl.load(sink_ptr + i)
             _flush_tile(
                 exact_v_ptr,
                 v_scale_ptr,
@@ -438,6 +463,8 @@ def _flush_kernel(
                 part,
                 PARTS,
                 ASM,
+                sink_row,
+                SINK,
             )
 
 
@@ -570,6 +597,7 @@ def _launch(
     std_floor: float,
     k_rounding: str,
     v_rounding: str,
+    sink_rows: torch.Tensor | None = None,
 ) -> None:
     k_round = _rounding_id("k_rounding", k_rounding)
     v_round = _rounding_id("v_rounding", v_rounding)
@@ -607,6 +635,7 @@ def _launch(
         packed,
         scratch,
         counters.view(torch.int32),
+        src_pool_blocks if sink_rows is None else sink_rows,
         p,
         packed.shape[0],
         G=g,
@@ -620,6 +649,7 @@ def _launch(
         PARTS=parts,
         ASM=not INTERPRET,
         SCRATCH=stride,
+        SINK=sink_rows is not None,
         num_warps=warps_for(d, g),
         **record_constants(layout),
     )
@@ -639,6 +669,7 @@ def _flush_op(
     std_floor: float,
     k_rounding: str,
     v_rounding: str,
+    sink_rows: torch.Tensor | None = None,
 ) -> None:
     _launch(
         exact_k,
@@ -653,6 +684,7 @@ def _flush_op(
         std_floor,
         k_rounding,
         v_rounding,
+        sink_rows,
     )
 
 
@@ -670,6 +702,7 @@ def _flush_fake(
     std_floor,
     k_rounding,
     v_rounding,
+    sink_rows=None,
 ) -> None:
     return None
 
@@ -685,6 +718,7 @@ def flush(
     layout,
     *,
     config: NormalizeConfig = DEFAULT_CONFIG,
+    sink_rows: torch.Tensor | None = None,
 ) -> None:
     """Pack N full pool blocks into records, every KV head, one launch (Triton).
 
@@ -702,6 +736,10 @@ def flush(
     config : NormalizeConfig, keyword only; the reference default (what
         ``kvarn_ops.reference.flush`` uses) unless given. The records equal
         ``kvarn_ops.reference.encode_records(..., config=config)`` of the same tiles.
+    sink_rows : int32 [N] or None, keyword only; the attention-sink token of block i (0 in a
+        request's first block, -1 for none). With ``config.sink_token`` (the default) its V
+        row is kept almost exact in every head's record (``reference/sink.py``); None: no
+        block has one (and the kernel is compiled without the step).
 
     Raises
     ------
@@ -723,6 +761,9 @@ def flush(
     check_tensor("dst_blocks", dst_blocks, dtypes=torch.int32, shape=(n,), device=dev)
     check_index_range("src_pool_blocks", src_pool_blocks, p)
     check_index_range("dst_blocks", dst_blocks, nb)
+    if sink_rows is not None:
+        check_tensor("sink_rows", sink_rows, dtypes=torch.int32, shape=(n,), device=dev)
+        check_index_range("sink_rows", sink_rows, g, sentinel=-1)
     check_device(exact_k)
     launch_or_op(
         _flush_op,
@@ -739,4 +780,5 @@ def flush(
         float(config.std_floor),
         k_rounding,
         v_rounding,
+        sink_rows if config.sink_token else None,
     )

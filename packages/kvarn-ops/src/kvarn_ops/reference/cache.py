@@ -132,6 +132,7 @@ def flush(
     dst_blocks: torch.Tensor,
     packed: torch.Tensor,
     layout: RecordLayout,
+    sink_rows: torch.Tensor | None = None,
 ) -> None:
     """Pack N full pool blocks into records: ``packed[dst_blocks[i], h] = record of pool block
     src_pool_blocks[i], KV head h`` for every h (normalize + quantize + fold + bit-pack).
@@ -143,6 +144,9 @@ def flush(
     packed : uint8 [num_blocks, Hkv, R] (written at ``dst_blocks`` only). Repeated entries in
         ``dst_blocks``: which record lands is unspecified.
     layout : dense kvarn_formats.RecordLayout matching the pool's G and D.
+    sink_rows : int32 [N] or None; the attention-sink token of block i (0 in a request's
+        first block), -1 for none: its V row is kept almost exact in every head's record
+        (``reference/sink.py``). None: no block has one.
     """
     check_dense_layout("layout", layout)
     p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale, layout=layout)
@@ -155,12 +159,18 @@ def flush(
     check_tensor("dst_blocks", dst_blocks, dtypes=torch.int32, shape=(n,), device=dev)
     check_index_range("src_pool_blocks", src_pool_blocks, p)
     check_index_range("dst_blocks", dst_blocks, nb)
+    if sink_rows is not None:
+        check_tensor("sink_rows", sink_rows, dtypes=torch.int32, shape=(n,), device=dev)
+        check_index_range("sink_rows", sink_rows, g, sentinel=-1)
     if n == 0:
         return
     kt = read_pool_blocks(exact_k, k_scale, src_pool_blocks).permute(0, 2, 1, 3)
     vt = read_pool_blocks(exact_v, v_scale, src_pool_blocks).permute(0, 2, 1, 3)
     rec = encode_records(
-        kt.reshape(n * hkv, g, d).contiguous(), vt.reshape(n * hkv, g, d).contiguous(), layout
+        kt.reshape(n * hkv, g, d).contiguous(),
+        vt.reshape(n * hkv, g, d).contiguous(),
+        layout,
+        sink_rows=None if sink_rows is None else sink_rows.repeat_interleave(hkv),
     )
     packed[dst_blocks.to(torch.long)] = rec.view(n, hkv, -1)
 

@@ -116,6 +116,7 @@ def encode_records(
     *,
     out: torch.Tensor | None = None,
     config: NormalizeConfig = DEFAULT_CONFIG,
+    sink_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantize N (K tile, V tile) pairs into N dense records.
 
@@ -126,6 +127,9 @@ def encode_records(
     layout : kvarn_formats.RecordLayout, dense, with ``block_size == G``, ``head_dim == D``.
     out : uint8 [N, R], optional; written in place (every byte) and returned.
     config : NormalizeConfig; the ops always use the default.
+    sink_rows : int32/int64 [N] or None; the token of each tile that is the attention sink
+        (a request's first token: 0 in its first block), -1 for none. With
+        ``config.sink_token`` that token's V row is kept almost exact (``reference/sink.py``).
 
     Returns
     -------
@@ -144,7 +148,7 @@ def encode_records(
             "out", out, dtypes=torch.uint8, shape=(n, layout.record_bytes), device=k.device
         )
     fields = quantize_k(k, _bits(layout.field("k_codes")), config)
-    fields.update(quantize_v(v, _bits(layout.field("v_codes")), config))
+    fields.update(quantize_v(v, _bits(layout.field("v_codes")), config, sink_rows))
     return fields_to_records(fields, layout, out)
 
 
