@@ -176,9 +176,12 @@ def bench_store(d: int, hkv: int, tokens: int, g: int, pool_dtype) -> dict:
     )
 
 
-def bench_flush(fmt: str, d: int, hkv: int, blocks: int, pool_dtype, iters: int = 0) -> dict:
+def bench_flush(
+    fmt: str, d: int, hkv: int, blocks: int, pool_dtype, iters: int = 0, sink: float = -1.0
+) -> dict:
     """The flush of ``blocks`` full blocks; ``iters`` > 0 replaces ``DEFAULT_CONFIG``'s
-    normalization iterations."""
+    normalization iterations; ``sink`` >= 0 passes ``sink_rows`` with that fraction of the
+    blocks marked (token 0; the rest -1), as the vLLM plugin does on every step."""
     config = replace(DEFAULT_CONFIG, iters=iters) if iters else DEFAULT_CONFIG
     lay = kf.dense_layout(fmt, d)
     g = lay.block_size
@@ -186,14 +189,21 @@ def bench_flush(fmt: str, d: int, hkv: int, blocks: int, pool_dtype, iters: int 
     packed = torch.empty(blocks, hkv, lay.record_bytes, dtype=torch.uint8, device="cuda")
     src = torch.arange(blocks, dtype=torch.int32, device="cuda")
     dst = torch.randperm(blocks, device="cuda").to(torch.int32)
-    ms = do_bench(lambda: kernels.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config))
+    rows = None
+    if sink >= 0:
+        marked = torch.rand(blocks, device="cuda") < sink
+        rows = torch.where(marked, 0, -1).to(torch.int32)
+    ms = do_bench(
+        lambda: kernels.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config, sink_rows=rows)
+    )
     e = ek.element_size()
     s = 4 if ks is not None else 0
     moved = 2 * blocks * g * hkv * (d * e + s) + 8 * blocks + blocks * hkv * lay.record_bytes
     bf16_in = 2 * blocks * g * hkv * d * 2
     return dict(
         op="flush",
-        shape=f"{fmt} N={blocks} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]} iters={config.iters}",
+        shape=f"{fmt} N={blocks} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]} iters={config.iters}"
+        + (f" sink_rows={sink:g}" if sink >= 0 else ""),
         ms=ms,
         bytes=moved,
         target_bytes=bf16_in,
@@ -317,6 +327,13 @@ def main(argv=None) -> int:
         default=0,
         help="the flush's normalization iterations; 0 = DEFAULT_CONFIG's",
     )
+    ap.add_argument(
+        "--flush-sink",
+        type=float,
+        default=-1.0,
+        help="pass sink_rows to the flush with this fraction of blocks marked (0: all -1); "
+        "negative (default): no sink_rows",
+    )
     args = ap.parse_args(argv)
     use_timer(args.timer)
     ops = set(args.ops.split(","))
@@ -341,7 +358,7 @@ def main(argv=None) -> int:
         if "store" in ops:
             add(bench_store(d, hkv, 8192 * scale, g, pdt))
         if "flush" in ops:
-            add(bench_flush(fmt, d, hkv, 1024 * scale, pdt, args.flush_iters))
+            add(bench_flush(fmt, d, hkv, 1024 * scale, pdt, args.flush_iters, args.flush_sink))
         if "materialize" in ops:
             add(bench_materialize(fmt, d, hkv, 16, 2048 * scale, pdt))
     for r in rows:

@@ -12,12 +12,14 @@ configuration's bytes (codes may differ where a reduction order flips a rounding
 
     python benchmarks/flush_latency.py --out results/flush_latency.json
         [--blocks 1,4,16,64,256] [--warps 0,8] [--parts 0,1,2,4,8] [--pool bf16,fp8]
-        [--iters 4]
+        [--iters 4] [--sink 1]
 
 ``0`` in ``--warps`` and ``--parts`` (programs per tile, ``flush.FORCE_PARTS``) is the shipped
 choice. ``--iters`` times the flush of ``DEFAULT_CONFIG`` with that many normalization
 iterations instead (its bytes are then compared with the shipped configuration's of the same
-iterations). The table printed last has one row per N.
+iterations). ``--sink k`` passes ``sink_rows`` with the first k blocks marked (token 0), as
+the vLLM plugin does (``--sink 0``: every block -1, its usual step). The table printed last
+has one row per N.
 """
 
 from __future__ import annotations
@@ -108,13 +110,16 @@ def run_case(args, n, pool, warps, parts, reference=None):
         flush_mod.warps_for = lambda head_dim, group: warps
     flush_mod.FORCE_PARTS = parts or None
     config = replace(DEFAULT_CONFIG, iters=args.iters) if args.iters else DEFAULT_CONFIG
+    rows = None
+    if args.sink >= 0:  # the first args.sink of the blocks are marked (token 0), as first blocks
+        rows = torch.where(torch.arange(n, device="cuda") < args.sink, 0, -1).to(torch.int32)
     try:
-        flush_mod.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config)
+        flush_mod.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config, sink_rows=rows)
         torch.cuda.synchronize()
         records = packed[dst.long()].clone()
 
         def call():
-            flush_mod.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config)
+            flush_mod.flush(ek, ev, ks, vs, src, dst, packed, lay, config=config, sink_rows=rows)
 
         ms = graph_ms(call, args.launches, args.replays)
     finally:
@@ -129,6 +134,7 @@ def run_case(args, n, pool, warps, parts, reference=None):
         warps=warps or shipped(d, g),
         parts=used,
         iters=config.iters,
+        sink_rows_marked=None if rows is None else int((rows >= 0).sum()),
         shipped=not warps and not parts,
         us=ms * 1e3,
         tiles=n * hkv * 2,
@@ -152,6 +158,13 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument(
         "--iters", type=int, default=0, help="normalization iterations; 0 = DEFAULT_CONFIG's"
+    )
+    ap.add_argument(
+        "--sink",
+        type=int,
+        default=-1,
+        help="pass sink_rows with this many blocks marked (0: all -1, the plugin's usual step); "
+        "negative (default): no sink_rows",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -269,6 +269,52 @@ def test_flush_few_blocks(gen, request, fmt, dim, hkv, pool_dtype, n):
     _check_flush(request, got, single, src, dst, layout, pools, tag="vs_one_program_")
 
 
+def _sink_rows(gen, n, g):
+    """Sink rows of ``n`` flushed blocks: token 0 for about a third (first blocks), another
+    row for a few, -1 for the rest."""
+    pick = torch.rand(n, generator=gen, device=DEVICE)
+    other = torch.randint(1, g, (n,), generator=gen, device=DEVICE)
+    rows = torch.where(pick < 0.33, 0, torch.where(pick < 0.45, other, -1))
+    return rows.to(torch.int32)
+
+
+@pytest.mark.parametrize(("fmt", "dim", "hkv"), FLUSH_CASES)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("n", [300, 3])
+def test_flush_sink_rows(gen, request, fmt, dim, hkv, pool_dtype, n):
+    """The flush with the sink step (``sink_rows``, the default config's ``sink_token``):
+    bulk (one program per tile) and a decode step's few blocks (split tiles), against the
+    reference with the same rows; the marked rows' own error within 1% of the reference's."""
+    layout = kf.dense_layout(fmt, dim)
+    g = layout.block_size
+    pool_blocks, num_blocks = (320, 400) if n > 8 else (8, 12)
+    pools = _flush_pool(gen, layout, hkv, pool_blocks, pool_dtype)
+    src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    rows = _sink_rows(gen, n, g)
+    if n == 3:
+        rows[0] = 0
+    got = poison_(
+        torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
+    )
+    want = got.clone()
+    kernels.flush(*pools, src, dst, got, layout, sink_rows=rows)
+    reference.flush(*pools, src, dst, want, layout, sink_rows=rows)
+    _check_flush(request, got, want, src, dst, layout, pools)
+    _, gv = reference.decode_records(got[dst.long()].view(n * hkv, -1), layout)
+    _, wv = reference.decode_records(want[dst.long()].view(n * hkv, -1), layout)
+    ev, vs = pools[1], pools[3]
+    src_v = reference.cache.read_pool_blocks(ev, vs, src).permute(0, 2, 1, 3)  # [n, Hkv, G, D]
+    marked = (rows >= 0).nonzero().flatten()
+    request.node.user_properties.append(("marked_blocks", int(marked.numel())))
+    for i in marked.tolist():
+        r = int(rows[i])
+        x = src_v[i, :, r]
+        got_row = gv.view(n, hkv, g, dim)[i, :, r]
+        want_row = wv.view(n, hkv, g, dim)[i, :, r]
+        assert rel_err(got_row, x) <= rel_err(want_row, x) * 1.01 + 1e-6
+
+
 def test_flush_few_blocks_graph_replay(gen):
     """The split path captured in a CUDA graph and replayed: every replay rewrites whole
     records equal to an eager call's, for new pool contents each replay (the graph holds the
