@@ -118,3 +118,13 @@ def test_opset_passes_projection_views_to_store_when_kvarn_ops_reads_them(monkey
     assert kc.OpSet(kc.KernelChoice("reference", "test")).strided_store
     monkeypatch.delattr(kvarn_ops, "STRIDED_STORE_TOKENS")
     assert not kc.OpSet(kc.KernelChoice("reference", "test")).strided_store
+
+
+def test_opset_passes_sink_rows_when_kvarn_ops_takes_them(monkeypatch):
+    """With a kvarn-ops whose flush takes ``sink_rows``, the impl passes each request's first
+    block's sink; with one that lacks it (1.0.0), flush is called as before."""
+    import kvarn_ops
+
+    assert kc.OpSet(kc.KernelChoice("reference", "test")).flush_sink_rows
+    monkeypatch.delattr(kvarn_ops, "FLUSH_SINK_ROWS")
+    assert not kc.OpSet(kc.KernelChoice("reference", "test")).flush_sink_rows
