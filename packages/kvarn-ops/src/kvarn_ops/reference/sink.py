@@ -54,7 +54,9 @@ and their residuals are fp32 noise (about 1e-13 of the energy); without a tolera
 kernel's summation order would pick another step and every other row would move."""
 
 
-def check_sink_rows(sink_rows: torch.Tensor | None, n: int, rows: int, device) -> None:
+def check_sink_rows(
+    sink_rows: torch.Tensor | None, n: int, rows: int, device: torch.device
+) -> None:
     """``sink_rows``: None or int32/int64 ``[n]`` on ``device`` with values in ``[-1, rows)``
     (-1: none); ValueError naming ``sink_rows`` otherwise (values checked on the CPU)."""
     if sink_rows is None:
@@ -72,7 +74,7 @@ def check_sink_rows(sink_rows: torch.Tensor | None, n: int, rows: int, device) -
 
 def sink_row_grid(
     b: torch.Tensor, lc: torch.Tensor, bits: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, step and zero point of sink rows ``b [M, C]`` (balanced frame) on the symmetric
     grid, and the column factors ``r [M, C]`` that make them (almost) exact.
 
