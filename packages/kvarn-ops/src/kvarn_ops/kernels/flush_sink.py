@@ -94,15 +94,24 @@ def apply_sink(balanced, lc, sink_row, LEVELS: tl.constexpr, R: tl.constexpr, C:
     ``sink_row`` (runtime; -1: none). Returns the tile and ``lc`` to round with, and the sink
     row's codes ``[C]`` (int32), step and lo, and the (possibly changed) sink row: -1 where
     the guard of the reference ``apply_sink`` leaves the tile as it is (the grid's residual
-    not below the row's min/max RTN error)."""
-    rows = tl.arange(0, R)
-    bp = tl.sum(tl.where(rows[:, None] == sink_row, balanced, 0.0), axis=0)
-    codes, step, lo, r, err, tie = sink_grid(bp, lc, LEVELS, C)
-    sink_row = tl.where(err < _rtn_error(bp, lc, LEVELS, C) - tie, sink_row, -1)
+    not below the row's min/max RTN error). A tile without a sink row skips the step (a
+    branch on the program's row index: the plugin passes ``sink_rows`` on every step, and
+    most flushed blocks are not a request's first)."""
+    codes = tl.zeros([C], tl.int32)
+    step = tl.sum(tl.zeros([C], tl.float32), axis=0)
+    lo = step
     if sink_row >= 0:
-        lc = lc + tl.log(r)
-        balanced = tl.div_rn(balanced, tl.zeros([R, C], tl.float32) + r[None, :])
-    return balanced, lc, codes.to(tl.int32), step, lo, sink_row
+        rows = tl.arange(0, R)
+        bp = tl.sum(tl.where(rows[:, None] == sink_row, balanced, 0.0), axis=0)
+        grid_codes, grid_step, grid_lo, r, err, tie = sink_grid(bp, lc, LEVELS, C)
+        sink_row = tl.where(err < _rtn_error(bp, lc, LEVELS, C) - tie, sink_row, -1)
+        codes = grid_codes.to(tl.int32)
+        step = grid_step
+        lo = grid_lo
+        if sink_row >= 0:
+            lc = lc + tl.log(r)
+            balanced = tl.div_rn(balanced, tl.zeros([R, C], tl.float32) + r[None, :])
+    return balanced, lc, codes, step, lo, sink_row
 
 
 @triton.jit
