@@ -27,14 +27,14 @@ _TIE = tl.constexpr(SINK_TIE)
 
 
 @triton.jit
-def sink_grid(b, lc, LEVELS: tl.constexpr, C: tl.constexpr):
+def sink_grid(b, weight, LEVELS: tl.constexpr, C: tl.constexpr):
     """Reference ``sink_row_grid`` for one row ``b [C]`` (balanced frame) with the tile's
-    log column scales ``lc [C]``: returns fp32 integer codes ``[C]``, step, lo (scalars) and
-    the column factors ``r [C]`` (1 for a zero row), the weighted residual (0 for a zero
-    row) and the tie tolerance ``SINK_TIE * sum w b**2``."""
+    column weights ``weight [C]`` (``exp(2 lc)`` relative to the largest): returns fp32
+    integer codes ``[C]``, step, lo (scalars), the column factors ``r [C]`` (1 for a zero
+    row), the weighted residual (0 for a zero row) and the tie tolerance ``SINK_TIE * sum w
+    b**2``."""
     TOP: tl.constexpr = (LEVELS - 1) // 2
     HALF_UP: tl.constexpr = (LEVELS + 1) // 2
-    weight = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))
     a = tl.abs(b)
     tie = _TIE * tl.sum(weight * b * b, axis=0)
     amax = tl.max(a, axis=0)
@@ -75,7 +75,7 @@ def sink_grid(b, lc, LEVELS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _rtn_error(b, lc, LEVELS: tl.constexpr, C: tl.constexpr):
+def _rtn_error(b, w, LEVELS: tl.constexpr):
     """The weighted error of min/max RTN on one row ``b [C]`` (the reference rounding's
     ``"rtn"`` codes and ``weighted_row_error``), the sink step's guard."""
     row = b[None, :]
@@ -84,7 +84,6 @@ def _rtn_error(b, lc, LEVELS: tl.constexpr, C: tl.constexpr):
     step0 = tl.div_rn(rng, tl.full([1], LEVELS, tl.float32))
     c0 = clip_codes(row, lo0, step0, LEVELS)
     err = row - (c0 * step0[:, None] + lo0[:, None])
-    w = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))
     return tl.sum(tl.sum(err * err * w[None, :], axis=1), axis=0)
 
 
@@ -103,8 +102,9 @@ def apply_sink(balanced, lc, sink_row, LEVELS: tl.constexpr, R: tl.constexpr, C:
     if sink_row >= 0:
         rows = tl.arange(0, R)
         bp = tl.sum(tl.where(rows[:, None] == sink_row, balanced, 0.0), axis=0)
-        grid_codes, grid_step, grid_lo, r, err, tie = sink_grid(bp, lc, LEVELS, C)
-        sink_row = tl.where(err < _rtn_error(bp, lc, LEVELS, C) - tie, sink_row, -1)
+        weight = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))
+        grid_codes, grid_step, grid_lo, r, err, tie = sink_grid(bp, weight, LEVELS, C)
+        sink_row = tl.where(err < _rtn_error(bp, weight, LEVELS) - tie, sink_row, -1)
         codes = grid_codes.to(tl.int32)
         step = grid_step
         lo = grid_lo

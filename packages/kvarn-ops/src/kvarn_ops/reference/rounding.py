@@ -33,7 +33,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CLIP_RATIOS", "REFIT_ITERS", "ROUNDING_MODES", "round_rows", "weighted_row_error"]
+__all__ = [
+    "CLIP_RATIOS",
+    "REFIT_ITERS",
+    "ROUNDING_MODES",
+    "column_weights",
+    "round_rows",
+    "weighted_row_error",
+]
 
 ROUNDING_MODES = ("rtn", "mse_clip", "mse_grid", "rtn_refit", "unbiased_clip")
 """Accepted values of ``NormalizeConfig.rounding``."""
@@ -46,6 +53,12 @@ REFIT_ITERS = 6
 def _codes(b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: float) -> torch.Tensor:
     inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
     return torch.round((b - lo[..., None]) * inv[..., None]).clamp_(0, levels)
+
+
+def column_weights(lc: torch.Tensor) -> torch.Tensor:
+    """Error weight of every column, ``exp(2 * lc)`` relative to the tile's largest (scale
+    free, no overflow); ``lc [..., C]`` natural-log column scales."""
+    return torch.exp(2.0 * (lc - lc.amax(dim=-1, keepdim=True)))
 
 
 def weighted_row_error(
@@ -104,8 +117,7 @@ def round_rows(
     codes = _codes(b, lo0, step0, levels)
     if mode == "rtn":
         return codes.to(torch.uint8), step0, lo0
-    # Weights relative to the tile's largest column weight (scale free, no overflow).
-    weight = torch.exp(2.0 * (lc - lc.amax(dim=-1, keepdim=True)))
+    weight = column_weights(lc)
     live = rng > 0
     best_err = weighted_row_error(b, codes, step0, lo0, weight)
     best_codes, best_step, best_lo = codes, step0, lo0

@@ -39,7 +39,7 @@ import math
 import torch
 
 from kvarn_ops._validate import check_index_range, check_tensor
-from kvarn_ops.reference.rounding import round_rows, weighted_row_error
+from kvarn_ops.reference.rounding import column_weights, round_rows, weighted_row_error
 
 __all__ = ["SINK_RATIOS", "SINK_RHO", "SINK_TIE", "apply_sink", "check_sink_rows", "sink_row_grid"]
 
@@ -89,7 +89,7 @@ def sink_row_grid(
     """
     levels = (1 << bits) - 1
     top = float((levels - 1) // 2)  # largest j: magnitudes (j + 0.5) * step
-    weight = torch.exp(2.0 * (lc - lc.amax(dim=-1, keepdim=True)))
+    weight = column_weights(lc)
     a = b.abs()
     tie = SINK_TIE * (weight * b * b).sum(dim=-1)
     amax = a.amax(dim=-1)
@@ -148,8 +148,8 @@ def apply_sink(
     lct = lc[tiles]
     codes, step, lo, r, err, tie = sink_row_grid(bp, lct, bits)
     c0, step0, lo0 = round_rows(bp[:, None, :], lct, bits, "rtn")
-    weight = torch.exp(2.0 * (lct - lct.amax(dim=-1, keepdim=True)))
-    keep = err < weighted_row_error(bp[:, None, :], c0.float(), step0, lo0, weight)[:, 0] - tie
+    rtn_err = weighted_row_error(bp[:, None, :], c0.float(), step0, lo0, column_weights(lct))
+    keep = err < rtn_err[:, 0] - tie
     if not bool(keep.any()):
         return balanced, lc, None
     tiles, rows, codes, step, lo, r = (t[keep] for t in (tiles, rows, codes, step, lo, r))
