@@ -413,11 +413,11 @@ _NUM_CLIP_RATIOS = tl.constexpr(len(CLIP_RATIOS))
 
 
 @triton.jit
-def clip_ratio(i):
+def clip_ratio(i, COUNT: tl.constexpr = _NUM_CLIP_RATIOS):
     """``CLIP_RATIOS[i]`` as fp32 (the value torch multiplies fp32 tensors by) for a runtime
-    index ``i``."""
+    index ``0 <= i < COUNT``."""
     ratio = 0.0
-    for j in tl.static_range(_NUM_CLIP_RATIOS):
+    for j in tl.static_range(COUNT):
         ratio = tl.where(i == j, _CLIP_RATIOS[j], ratio)
     return ratio
 

@@ -21,8 +21,9 @@ Step 4 (codes and per-row step and zero point) is chosen per tile kind at compil
 
 - ``"rtn"`` (0): min/max round-to-nearest (reference ``quantize_rows``).
 - ``"unbiased_clip"`` (1): reference ``round_rows(..., "unbiased_clip")``
-  (``flush_math.unbiased_clip_search``): per row, the min/max candidate, then the 14 clip
-  ratios of ``CLIP_RATIOS`` in order (1.0 first), each with its codes from the clipped range
+  (``flush_math.unbiased_clip_search``): per row, the min/max candidate, then the first
+  ``CLIP_COUNTS[bits]`` clip ratios of ``CLIP_RATIOS`` in order (1.0 first; all 14 at 2 bits,
+  5 at 4 bits, 2 at 8), each with its codes from the clipped range
   and the unbiased refit ``step = var_w(B) / cov_w(codes, B)``, ``lo = mean_w(B) - step *
   mean_w(codes)`` (weights ``exp(2 * (lc - max lc))``; the clipped ``(s, z)`` where
   ``cov <= 0``); the candidate of least weighted error is kept (strict ``<``: ties keep the
@@ -34,7 +35,8 @@ Other modes (and prescale off, no fp16 rebalance, a log-scale clip) are refused 
 Cost: per tile element, the normalization takes two passes of about 6 fp32 operations per
 iteration (4 iterations in ``DEFAULT_CONFIG``, 8 published), and the clipping search about
 16 per candidate (the codes, the refit's code mean and covariance, the error; 15
-candidates), so the default rounding is about 3x the RTN flush's arithmetic. At 50% of the
+candidates at 2 bits, so the default rounding is about 3x the RTN flush's arithmetic; 6 at 4
+bits, 3 at 8). At 50% of the
 H200's copy bandwidth on bf16 input the flush would have about 30 fp32 operations per
 element: it is compute bound, two orders of magnitude from that target (BENCHMARKS.md has
 the measured times and profiles). The compiler's layout gives every thread

@@ -39,12 +39,15 @@ import triton.language as tl
 
 from kvarn_ops.kernels._common import clip_codes, clip_ratio
 from kvarn_ops.kernels.flush_sync import exchange, partials
-from kvarn_ops.reference.rounding import CLIP_RATIOS
+from kvarn_ops.reference.rounding import CLIP_COUNTS
 
 __all__ = ["normalize_split", "normalize_tile", "unbiased_clip_search"]
 
 
-_NUM_CLIP_RATIOS = tl.constexpr(len(CLIP_RATIOS))
+# The search's window per code width (reference ``CLIP_COUNTS``), indexed by LEVELS = 2**bits - 1.
+_CLIP_COUNT_BY_LEVELS = tl.constexpr(
+    tuple(CLIP_COUNTS.get((n + 1).bit_length() - 1, 0) for n in range(256))
+)
 
 
 @triton.jit
@@ -235,12 +238,12 @@ def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.con
     """The reference's ``round_rows(b, lc, bits, "unbiased_clip")`` for one balanced tile
     ``b [R, C]`` (fp32) with natural-log column scales ``lc [C]``; ``LEVELS = 2**bits - 1``.
 
-    Returns ``(codes, step, lo)``: fp32 integer codes ``[R, C]``, fp32 ``[R]`` each, with
-    ``b ~= codes * step + lo``. Same candidates in the same order (min/max first, then every
-    clip ratio with its unbiased refit), the candidate's codes from the same fp32 expression,
-    strict ``<`` (ties keep the earlier candidate), zero-range rows keep min/max; sums as the
-    module docstring says. Only the winner's clipping range is carried through the search;
-    its codes and refit are recomputed from it at the end.
+    Returns ``(codes, step, lo)``: fp32 integer codes ``[R, C]``, fp32 ``[R]`` each, with ``b ~=
+    codes * step + lo``. Same candidates in the same order (min/max first, then the first
+    ``CLIP_COUNTS[bits]`` clip ratios, each with its unbiased refit), the candidate's codes from the
+    same fp32 expression, strict ``<`` (ties keep the earlier candidate), zero-range rows keep
+    min/max; sums as the module docstring says. Only the winner's clipping range is carried through
+    the search; its codes and refit are recomputed from it at the end.
     """
     lo0 = tl.min(b, axis=1)
     hi0 = tl.max(b, axis=1)
@@ -265,8 +268,9 @@ def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.con
     # register limit); a negative step marks min/max, which has no refit.
     code_z = lo0
     code_s = -step0
-    for i in tl.range(0, _NUM_CLIP_RATIOS, loop_unroll_factor=1):
-        ratio = clip_ratio(i)
+    count: tl.constexpr = _CLIP_COUNT_BY_LEVELS[LEVELS]
+    for i in tl.range(0, count, loop_unroll_factor=1):
+        ratio = clip_ratio(i, count)
         z = mid - ratio * half
         s = tl.div_rn((2.0 * ratio) * half, lv)
         c = clip_codes(b, z, s, LEVELS)

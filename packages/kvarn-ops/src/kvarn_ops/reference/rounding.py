@@ -14,13 +14,14 @@ choose ``(codes, step, lo)`` better, minimizing the reconstruction error in the 
   re-rounding given ``(step, lo)`` (``REFIT_ITERS`` times), keeping the best iterate.
 - ``"mse_grid"``: the clipping search only (no refit), for ablations.
 - ``"rtn_refit"``: min/max codes, then the refit iterations only, for ablations.
-- ``"unbiased_clip"``: the clipping search, but every candidate's ``(step, lo)`` is refit so
-  that the reconstruction is unbiased along the row (the regression of ``Bhat`` on ``B`` has
-  slope 1 and the weighted means agree: ``step = var(B) / cov(codes, B)``); the candidate with
-  the least error is kept. Least-squares fits shrink the reconstruction towards the row mean
-  (the error correlates with the value); attention sums V over many tokens and scores over many
-  channels, where uncorrelated noise averages out but shrinkage does not: measured on
-  SmolLM2-135M, ``mse_clip`` lowers the tile error and raises perplexity, this mode lowers both.
+- ``"unbiased_clip"``: the clipping search over the first ``CLIP_COUNTS[bits]`` ratios (the window
+  where the search's choices fall at that width, below), but every candidate's ``(step, lo)`` is
+  refit so that the reconstruction is unbiased along the row (the regression of ``Bhat`` on ``B``
+  has slope 1 and the weighted means agree: ``step = var(B) / cov(codes, B)``); the candidate with
+  the least error is kept. Least-squares fits shrink the reconstruction towards the row mean (the
+  error correlates with the value); attention sums V over many tokens and scores over many channels,
+  where uncorrelated noise averages out but shrinkage does not: measured on SmolLM2-135M,
+  ``mse_clip`` lowers the tile error and raises perplexity, this mode lowers both.
 
 The error of row r is ``exp(2*lr[r]) * sum_c exp(2*lc[c]) * (B[r, c] - Bhat[r, c])**2`` in the
 model frame (the Hadamard rotation is orthogonal), so rows are independent and each is
@@ -34,6 +35,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "CLIP_COUNTS",
     "CLIP_RATIOS",
     "REFIT_ITERS",
     "ROUNDING_MODES",
@@ -46,6 +48,14 @@ ROUNDING_MODES = ("rtn", "mse_clip", "mse_grid", "rtn_refit", "unbiased_clip")
 """Accepted values of ``NormalizeConfig.rounding``."""
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35)
 """Half-range fractions tried by the clipping search (1.0 = min/max)."""
+CLIP_COUNTS = {2: 14, 3: 8, 4: 5, 5: 3, 6: 3, 7: 2, 8: 2}
+"""How many of ``CLIP_RATIOS`` (from 1.0 down) the ``"unbiased_clip"`` search tries at each
+bit width, after min/max. Wider codes pick ratios near 1: on the real K and V tiles of
+SmolLM2-135M (license text and a pydoc text, every layer, after the default normalization) and
+on rows of Gaussian, Laplace and Student-t (3 degrees of freedom) tiles, the weighted error
+summed over all rows with these windows is within 1.0001x of the full search at every width
+(ACCURACY.md, "The clipping search's window per bit width"); the flush's search, most of its
+arithmetic, shrinks with it (4-bit K: 6 candidates instead of 15)."""
 REFIT_ITERS = 6
 """Least-squares refit / re-round alternations after the clipping search."""
 
@@ -109,6 +119,8 @@ def round_rows(
     """
     if mode not in ROUNDING_MODES:
         raise ValueError(f"rounding: must be one of {ROUNDING_MODES}, got {mode!r}")
+    if bits not in CLIP_COUNTS:
+        raise ValueError(f"bits: must be from 2 to 8, got {bits!r}")
     levels = float((1 << bits) - 1)
     lo0 = b.amin(dim=-1)
     hi0 = b.amax(dim=-1)
@@ -143,7 +155,7 @@ def round_rows(
         sw = w.sum(-1)
         mb = (w * b).sum(-1) / sw
         vb = (w * (b - mb[..., None]) ** 2).sum(-1) / sw
-        for r in CLIP_RATIOS:
+        for r in CLIP_RATIOS[: CLIP_COUNTS[bits]]:
             z = mid - r * half
             s = 2.0 * r * half / levels
             c = _codes(b, z, s, levels)
