@@ -32,6 +32,7 @@ __all__ = ["METHODS", "CacheVariant", "make_variant", "parse_variant"]
 METHODS = {
     "kvarn": DEFAULT_CONFIG,
     "kvarn_nosinkrow": replace(DEFAULT_CONFIG, sink_token=False),
+    "kvarn_nosinkkey": replace(DEFAULT_CONFIG, sink_key=False),
     "kvarn_rtn": NormalizeConfig(),
     "kvarn_mse": NormalizeConfig(rounding="mse_clip"),
     "kvarn_grid": NormalizeConfig(rounding="mse_grid"),
@@ -55,7 +56,9 @@ METHODS = {
 """Method name -> NormalizeConfig of the record path. ``kvarn``: the project's default
 quantizer (``DEFAULT_CONFIG``: scale invariant, no clip, 4 normalization iterations, the
 clipping search with the unbiased refit for K and V, the sequence's first token's V row kept
-almost exact); ``kvarn_nosinkrow``: the same without that (the default until 2026-12-05);
+almost exact, and at 2-bit K its key on every channel's grid); ``kvarn_nosinkrow``: the
+same without either (the default until 2026-12-05); ``kvarn_nosinkkey``: without the key's
+grid only (the default of 2026-12-05's first half);
 ``kvarn_ub``: the same with the
 published 8 iterations (the default until 2026-12-04, and what the tables of ACCURACY.md
 measured before then call ``kvarn``);
@@ -130,7 +133,7 @@ class CacheVariant:
             kr = hadamard(k) if rot else k.float()
             vr = hadamard(v) if rot else v.float()
             kcfg, vcfg = self.config if isinstance(self.config, tuple) else (self.config,) * 2
-            fields = quantize_k(kr, int(lay.field("k_codes").bits or 0), kcfg)
+            fields = quantize_k(kr, int(lay.field("k_codes").bits or 0), kcfg, sink_rows)
             fields.update(quantize_v(vr, int(lay.field("v_codes").bits or 0), vcfg, sink_rows))
             rec = fields_to_records(fields, lay)  # the bytes encode_records writes
             kq, vq = decode_records(rec, lay)

@@ -72,9 +72,11 @@ from kvarn_ops.kernels._common import (
 )
 from kvarn_ops.kernels.flush_math import normalize_tile, unbiased_clip_search
 from kvarn_ops.kernels.flush_sink import apply_sink, sink_override
+from kvarn_ops.kernels.flush_sink_key import pin_override
 from kvarn_ops.kernels.flush_sync import fence
 from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
 from kvarn_ops.reference.rounding import ROUNDING_MODES
+from kvarn_ops.reference.sink_key import SINK_KEY_BITS
 
 __all__ = ["ROUNDING_IDS", "check_config", "flush"]
 
@@ -134,6 +136,7 @@ def _flush_tile(
     ASM: tl.constexpr,
     sink_row,
     SINK: tl.constexpr,
+    PIN: tl.constexpr,
 ):
     """Quantize one tile ``X [R, C]`` (K: R = D channels, C = G tokens; V: R = G tokens,
     C = D) into its record fields: codes ``[R, C]``, row-side scale and zero point ``[R]``,
@@ -146,7 +149,9 @@ def _flush_tile(
     launch) folds and rebalances the scales of every row (steps 5-6) and stores them.
 
     With ``SINK`` (V tiles), row ``sink_row`` (-1: none) is the attention-sink token, kept
-    almost exact (``flush_sink.py``, reference ``reference/sink.py``)."""
+    almost exact (``flush_sink.py``, reference ``reference/sink.py``). With ``PIN`` (2-bit K
+    tiles), column ``sink_row`` is the sink token, whose key every channel's grid passes
+    through (``flush_sink_key.py``, reference ``reference/sink_key.py``)."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
     if FP8 and not TOKENS_ON_ROWS:
@@ -190,6 +195,10 @@ def _flush_tile(
 
     if PARTS == 1:
         codes, step, lo = _round_rows(balanced, best_lc, BITS, R, C, ROUNDING)
+        if PIN:
+            codes, step, lo = pin_override(
+                balanced, best_lc, sink_row, codes, step, lo, (1 << BITS) - 1, R, C
+            )
         if SINK:
             codes, step, lo = sink_override(
                 codes, step, lo, r, sink_row, sink_codes, sink_step, sink_lo
@@ -227,6 +236,10 @@ def _flush_tile(
         b = tl.load(scr_ptr + rp[:, None] * C + c[None, :])
         row_mult = tl.exp(tl.load(scr_ptr + R * C + rp))
         codes, step, lo = _round_rows(b, best_lc, BITS, RP, C, ROUNDING)
+        if PIN:
+            codes, step, lo = pin_override(
+                b, best_lc, sink_row, codes, step, lo, (1 << BITS) - 1, RP, C
+            )
         if SINK:
             codes, step, lo = sink_override(
                 codes, step, lo, rp, sink_row, sink_codes, sink_step, sink_lo
@@ -375,6 +388,7 @@ def _flush_kernel(
     ASM: tl.constexpr,
     SCRATCH: tl.constexpr,
     SINK: tl.constexpr,
+    PIN: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -391,6 +405,9 @@ def _flush_kernel(
         rec_ptr = packed_ptr + (dst * H + head) * RECORD_BYTES
         if which == 0:
             # K tile [D, G]: rows = channels (col_scale/zero_point), columns = tokens.
+            sink_col = -1
+            if PIN:
+                sink_col = tl.load(sink_ptr + i)
             _flush_tile(
                 exact_k_ptr,
                 k_scale_ptr,
@@ -424,8 +441,9 @@ def _flush_kernel(
                 part,
                 PARTS,
                 ASM,
-                -1,
+                sink_col,
                 False,
+                PIN,
             )
         else:
             # V tile [G, D]: rows = tokens (row_scale/zero_point), columns = channels.
@@ -467,6 +485,7 @@ def _flush_kernel(
                 ASM,
                 sink_row,
                 SINK,
+                False,
             )
 
 
@@ -600,6 +619,7 @@ def _launch(
     k_rounding: str,
     v_rounding: str,
     sink_rows: torch.Tensor | None = None,
+    sink_key: bool = True,
 ) -> None:
     k_round = _rounding_id("k_rounding", k_rounding)
     v_round = _rounding_id("v_rounding", v_rounding)
@@ -652,6 +672,7 @@ def _launch(
         ASM=not INTERPRET,
         SCRATCH=stride,
         SINK=sink_rows is not None,
+        PIN=sink_rows is not None and sink_key and layout.field("k_codes").bits in SINK_KEY_BITS,
         num_warps=warps_for(d, g),
         **record_constants(layout),
     )
@@ -672,6 +693,7 @@ def _flush_op(
     k_rounding: str,
     v_rounding: str,
     sink_rows: torch.Tensor | None = None,
+    sink_key: bool = True,
 ) -> None:
     _launch(
         exact_k,
@@ -687,6 +709,7 @@ def _flush_op(
         k_rounding,
         v_rounding,
         sink_rows,
+        sink_key,
     )
 
 
@@ -705,6 +728,7 @@ def _flush_fake(
     k_rounding,
     v_rounding,
     sink_rows=None,
+    sink_key=True,
 ) -> None:
     return None
 
@@ -740,8 +764,10 @@ def flush(
         ``kvarn_ops.reference.encode_records(..., config=config)`` of the same tiles.
     sink_rows : int32 [N] or None, keyword only; the attention-sink token of block i (0 in a
         request's first block, -1 for none). With ``config.sink_token`` (the default) its V
-        row is kept almost exact in every head's record (``reference/sink.py``); None: no
-        block has one (and the kernel is compiled without the step).
+        row is kept almost exact in every head's record (``reference/sink.py``) and, in 2-bit
+        K tiles (``config.sink_key``), its key is on every channel's grid
+        (``reference/sink_key.py``); None: no block has one (and the kernel is compiled
+        without the steps).
 
     Raises
     ------
@@ -783,4 +809,5 @@ def flush(
         k_rounding,
         v_rounding,
         sink_rows if config.sink_token else None,
+        config.sink_key,
     )

@@ -65,6 +65,7 @@ import torch
 
 from kvarn_ops.reference.rounding import ROUNDING_MODES, round_rows
 from kvarn_ops.reference.sink import apply_sink, check_sink_rows
+from kvarn_ops.reference.sink_key import SINK_KEY_BITS, pin_columns
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -112,6 +113,9 @@ class NormalizeConfig:
         marks it (``sink_rows`` of :func:`quantize_v`; a serving engine marks the first token
         of each request), by moving its residual into the column scales
         (``reference/sink.py``). Tiles without a mark are unaffected.
+    sink_key : bool
+        With ``sink_token``, also put the marked token's key on every channel's grid in K
+        tiles of the widths in ``SINK_KEY_BITS`` (2 bits; ``reference/sink_key.py``).
     """
 
     iters: int = 8
@@ -122,6 +126,7 @@ class NormalizeConfig:
     rounding: str = "rtn"
     rounding_v: str | None = None
     sink_token: bool = False
+    sink_key: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.iters, int) or self.iters < 0:
@@ -281,6 +286,7 @@ def quantize_tiles(
     bits: int,
     config: NormalizeConfig = DEFAULT_CONFIG,
     sink_rows: torch.Tensor | None = None,
+    sink_cols: torch.Tensor | None = None,
 ) -> QuantizedTiles:
     """Normalize, RTN over rows, fold and store scales as fp16 (steps 2-6).
 
@@ -294,10 +300,16 @@ def quantize_tiles(
         none; ``reference/sink.py``): after step 3 its residual moves into the column scales
         (``lc += log r``, the balanced tile divided by ``r``), every row is rounded (step 4),
         and that row takes its symmetric-grid codes, step and zero point.
+    sink_cols : int [N] or None
+        With ``config.sink_token`` and ``bits`` in ``SINK_KEY_BITS``, the column of each tile
+        (K tiles: the sink token) that every row's grid passes through exactly (-1: none;
+        ``reference/sink_key.py``); those tiles' live rows take the pinned codes, step and
+        zero point.
     """
     if not 2 <= bits <= 8:
         raise ValueError(f"bits: must be from 2 to 8, got {bits}")
     check_sink_rows(sink_rows, x.shape[0], x.shape[1], x.device)
+    check_sink_rows(sink_cols, x.shape[0], x.shape[2], x.device, name="sink_cols")
     balanced, lr, lc, e = normalize_tiles(x, config)
     sink = None
     if config.sink_token and sink_rows is not None:
@@ -306,6 +318,13 @@ def quantize_tiles(
         codes, step, lo = quantize_rows(balanced, bits)
     else:
         codes, step, lo = round_rows(balanced, lc, bits, config.rounding)
+    if config.sink_token and config.sink_key and sink_cols is not None and bits in SINK_KEY_BITS:
+        t = (sink_cols >= 0).nonzero()[:, 0]
+        if t.numel():
+            pc, ps, pz, live = pin_columns(balanced[t], lc[t], sink_cols[t], bits)
+            codes[t] = torch.where(live[..., None], pc.to(codes.dtype), codes[t])
+            step[t] = torch.where(live, ps, step[t])
+            lo[t] = torch.where(live, pz, lo[t])
     if sink is not None:
         tiles, rows, sink_codes, sink_step, sink_lo = sink
         codes[tiles, rows] = sink_codes
@@ -353,14 +372,23 @@ def dequantize_tiles(q: QuantizedTiles, dtype: torch.dtype = torch.float32) -> t
     return (q.codes.to(dtype) * s + z) * w
 
 
-def quantize_k(k: torch.Tensor, bits: int, config: NormalizeConfig = DEFAULT_CONFIG) -> dict:
+def quantize_k(
+    k: torch.Tensor,
+    bits: int,
+    config: NormalizeConfig = DEFAULT_CONFIG,
+    sink_rows: torch.Tensor | None = None,
+) -> dict:
     """Quantize K tiles given token-major ``k [N, G, D]`` (rotated frame, any finite or not).
+    ``sink_rows`` (int [N], -1 for none): the attention-sink token of each tile; with
+    ``config.sink_token`` its key is on every channel's grid at the widths of
+    ``SINK_KEY_BITS`` (:func:`quantize_tiles`'s ``sink_cols``).
 
     Returns the record fields: ``k_codes`` uint8 [N, D, G], ``k_col_scale`` [N, D],
     ``k_zero_point`` [N, D], ``k_row_scale`` [N, G] (float16).
     """
+    check_sink_rows(sink_rows, k.shape[0], k.shape[1], k.device)
     tiles = zero_nonfinite_tokens(k.to(torch.float32)).transpose(1, 2)  # [N, D, G]
-    q = quantize_tiles(tiles.contiguous(), bits, config)
+    q = quantize_tiles(tiles.contiguous(), bits, config, sink_cols=sink_rows)
     return {
         "k_codes": q.codes,
         "k_col_scale": q.row_scale,

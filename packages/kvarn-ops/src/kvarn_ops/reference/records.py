@@ -129,7 +129,8 @@ def encode_records(
     config : NormalizeConfig; the ops always use the default.
     sink_rows : int32/int64 [N] or None; the token of each tile that is the attention sink
         (a request's first token: 0 in its first block), -1 for none. With
-        ``config.sink_token`` that token's V row is kept almost exact (``reference/sink.py``).
+        ``config.sink_token`` that token's V row is kept almost exact (``reference/sink.py``),
+        and at 2-bit K its key is on every channel's grid (``reference/sink_key.py``).
 
     Returns
     -------
@@ -147,7 +148,7 @@ def encode_records(
         check_tensor(
             "out", out, dtypes=torch.uint8, shape=(n, layout.record_bytes), device=k.device
         )
-    fields = quantize_k(k, _bits(layout.field("k_codes")), config)
+    fields = quantize_k(k, _bits(layout.field("k_codes")), config, sink_rows)
     fields.update(quantize_v(v, _bits(layout.field("v_codes")), config, sink_rows))
     return fields_to_records(fields, layout, out)
 

@@ -55,21 +55,25 @@ kernel's summation order would pick another step and every other row would move.
 
 
 def check_sink_rows(
-    sink_rows: torch.Tensor | None, n: int, rows: int, device: torch.device
+    sink_rows: torch.Tensor | None,
+    n: int,
+    rows: int,
+    device: torch.device,
+    name: str = "sink_rows",
 ) -> None:
     """``sink_rows``: None or int32/int64 ``[n]`` on ``device`` with values in ``[-1, rows)``
-    (-1: none); ValueError naming ``sink_rows`` otherwise (values checked on the CPU)."""
+    (-1: none); ValueError naming ``name`` otherwise (values checked on the CPU)."""
     if sink_rows is None:
         return
     check_tensor(
-        "sink_rows",
+        name,
         sink_rows,
         dtypes=(torch.int32, torch.int64),
         shape=(n,),
         device=torch.device(device),
         contiguous=False,
     )
-    check_index_range("sink_rows", sink_rows, rows, sentinel=-1)
+    check_index_range(name, sink_rows, rows, sentinel=-1)
 
 
 def sink_row_grid(

@@ -1,0 +1,88 @@
+"""The flush's sink-key step (Triton): the reference ``reference/sink_key.py`` for the rows
+of one 2-bit K tile ``[R, C]`` (rows = channels, columns = tokens) whose sink token is
+column ``pin``: every live row's grid passes through the sink's value. Same candidates in the
+same order, the same fp32 expressions and IEEE quotients as torch's; the error sums differ
+from the reference's by summation order only. Only the winner's step, zero point and sink
+code are carried through the search; its codes are recomputed at the end."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvarn_ops.kernels._common import clip_codes, clip_ratio
+from kvarn_ops.reference.rounding import CLIP_COUNTS
+
+__all__ = ["pin_override"]
+
+_CLIP_COUNT_BY_LEVELS = tl.constexpr(
+    tuple(CLIP_COUNTS.get((n + 1).bit_length() - 1, 0) for n in range(256))
+)
+
+
+@triton.jit
+def _pinned_codes(b, at, z, st, j, LEVELS: tl.constexpr):
+    return tl.where(at, j[:, None], clip_codes(b, z, st, LEVELS))
+
+
+@triton.jit
+def _pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    at = tl.arange(0, C)[None, :] == pin
+    p = tl.sum(tl.where(at, b, 0.0), axis=1)
+    lo0 = tl.min(b, axis=1)
+    hi0 = tl.max(b, axis=1)
+    mid = 0.5 * (hi0 + lo0)
+    half = 0.5 * (hi0 - lo0)
+    lv = tl.full([R], LEVELS, tl.float32)
+    w = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))[None, :]
+    best_e = tl.full([R], float("inf"), tl.float32)
+    best_s = tl.zeros([R], tl.float32)
+    best_z = tl.zeros([R], tl.float32)
+    best_j = tl.zeros([R], tl.float32)
+    count: tl.constexpr = _CLIP_COUNT_BY_LEVELS[LEVELS]
+    for i in tl.range(0, count, loop_unroll_factor=1):
+        ratio = clip_ratio(i, count)
+        s = tl.div_rn((2.0 * ratio) * half, lv)
+        j = tl.sum(clip_codes(p[:, None], mid - ratio * half, s, LEVELS), axis=1)
+        c = _pinned_codes(b, at, p - j * s, s, j, LEVELS)
+        cj = c - j[:, None]
+        num = tl.sum((w * cj) * (b - p[:, None]), axis=1)
+        den = tl.sum((w * cj) * cj, axis=1)
+        ok = (num > 0.0) & (den > 0.0)
+        s_ls = tl.where(ok, tl.div_rn(num, tl.where(ok, den, 1.0)), s)
+        # Candidate 1: the clipped grid's step through the sink's point.
+        z = p - j * s
+        err = b - (c * s[:, None] + z[:, None])
+        e = tl.sum((w * err) * err, axis=1)
+        better = e < best_e
+        best_e = tl.where(better, e, best_e)
+        best_s = tl.where(better, s, best_s)
+        best_z = tl.where(better, z, best_z)
+        best_j = tl.where(better, j, best_j)
+        # Candidate 2: the least-squares step through it, the codes re-rounded.
+        z = p - j * s_ls
+        cc = _pinned_codes(b, at, z, s_ls, j, LEVELS)
+        err = b - (cc * s_ls[:, None] + z[:, None])
+        e = tl.sum((w * err) * err, axis=1)
+        better = e < best_e
+        best_e = tl.where(better, e, best_e)
+        best_s = tl.where(better, s_ls, best_s)
+        best_z = tl.where(better, z, best_z)
+        best_j = tl.where(better, j, best_j)
+    codes = _pinned_codes(b, at, best_z, best_s, best_j, LEVELS)
+    return codes, best_s, best_z, hi0 > lo0
+
+
+@triton.jit
+def pin_override(
+    b, lc, pin, codes, step, lo, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr
+):
+    """Rows of the K tile ``b [R, C]`` (this program's rows) after the clipping search's
+    ``codes`` (int32), ``step`` and ``lo``: where the tile has a sink token (``pin >= 0``,
+    runtime), every live row takes the grid through the sink's value."""
+    if pin >= 0:
+        pc, ps, pz, live = _pin_search(b, lc, pin, LEVELS, R, C)
+        codes = tl.where(live[:, None], pc.to(tl.int32), codes)
+        step = tl.where(live, ps, step)
+        lo = tl.where(live, pz, lo)
+    return codes, step, lo
