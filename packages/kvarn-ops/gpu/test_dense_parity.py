@@ -28,6 +28,7 @@ from gpu_support import DEVICE, check_graph_replays, poison_, realistic_kv, rel_
 
 import kvarn_formats as kf
 from kvarn_ops import kernels, reference
+from kvarn_ops.reference.sink_key import SINK_KEY_BITS
 
 DECODE_ACC = 2e-5
 """fp32 accumulation in another order than the emulation's."""
@@ -282,9 +283,10 @@ def _sink_rows(gen, n, g):
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("n", [300, 3])
 def test_flush_sink_rows(gen, request, fmt, dim, hkv, pool_dtype, n):
-    """The flush with the sink step (``sink_rows``, the default config's ``sink_token``):
+    """The flush with the sink steps (``sink_rows``, the default config's ``sink_token``):
     bulk (one program per tile) and a decode step's few blocks (split tiles), against the
-    reference with the same rows; the marked rows' own error within 1% of the reference's."""
+    reference with the same rows; the marked rows' own error (V, and K at 2 bits) within 1%
+    of the reference's."""
     layout = kf.dense_layout(fmt, dim)
     g = layout.block_size
     pool_blocks, num_blocks = (320, 400) if n > 8 else (8, 12)
@@ -301,18 +303,26 @@ def test_flush_sink_rows(gen, request, fmt, dim, hkv, pool_dtype, n):
     kernels.flush(*pools, src, dst, got, layout, sink_rows=rows)
     reference.flush(*pools, src, dst, want, layout, sink_rows=rows)
     _check_flush(request, got, want, src, dst, layout, pools)
-    _, gv = reference.decode_records(got[dst.long()].view(n * hkv, -1), layout)
-    _, wv = reference.decode_records(want[dst.long()].view(n * hkv, -1), layout)
-    ev, vs = pools[1], pools[3]
-    src_v = reference.cache.read_pool_blocks(ev, vs, src).permute(0, 2, 1, 3)  # [n, Hkv, G, D]
+    gk, gv = reference.decode_records(got[dst.long()].view(n * hkv, -1), layout)
+    wk, wv = reference.decode_records(want[dst.long()].view(n * hkv, -1), layout)
+    ek, ev, ks, vs = pools
+    src_k = reference.cache.read_pool_blocks(ek, ks, src).permute(0, 2, 1, 3)  # [n, Hkv, G, D]
+    src_v = reference.cache.read_pool_blocks(ev, vs, src).permute(0, 2, 1, 3)
+    # 2-bit K: the sink token's key is on every channel's grid (reference/sink_key.py).
+    pinned_keys = layout.field("k_codes").bits in SINK_KEY_BITS
     marked = (rows >= 0).nonzero().flatten()
     request.node.user_properties.append(("marked_blocks", int(marked.numel())))
     for i in marked.tolist():
         r = int(rows[i])
-        x = src_v[i, :, r]
-        got_row = gv.view(n, hkv, g, dim)[i, :, r]
-        want_row = wv.view(n, hkv, g, dim)[i, :, r]
-        assert rel_err(got_row, x) <= rel_err(want_row, x) * 1.01 + 1e-6
+        # The pinned key's error is the fp16 rounding of its scales (about 2**-11 relative):
+        # another of two tied candidates moves it by that much.
+        for src_t, got_t, want_t, slack in ((src_v, gv, wv, 1e-6), (src_k, gk, wk, 2.0**-10)):
+            if src_t is src_k and not pinned_keys:
+                continue
+            x = src_t[i, :, r]
+            got_row = got_t.view(n, hkv, g, dim)[i, :, r]
+            want_row = want_t.view(n, hkv, g, dim)[i, :, r]
+            assert rel_err(got_row, x) <= rel_err(want_row, x) * 1.01 + slack
 
 
 def test_flush_few_blocks_graph_replay(gen):
