@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 
 import kvarn_formats as kf
 import kvarn_ops
+from kvarn_ops.reference.sink_key import SINK_KEY_BITS
 from cubin_info import cubin_resources
 
 _KERNELS = Path(kvarn_ops.__file__).parent / "kernels"
@@ -241,6 +242,8 @@ FLUSH_SINK_SPILL_ALLOWANCE = {(1, 90): 320, (1, 120): 352, (8, 90): 8, (8, 120):
 
 
 def _compile_flush(case, target, parts=1, sink=False):
+    """``sink``: compile the sink steps (``sink_rows`` given: the V row's grid, and the key's
+    grid where K is 2-bit)."""
     fmt, d, pool, k_rounding, v_rounding = case
     mod = M["flush"]
     lay = kf.dense_layout(fmt, d)
@@ -259,6 +262,7 @@ def _compile_flush(case, target, parts=1, sink=False):
         ASM=True,
         SCRATCH=mod.scratch_stride(lay.block_size, d),
         SINK=sink,
+        PIN=sink and lay.field("k_codes").bits in SINK_KEY_BITS,
         **mod.record_constants(lay),
     )
     types_ = {
@@ -323,6 +327,26 @@ def test_flush_sink_compiles(target, parts):
     # The step's code is there (its grid search takes floors; the plain kernel has none).
     assert plain.asm["ptx"].count("cvt.rmi.") == 0
     assert k.asm["ptx"].count("cvt.rmi.") >= 5
+
+
+#: the flush with both sink steps at 2-bit K (k2v2 g64, D 128, bf16 pool), offline: bytes of
+#: stack frame per (programs per tile, target); measured 544 / 520 at one program per tile,
+#: sm_90a's as without the steps (the key's search replaces the clipping search in its tile)
+FLUSH_SINK_KEY_SPILL_ALLOWANCE = {(1, 90): 560, (1, 120): 536, (8, 90): 0, (8, 120): 0}
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+@pytest.mark.parametrize("parts", [1, 8])
+def test_flush_sink_key_compiles(target, parts):
+    """The flush with the sink-key step (``flush_sink_key.py``: every channel's grid through
+    the sink token's key in 2-bit K tiles) beside the V row's: within the spill bound, and the
+    step's code is there (its second candidate's division: more IEEE divisions than without)."""
+    case = ("kvarn_k2v2_g64", 128, "bfloat16", "unbiased_clip", "unbiased_clip")
+    k, regs, frame = _compile_flush(case, target, parts=parts, sink=True)
+    assert 0 < regs <= 255
+    assert frame <= FLUSH_SINK_KEY_SPILL_ALLOWANCE[(parts, target.arch)], frame
+    four, _, _ = _compile_flush(FLUSH_CASES[1], target, parts=parts, sink=True)
+    assert k.asm["ptx"].count("div.rn.f32") > four.asm["ptx"].count("div.rn.f32")
 
 
 MATERIALIZE_CASES = [

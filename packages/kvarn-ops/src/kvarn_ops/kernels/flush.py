@@ -72,7 +72,7 @@ from kvarn_ops.kernels._common import (
 )
 from kvarn_ops.kernels.flush_math import normalize_tile, unbiased_clip_search
 from kvarn_ops.kernels.flush_sink import apply_sink, sink_override
-from kvarn_ops.kernels.flush_sink_key import pin_override
+from kvarn_ops.kernels.flush_sink_key import pin_search
 from kvarn_ops.kernels.flush_sync import fence
 from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
 from kvarn_ops.reference.rounding import ROUNDING_MODES
@@ -194,11 +194,10 @@ def _flush_tile(
         )
 
     if PARTS == 1:
-        codes, step, lo = _round_rows(balanced, best_lc, BITS, R, C, ROUNDING)
         if PIN:
-            codes, step, lo = pin_override(
-                balanced, best_lc, sink_row, codes, step, lo, (1 << BITS) - 1, R, C
-            )
+            codes, step, lo = _round_rows_pinned(balanced, best_lc, sink_row, BITS, R, C, ROUNDING)
+        else:
+            codes, step, lo = _round_rows(balanced, best_lc, BITS, R, C, ROUNDING)
         if SINK:
             codes, step, lo = sink_override(
                 codes, step, lo, r, sink_row, sink_codes, sink_step, sink_lo
@@ -235,11 +234,10 @@ def _flush_tile(
         rp = part * RP + tl.arange(0, RP)
         b = tl.load(scr_ptr + rp[:, None] * C + c[None, :])
         row_mult = tl.exp(tl.load(scr_ptr + R * C + rp))
-        codes, step, lo = _round_rows(b, best_lc, BITS, RP, C, ROUNDING)
         if PIN:
-            codes, step, lo = pin_override(
-                b, best_lc, sink_row, codes, step, lo, (1 << BITS) - 1, RP, C
-            )
+            codes, step, lo = _round_rows_pinned(b, best_lc, sink_row, BITS, RP, C, ROUNDING)
+        else:
+            codes, step, lo = _round_rows(b, best_lc, BITS, RP, C, ROUNDING)
         if SINK:
             codes, step, lo = sink_override(
                 codes, step, lo, rp, sink_row, sink_codes, sink_step, sink_lo
@@ -299,6 +297,20 @@ def _round_rows(
         # Clipping search with unbiased refit (reference round_rows, "unbiased_clip").
         codes, step, lo = unbiased_clip_search(b, lc, levels, R, C)
     return codes.to(tl.int32), step, lo
+
+
+@triton.jit
+def _round_rows_pinned(
+    b, lc, pin, BITS: tl.constexpr, R: tl.constexpr, C: tl.constexpr, ROUNDING: tl.constexpr
+):
+    """Step 4 of a K tile that may hold the sink token (column ``pin``, runtime; -1: none):
+    its grids through the sink's key (``flush_sink_key.py``) in place of the search, so no
+    tile value is live across both."""
+    if pin >= 0:
+        codes, step, lo = pin_search(b, lc, pin, (1 << BITS) - 1, R, C)
+    else:
+        codes, step, lo = _round_rows(b, lc, BITS, R, C, ROUNDING)
+    return codes, step, lo
 
 
 @triton.jit

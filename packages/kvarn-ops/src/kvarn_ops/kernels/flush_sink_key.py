@@ -13,7 +13,7 @@ import triton.language as tl
 from kvarn_ops.kernels._common import clip_codes, clip_ratio
 from kvarn_ops.reference.rounding import CLIP_COUNTS
 
-__all__ = ["pin_override"]
+__all__ = ["pin_search"]
 
 _CLIP_COUNT_BY_LEVELS = tl.constexpr(
     tuple(CLIP_COUNTS.get((n + 1).bit_length() - 1, 0) for n in range(256))
@@ -74,15 +74,10 @@ def _pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constex
 
 
 @triton.jit
-def pin_override(
-    b, lc, pin, codes, step, lo, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr
-):
-    """Rows of the K tile ``b [R, C]`` (this program's rows) after the clipping search's
-    ``codes`` (int32), ``step`` and ``lo``: where the tile has a sink token (``pin >= 0``,
-    runtime), every live row takes the grid through the sink's value."""
-    if pin >= 0:
-        pc, ps, pz, live = _pin_search(b, lc, pin, LEVELS, R, C)
-        codes = tl.where(live[:, None], pc.to(tl.int32), codes)
-        step = tl.where(live, ps, step)
-        lo = tl.where(live, pz, lo)
-    return codes, step, lo
+def pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Codes (int32), step and zero point of the rows of the K tile ``b [R, C]`` (this
+    program's rows) whose grids pass through column ``pin``'s values. Run in place of the
+    clipping search in a tile with a sink token; a constant row comes out as the search's
+    (codes 0, step 0, zero point its value), which the reference keeps from the search."""
+    codes, step, lo, _ = _pin_search(b, lc, pin, LEVELS, R, C)
+    return codes.to(tl.int32), step, lo
