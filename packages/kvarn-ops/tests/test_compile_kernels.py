@@ -28,8 +28,8 @@ from triton.backends.compiler import GPUTarget
 
 import kvarn_formats as kf
 import kvarn_ops
-from kvarn_ops.reference.sink_key import SINK_KEY_BITS
 from cubin_info import cubin_resources
+from kvarn_ops.reference.sink_key import SINK_KEY_BITS
 
 _KERNELS = Path(kvarn_ops.__file__).parent / "kernels"
 TARGETS = [GPUTarget("cuda", 90, 32), GPUTarget("cuda", 120, 32)]

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import kvarn_formats as kf  # noqa: E402
 from conftest import realistic_kv  # noqa: E402
 from kvarn_ops import reference as ref  # noqa: E402
-from test_flush import POISON, _compare  # noqa: E402
-from test_sink_token import _sink_pool  # noqa: E402
+from test_flush import POISON  # noqa: E402
+from test_sink_token import _sink_pool, flush_with_marks  # noqa: E402
 
 FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
 NO_KEY = replace(ref.DEFAULT_CONFIG, sink_key=False)
@@ -139,23 +139,7 @@ def test_flush_pins_sink_keys_as_reference(case, gen):
     fmt, d, pdt, hkv, n, p, nb, parts = case
     lay = kf.dense_layout(fmt, d)
     g = lay.block_size
-    ek, ev, ks, vs = _sink_pool(gen, p, g, hkv, d, pdt)
-    src = torch.randperm(p, generator=gen)[:n].to(torch.int32)
-    dst = torch.randperm(nb, generator=gen)[:n].to(torch.int32)
-    marks = torch.tensor([0, -1, int(torch.randint(1, g, (1,), generator=gen))], dtype=torch.int32)
-    packed = torch.full((nb, hkv, lay.record_bytes), POISON, dtype=torch.uint8)
-    packed_ref = packed.clone()
-    FLUSH_MOD.FORCE_PARTS = parts
-    try:
-        FLUSH_MOD.flush(ek, ev, ks, vs, src, dst, packed, lay, sink_rows=marks)
-    finally:
-        FLUSH_MOD.FORCE_PARTS = None
-    ref.flush(ek, ev, ks, vs, src, dst, packed_ref, lay, sink_rows=marks)
-    tiles = [
-        ref.read_pool_blocks(pool, sc, src).permute(0, 2, 1, 3) for pool, sc in ((ek, ks), (ev, vs))
-    ]
-    agreement, identical = _compare(packed, packed_ref, dst, lay, tiles)
-    print(f"{fmt} d{d}: codes identical {agreement:.5f}, records identical {identical:.3f}")
+    _, _, dst, marks, packed, packed_ref, tiles = flush_with_marks(case, gen)
     kt = tiles[0].reshape(-1, g, d).double()
     got, want = (
         ref.decode_records(x[dst.long()].reshape(-1, lay.record_bytes), lay, torch.float64)[0]

@@ -174,14 +174,15 @@ def _sink_pool(gen, p, g, hkv, d, dtype):
     return ek, ev, ks, vs
 
 
-@pytest.mark.parametrize(
-    "case", KERNEL_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-{str(c[2])[6:]}-parts{c[7]}"
-)
-def test_flush_with_sink_rows_matches_reference(case, gen):
+def flush_with_marks(case, gen):
+    """The Triton flush and ``reference.flush`` of three blocks of a realistic pool marked 0,
+    -1 and a random row, compared by ``test_flush._compare``. Returns ``(pools, src, dst,
+    sink, packed, packed_ref, tiles)`` with ``tiles`` the (K, V) inputs ``[N, Hkv, G, D]``."""
     fmt, d, pdt, hkv, n, p, nb, parts = case
     lay = kf.dense_layout(fmt, d)
     g = lay.block_size
-    ek, ev, ks, vs = _sink_pool(gen, p, g, hkv, d, pdt)
+    pools = _sink_pool(gen, p, g, hkv, d, pdt)
+    ek, ev, ks, vs = pools
     src = torch.randperm(p, generator=gen)[:n].to(torch.int32)
     dst = torch.randperm(nb, generator=gen)[:n].to(torch.int32)
     sink = torch.tensor([0, -1, int(torch.randint(1, g, (1,), generator=gen))], dtype=torch.int32)
@@ -198,6 +199,17 @@ def test_flush_with_sink_rows_matches_reference(case, gen):
     ]
     agreement, identical = _compare(packed, packed_ref, dst, lay, tiles)
     print(f"{fmt} d{d}: codes identical {agreement:.5f}, records identical {identical:.3f}")
+    return pools, src, dst, sink, packed, packed_ref, tiles
+
+
+@pytest.mark.parametrize(
+    "case", KERNEL_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-{str(c[2])[6:]}-parts{c[7]}"
+)
+def test_flush_with_sink_rows_matches_reference(case, gen):
+    fmt, d, pdt, hkv, n, p, nb, parts = case
+    lay = kf.dense_layout(fmt, d)
+    g = lay.block_size
+    (ek, ev, ks, vs), src, dst, sink, packed, packed_ref, tiles = flush_with_marks(case, gen)
     vt = tiles[1].reshape(-1, g, d).double()
     plain = torch.full((nb, hkv, lay.record_bytes), POISON, dtype=torch.uint8)
     ref.flush(ek, ev, ks, vs, src, dst, plain, lay)

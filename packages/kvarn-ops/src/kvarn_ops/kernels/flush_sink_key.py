@@ -26,6 +26,20 @@ def _pinned_codes(b, at, z, st, j, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _keep(b, w, c, s, z, j, best_e, best_s, best_z, best_j):
+    """Keep candidate ``(c, s, z, j)`` where its weighted error is below the best (strict)."""
+    err = b - (c * s[:, None] + z[:, None])
+    e = tl.sum((w * err) * err, axis=1)
+    better = e < best_e
+    return (
+        tl.where(better, e, best_e),
+        tl.where(better, s, best_s),
+        tl.where(better, z, best_z),
+        tl.where(better, j, best_j),
+    )
+
+
+@triton.jit
 def _pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     at = tl.arange(0, C)[None, :] == pin
     p = tl.sum(tl.where(at, b, 0.0), axis=1)
@@ -51,24 +65,13 @@ def _pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constex
         ok = (num > 0.0) & (den > 0.0)
         s_ls = tl.where(ok, tl.div_rn(num, tl.where(ok, den, 1.0)), s)
         # Candidate 1: the clipped grid's step through the sink's point.
-        z = p - j * s
-        err = b - (c * s[:, None] + z[:, None])
-        e = tl.sum((w * err) * err, axis=1)
-        better = e < best_e
-        best_e = tl.where(better, e, best_e)
-        best_s = tl.where(better, s, best_s)
-        best_z = tl.where(better, z, best_z)
-        best_j = tl.where(better, j, best_j)
+        best_e, best_s, best_z, best_j = _keep(
+            b, w, c, s, p - j * s, j, best_e, best_s, best_z, best_j
+        )
         # Candidate 2: the least-squares step through it, the codes re-rounded.
         z = p - j * s_ls
         cc = _pinned_codes(b, at, z, s_ls, j, LEVELS)
-        err = b - (cc * s_ls[:, None] + z[:, None])
-        e = tl.sum((w * err) * err, axis=1)
-        better = e < best_e
-        best_e = tl.where(better, e, best_e)
-        best_s = tl.where(better, s_ls, best_s)
-        best_z = tl.where(better, z, best_z)
-        best_j = tl.where(better, j, best_j)
+        best_e, best_s, best_z, best_j = _keep(b, w, cc, s_ls, z, j, best_e, best_s, best_z, best_j)
     codes = _pinned_codes(b, at, best_z, best_s, best_j, LEVELS)
     return codes, best_s, best_z, hi0 > lo0
 
