@@ -183,8 +183,16 @@ def _flush_pool(gen, layout, hkv, pool_blocks, pool_dtype):
     return ek, ev, ks, vs
 
 
-def _check_flush(request, got, want, src, dst, layout, pools, tag=""):
-    """The module docstring's flush bound for records ``dst`` of ``got`` against ``want``."""
+def _check_flush(request, got, want, src, dst, layout, pools, tag="", sink_tiles=None):
+    """The module docstring's flush bound for records ``dst`` of ``got`` against ``want``.
+
+    ``sink_tiles`` (bool ``[N * Hkv]``): V tiles with a marked sink row. In those, the sink
+    step picks each channel's grid level by comparing the value with a geometric midpoint; a
+    value within an ulp of one (the kernel's exp/log differ from torch's in the last bits)
+    takes the other level, and that channel's column scale changes by up to sqrt(3), moving
+    its codes in every token of the tile (run 104: 175 of 9.8M V codes at k8v8, D 512, about
+    five columns of 32 tokens). Far V codes there are held to 1e-4 of the codes; everywhere
+    else to the 1e-6 below; the decoded tiles and sink rows to the reference's error."""
     ek, ev, ks, vs = pools
     num_blocks, hkv = got.shape[:2]
     n, g, dim = src.shape[0], layout.block_size, layout.head_dim
@@ -202,6 +210,13 @@ def _check_flush(request, got, want, src, dst, layout, pools, tag=""):
         # 19 other cases of two runs), and held to the decoded-tile check below.
         far = (gf[name].int() - wf[name].int()).abs() > 1
         request.node.user_properties.append((f"{tag}{name}_far", int(far.sum())))
+        if name == "v_codes" and sink_tiles is not None:
+            in_sink = far[sink_tiles]
+            request.node.user_properties.append(
+                (f"{tag}{name}_far_in_sink_tiles", int(in_sink.sum()))
+            )
+            assert int(in_sink.sum()) <= 1e-4 * far.numel(), f"{tag}{name}: {int(in_sink.sum())}"
+            far = far[~sink_tiles]
         assert far.double().mean() <= 1e-6, f"{tag}{name}: {int(far.sum())} codes differ by > 1"
     # Scale fields are not compared bit for bit: the kernel's exp/log differ from torch's in
     # the last bits, which can move the best-iterate choice between nearly equal iterates.
@@ -302,7 +317,8 @@ def test_flush_sink_rows(gen, request, fmt, dim, hkv, pool_dtype, n):
     want = got.clone()
     kernels.flush(*pools, src, dst, got, layout, sink_rows=rows)
     reference.flush(*pools, src, dst, want, layout, sink_rows=rows)
-    _check_flush(request, got, want, src, dst, layout, pools)
+    sink_tiles = (rows >= 0).repeat_interleave(hkv)
+    _check_flush(request, got, want, src, dst, layout, pools, sink_tiles=sink_tiles)
     gk, gv = reference.decode_records(got[dst.long()].view(n * hkv, -1), layout)
     wk, wv = reference.decode_records(want[dst.long()].view(n * hkv, -1), layout)
     ek, ev, ks, vs = pools
