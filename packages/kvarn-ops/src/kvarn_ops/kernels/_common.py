@@ -40,13 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_ops.reference.rounding import CLIP_RATIOS
+from kvarn_ops.reference.rounding import CLIP_COUNTS, CLIP_RATIOS
 
 __all__ = [
     "INTERPRET",
     "cast_rne",
     "check_device",
     "clip_codes",
+    "CLIP_COUNT_BY_LEVELS",
     "clip_ratio",
     "cuda_feature",
     "exact_in_tf32",
@@ -410,6 +411,11 @@ def apply_log_scales(xp, lr, lc):
 # meets fp32 operands as fp32(ratio), the value torch uses for ``ratio * tensor``.
 _CLIP_RATIOS = tl.constexpr(CLIP_RATIOS)
 _NUM_CLIP_RATIOS = tl.constexpr(len(CLIP_RATIOS))
+#: The clipping search's window per code width (reference ``CLIP_COUNTS``), indexed by
+#: ``LEVELS = 2**bits - 1``: ``CLIP_COUNT_BY_LEVELS[LEVELS]`` ratios from 1.0 down.
+CLIP_COUNT_BY_LEVELS = tl.constexpr(
+    tuple(CLIP_COUNTS.get((n + 1).bit_length() - 1, 0) for n in range(256))
+)
 
 
 @triton.jit

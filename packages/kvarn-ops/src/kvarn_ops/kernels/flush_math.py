@@ -37,17 +37,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_ops.kernels._common import clip_codes, clip_ratio
+from kvarn_ops.kernels._common import CLIP_COUNT_BY_LEVELS, clip_codes, clip_ratio
 from kvarn_ops.kernels.flush_sync import exchange, partials
-from kvarn_ops.reference.rounding import CLIP_COUNTS
 
 __all__ = ["normalize_split", "normalize_tile", "unbiased_clip_search"]
-
-
-# The search's window per code width (reference ``CLIP_COUNTS``), indexed by LEVELS = 2**bits - 1.
-_CLIP_COUNT_BY_LEVELS = tl.constexpr(
-    tuple(CLIP_COUNTS.get((n + 1).bit_length() - 1, 0) for n in range(256))
-)
 
 
 @triton.jit
@@ -268,7 +261,7 @@ def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.con
     # register limit); a negative step marks min/max, which has no refit.
     code_z = lo0
     code_s = -step0
-    count: tl.constexpr = _CLIP_COUNT_BY_LEVELS[LEVELS]
+    count: tl.constexpr = CLIP_COUNT_BY_LEVELS[LEVELS]
     for i in tl.range(0, count, loop_unroll_factor=1):
         ratio = clip_ratio(i, count)
         z = mid - ratio * half

@@ -1,6 +1,6 @@
 """The flush's sink-key step (Triton): the reference ``reference/sink_key.py`` for the rows
 of one 2-bit K tile ``[R, C]`` (rows = channels, columns = tokens) whose sink token is
-column ``pin``: every live row's grid passes through the sink's value. Same candidates in the
+column ``pin``: every row's grid passes through the sink's value. Same candidates in the
 same order, the same fp32 expressions and IEEE quotients as torch's; the error sums differ
 from the reference's by summation order only. Only the winner's step, zero point and sink
 code are carried through the search; its codes are recomputed at the end."""
@@ -10,14 +10,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_ops.kernels._common import clip_codes, clip_ratio
-from kvarn_ops.reference.rounding import CLIP_COUNTS
+from kvarn_ops.kernels._common import CLIP_COUNT_BY_LEVELS, clip_codes, clip_ratio
 
 __all__ = ["pin_search"]
-
-_CLIP_COUNT_BY_LEVELS = tl.constexpr(
-    tuple(CLIP_COUNTS.get((n + 1).bit_length() - 1, 0) for n in range(256))
-)
 
 
 @triton.jit
@@ -40,7 +35,11 @@ def _keep(b, w, c, s, z, j, best_e, best_s, best_z, best_j):
 
 
 @triton.jit
-def _pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Codes (int32), step and zero point of the rows of the K tile ``b [R, C]`` (this
+    program's rows) whose grids pass through column ``pin``'s values; run in place of the
+    clipping search in a tile with a sink token (a constant row comes out as from the search:
+    codes 0, step 0, its value)."""
     at = tl.arange(0, C)[None, :] == pin
     p = tl.sum(tl.where(at, b, 0.0), axis=1)
     lo0 = tl.min(b, axis=1)
@@ -53,7 +52,7 @@ def _pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constex
     best_s = tl.zeros([R], tl.float32)
     best_z = tl.zeros([R], tl.float32)
     best_j = tl.zeros([R], tl.float32)
-    count: tl.constexpr = _CLIP_COUNT_BY_LEVELS[LEVELS]
+    count: tl.constexpr = CLIP_COUNT_BY_LEVELS[LEVELS]
     for i in tl.range(0, count, loop_unroll_factor=1):
         ratio = clip_ratio(i, count)
         s = tl.div_rn((2.0 * ratio) * half, lv)
@@ -73,14 +72,4 @@ def _pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constex
         cc = _pinned_codes(b, at, z, s_ls, j, LEVELS)
         best_e, best_s, best_z, best_j = _keep(b, w, cc, s_ls, z, j, best_e, best_s, best_z, best_j)
     codes = _pinned_codes(b, at, best_z, best_s, best_j, LEVELS)
-    return codes, best_s, best_z, hi0 > lo0
-
-
-@triton.jit
-def pin_search(b, lc, pin, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """Codes (int32), step and zero point of the rows of the K tile ``b [R, C]`` (this
-    program's rows) whose grids pass through column ``pin``'s values. Run in place of the
-    clipping search in a tile with a sink token; a constant row comes out as the search's
-    (codes 0, step 0, zero point its value), which the reference keeps from the search."""
-    codes, step, lo, _ = _pin_search(b, lc, pin, LEVELS, R, C)
-    return codes.to(tl.int32), step, lo
+    return codes.to(tl.int32), best_s, best_z

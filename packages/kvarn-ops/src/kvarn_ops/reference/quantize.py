@@ -303,8 +303,7 @@ def quantize_tiles(
     sink_cols : int [N] or None
         With ``config.sink_token`` and ``bits`` in ``SINK_KEY_BITS``, the column of each tile
         (K tiles: the sink token) that every row's grid passes through exactly (-1: none;
-        ``reference/sink_key.py``); those tiles' live rows take the pinned codes, step and
-        zero point.
+        ``reference/sink_key.py``); those tiles take the pinned codes, steps and zero points.
     """
     if not 2 <= bits <= 8:
         raise ValueError(f"bits: must be from 2 to 8, got {bits}")
@@ -321,10 +320,7 @@ def quantize_tiles(
     if config.sink_token and config.sink_key and sink_cols is not None and bits in SINK_KEY_BITS:
         t = (sink_cols >= 0).nonzero()[:, 0]
         if t.numel():
-            pc, ps, pz, live = pin_columns(balanced[t], lc[t], sink_cols[t], bits)
-            codes[t] = torch.where(live[..., None], pc.to(codes.dtype), codes[t])
-            step[t] = torch.where(live, ps, step[t])
-            lo[t] = torch.where(live, pz, lo[t])
+            codes[t], step[t], lo[t] = pin_columns(balanced[t], lc[t], sink_cols[t], bits)
     if sink is not None:
         tiles, rows, sink_codes, sink_step, sink_lo = sink
         codes[tiles, rows] = sink_codes

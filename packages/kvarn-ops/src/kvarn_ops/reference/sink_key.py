@@ -9,7 +9,7 @@ key on every channel's grid") this is worth what keeping the sink's key exact is
 (the clipped keys of the other tokens against an exact one), so only 2-bit K tiles take it
 (``SINK_KEY_BITS``).
 
-Per live row (a constant row keeps its exact min/max result), with ``p`` the sink's value,
+Per row, with ``p`` the sink's value,
 ``mid``/``half`` the row's centre and half range and the ``CLIP_COUNTS[bits]`` first ratios
 ``r`` of ``CLIP_RATIOS`` in order: the clipped grid's step ``s = 2 r half / L``, the sink's
 code ``j`` = its code on the clipped range ``[mid - r half, mid + r half]``; two candidates,
@@ -17,6 +17,8 @@ the step ``s`` and the least-squares step through the sink's point (``sum w (c -
 sum w (c - j)**2`` with the codes of the first, when both sums are positive), each with zero
 point ``p - j step`` and the other tokens' codes re-rounded on it (the sink keeps ``j``). The
 first candidate of least weighted error (column weights as the clipping search's) is kept.
+A constant row comes out as from every rounding mode: codes 0, step 0, its value as zero
+point.
 """
 
 from __future__ import annotations
@@ -33,13 +35,11 @@ SINK_KEY_BITS = (2,)
 
 def pin_columns(
     b: torch.Tensor, lc: torch.Tensor, pins: torch.Tensor, bits: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes and per-row ``(step, lo)`` of balanced tiles ``b [N, R, C]`` (fp32) whose column
     ``pins[n]`` (0 <= pin < C) each row's grid passes through exactly.
 
-    Returns ``(codes, step, lo, live)``: codes fp32 ``[N, R, C]``, step and lo ``[N, R]``,
-    ``live [N, R]`` (False for constant rows, whose values are meaningless here: the caller
-    keeps its own result for them).
+    Returns ``(codes, step, lo)``: codes uint8 ``[N, R, C]``, step and lo fp32 ``[N, R]``.
     """
     levels = float((1 << bits) - 1)
     n, rows, _ = b.shape
@@ -48,7 +48,6 @@ def pin_columns(
     p = b.gather(2, at)[..., 0]
     lo0 = b.amin(-1)
     hi0 = b.amax(-1)
-    live = hi0 > lo0
     mid = 0.5 * (hi0 + lo0)
     half = 0.5 * (hi0 - lo0)
     best_e = torch.full_like(p, float("inf"))
@@ -74,4 +73,4 @@ def pin_columns(
             best_c = torch.where(better[..., None], cc, best_c)
             best_s = torch.where(better, st, best_s)
             best_z = torch.where(better, z, best_z)
-    return best_c, best_s, best_z, live
+    return best_c.to(torch.uint8), best_s, best_z
