@@ -241,9 +241,10 @@ FLUSH_SPILL_ALLOWANCE = {
 FLUSH_SINK_SPILL_ALLOWANCE = {(1, 90): 320, (1, 120): 352, (8, 90): 8, (8, 120): 8}
 
 
-def _compile_flush(case, target, parts=1, sink=False):
+def _compile_flush(case, target, parts=1, sink=False, marked=0):
     """``sink``: compile the sink steps (``sink_rows`` given: the V row's grid, and the key's
-    grid where K is 2-bit)."""
+    grid where K is 2-bit); ``marked``: which blocks the launch takes (0 all, 1 those without
+    a sink row, 2 those with one: ``flush.sink_split``)."""
     fmt, d, pool, k_rounding, v_rounding = case
     mod = M["flush"]
     lay = kf.dense_layout(fmt, d)
@@ -263,6 +264,7 @@ def _compile_flush(case, target, parts=1, sink=False):
         SCRATCH=mod.scratch_stride(lay.block_size, d),
         SINK=sink,
         PIN=sink and lay.field("k_codes").bits in SINK_KEY_BITS,
+        MARKED=marked,
         **mod.record_constants(lay),
     )
     types_ = {
@@ -282,7 +284,8 @@ def _compile_flush(case, target, parts=1, sink=False):
     k, _ = _compile(mod._flush_kernel, types_, consts, target, mod.warps_for(d, lay.block_size))
     regs, frame = cubin_resources(k.asm["cubin"])
     print(
-        f"flush {case} parts {parts} sink {sink} sm{target.arch}: {regs} registers, "
+        f"flush {case} parts {parts} sink {sink} marked {marked} sm{target.arch}: {regs} "
+        f"registers, "
         f"{frame} B stack frame (spills), {k.metadata.shared} B shared memory"
     )
     return k, regs, frame
@@ -347,6 +350,25 @@ def test_flush_sink_key_compiles(target, parts):
     assert frame <= FLUSH_SINK_KEY_SPILL_ALLOWANCE[(parts, target.arch)], frame
     four, _, _ = _compile_flush(FLUSH_CASES[1], target, parts=parts, sink=True)
     assert k.asm["ptx"].count("div.rn.f32") > four.asm["ptx"].count("div.rn.f32")
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
+def test_flush_split_launch_kernels(target):
+    """The two kernels of a bulk flush with sink rows (``flush.sink_split``), k2v2 at the
+    benchmark geometry: the unmarked blocks' kernel is the plain one plus the sink row's
+    load (no sink step, the plain kernel's spill frame), the marked blocks' kernel has both
+    steps."""
+    case = ("kvarn_k2v2_g64", 128, "bfloat16", "unbiased_clip", "unbiased_clip")
+    plain, regs0, frame0 = _compile_flush(case, target)
+    first, regs1, frame1 = _compile_flush(case, target, marked=1)
+    second, _, frame2 = _compile_flush(case, target, sink=True, marked=2)
+    assert frame1 <= frame0 + 8, (frame1, frame0)
+    for k in (plain, first):
+        assert k.asm["ptx"].count("cvt.rmi.") == 0  # no sink grid search
+    assert second.asm["ptx"].count("cvt.rmi.") >= 5
+    assert frame2 <= FLUSH_SINK_KEY_SPILL_ALLOWANCE[(1, target.arch)], frame2
+    # the unmarked kernel reads the sink rows; the plain one does not take the pointer
+    assert first.asm["ptx"].count("ld.global") > plain.asm["ptx"].count("ld.global")
 
 
 MATERIALIZE_CASES = [

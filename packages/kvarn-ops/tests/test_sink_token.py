@@ -238,6 +238,74 @@ def test_flush_without_sink_token_ignores_rows(gen):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fmt", ["kvarn_k4v2_g64", "kvarn_k2v2_g64"])
+def test_split_launch_gives_the_same_bytes(fmt, gen):
+    """A bulk flush with sink rows runs as two launches (``flush.sink_split``: unmarked blocks
+    without the sink steps compiled in, then the marked ones with them): every record the same
+    bytes as one launch with the steps compiled in, each block written by exactly one of the
+    two (the other's programs exit), nothing else touched."""
+    lay = kf.dense_layout(fmt, 64)
+    ek, ev, ks, vs = _sink_pool(gen, 5, 64, 2, 64, torch.bfloat16)
+    src = torch.tensor([3, 0, 4, 1], dtype=torch.int32)
+    dst = torch.tensor([1, 5, 0, 3], dtype=torch.int32)
+    rows = torch.tensor([0, -1, 17, -1], dtype=torch.int32)
+    one = torch.full((6, 2, lay.record_bytes), POISON, dtype=torch.uint8)
+    two = one.clone()
+    for split, out in ((False, one), (True, two)):
+        FLUSH_MOD.FORCE_SINK_SPLIT = split
+        try:
+            FLUSH_MOD.flush(ek, ev, ks, vs, src, dst, out, lay, sink_rows=rows)
+        finally:
+            FLUSH_MOD.FORCE_SINK_SPLIT = None
+    assert torch.equal(one, two)
+    untouched = torch.ones(6, dtype=torch.bool)
+    untouched[dst.long()] = False
+    assert bool((two[untouched] == POISON).all())
+    assert not bool((two[dst.long()] == POISON).all(dim=-1).any())
+    # the marked blocks took the sink steps: their V fields differ from a flush without rows
+    plain = torch.full_like(one, POISON)
+    FLUSH_MOD.flush(ek, ev, ks, vs, src, dst, plain, lay)
+    for i, r in enumerate(rows.tolist()):
+        assert torch.equal(two[dst[i]], plain[dst[i]]) == (r < 0)
+
+
+def test_split_launches_take_disjoint_blocks(gen, monkeypatch):
+    """Each of the two launches writes only its own kind of block: with the second launch
+    dropped, the marked blocks' records stay poisoned and the others are written."""
+    lay = kf.dense_layout("kvarn_k2v2_g64", 64)
+    ek, ev, ks, vs = _sink_pool(gen, 3, 64, 1, 64, torch.bfloat16)
+    src = torch.tensor([2, 0, 1], dtype=torch.int32)
+    dst = torch.tensor([0, 1, 2], dtype=torch.int32)
+    rows = torch.tensor([-1, 0, -1], dtype=torch.int32)
+    real = FLUSH_MOD._flush_kernel
+    seen = []
+
+    class FirstOnly:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["MARKED"], kw["SINK"], kw["PIN"]))
+                if kw["MARKED"] != 2:
+                    real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(FLUSH_MOD, "_flush_kernel", FirstOnly())
+    monkeypatch.setattr(FLUSH_MOD, "FORCE_SINK_SPLIT", True)
+    out = torch.full((3, 1, lay.record_bytes), POISON, dtype=torch.uint8)
+    FLUSH_MOD.flush(ek, ev, ks, vs, src, dst, out, lay, sink_rows=rows)
+    assert seen == [(1, False, False), (2, True, True)]
+    assert bool((out[1] == POISON).all())
+    assert not bool((out[0] == POISON).all()) and not bool((out[2] == POISON).all())
+
+
+def test_sink_split_policy():
+    """Two launches only for bulk flushes of one program per tile on a GPU."""
+    assert FLUSH_MOD.sink_split(16 * 132, 1, 132)
+    assert not FLUSH_MOD.sink_split(16 * 132 - 1, 1, 132)
+    assert not FLUSH_MOD.sink_split(10**6, 2, 132)
+    assert not FLUSH_MOD.sink_split(10**6, 1, 0)
+
+
 @pytest.mark.parametrize(
     "rows",
     [

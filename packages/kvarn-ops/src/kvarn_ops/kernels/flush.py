@@ -401,6 +401,7 @@ def _flush_kernel(
     SCRATCH: tl.constexpr,
     SINK: tl.constexpr,
     PIN: tl.constexpr,
+    MARKED: tl.constexpr = 0,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -413,7 +414,14 @@ def _flush_kernel(
     src = tl.load(src_ptr + i).to(tl.int64)
     dst = tl.load(dst_ptr + i).to(tl.int64)
     # Out-of-range indices (rejected on the CPU by the launcher) write nothing on a GPU.
-    if (src >= 0) & (src < num_pool_blocks) & (dst >= 0) & (dst < num_blocks):
+    ok = (src >= 0) & (src < num_pool_blocks) & (dst >= 0) & (dst < num_blocks)
+    # one of the two launches of a bulk flush with sink rows (sink_split): 1 takes the
+    # blocks without a sink row, 2 those with one
+    if MARKED == 1:
+        ok = ok & (tl.load(sink_ptr + i) < 0)
+    elif MARKED == 2:
+        ok = ok & (tl.load(sink_ptr + i) >= 0)
+    if ok:
         rec_ptr = packed_ptr + (dst * H + head) * RECORD_BYTES
         if which == 0:
             # K tile [D, G]: rows = channels (col_scale/zero_point), columns = tokens.
@@ -579,6 +587,26 @@ def parts_for(tiles: int, group: int, head_dim: int, sms: int) -> int:
 FORCE_PARTS: int | None = None
 
 
+#: Tiles per SM from which a flush with sink rows runs as two launches (:func:`sink_split`).
+SINK_SPLIT_TILES_PER_SM = 16
+#: Whether the next launch with sink rows splits: None = :func:`sink_split`; tests set a bool.
+FORCE_SINK_SPLIT: bool | None = None
+
+
+def sink_split(tiles: int, parts: int, sms: int) -> bool:
+    """Whether a flush with ``sink_rows`` of ``tiles`` tiles at ``parts`` programs per tile
+    runs as two launches: the blocks without a sink row through the kernel compiled without
+    the sink steps, then the marked blocks (a request's first) with them, each program of the
+    other kind exiting after one load. Compiled in, the sink steps cost every tile 3-8% of a
+    bulk flush at 2-bit K, marked or not (BENCHMARKS.md, "2026-12-05"). Only for launches of
+    many waves (at least ``SINK_SPLIT_TILES_PER_SM`` tiles per SM, one program each): the
+    second launch runs after the first, so in a decode step's flush of a few blocks the
+    marked block's tile would add its whole latency. ``sms`` 0 (the interpreter): no split."""
+    if FORCE_SINK_SPLIT is not None:
+        return FORCE_SINK_SPLIT
+    return parts == 1 and sms > 0 and tiles >= SINK_SPLIT_TILES_PER_SM * sms
+
+
 ROUNDING_IDS = {"rtn": 0, "unbiased_clip": 1}
 """Rounding modes of ``NormalizeConfig`` the kernel implements, and their ``ROUNDING`` ids."""
 
@@ -645,10 +673,12 @@ def _launch(
     vs = v_scale if fp8 else exact_v
     dev = exact_k.device
     tiles = n * hkv * 2
+    sms = 0
+    if dev.type == "cuda" and not INTERPRET:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if FORCE_PARTS is not None:
         parts = FORCE_PARTS
-    elif dev.type == "cuda" and not INTERPRET:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    elif sms:
         parts = parts_for(tiles, g, d, sms)
     else:
         parts = 1
@@ -659,35 +689,44 @@ def _launch(
         scratch = torch.empty(tiles * stride, dtype=torch.float32, device=dev)
     else:  # not read
         scratch = counters = torch.empty(1, dtype=torch.int32, device=dev).view(torch.float32)
-    _flush_kernel[(n, hkv, 2 * parts)](
-        exact_k,
-        exact_v,
-        ks,
-        vs,
-        src_pool_blocks,
-        dst_blocks,
-        packed,
-        scratch,
-        counters.view(torch.int32),
-        src_pool_blocks if sink_rows is None else sink_rows,
-        p,
-        packed.shape[0],
-        G=g,
-        H=hkv,
-        D=d,
-        FP8=fp8,
-        ITERS=iters,
-        STD_FLOOR=std_floor,
-        K_ROUNDING=k_round,
-        V_ROUNDING=v_round,
-        PARTS=parts,
-        ASM=not INTERPRET,
-        SCRATCH=stride,
-        SINK=sink_rows is not None,
-        PIN=sink_rows is not None and sink_key and layout.field("k_codes").bits in SINK_KEY_BITS,
-        num_warps=warps_for(d, g),
-        **record_constants(layout),
-    )
+    pin = sink_rows is not None and sink_key and layout.field("k_codes").bits in SINK_KEY_BITS
+    if sink_rows is None:
+        modes = ((0, False, False),)
+    elif sink_split(tiles, parts, sms):
+        modes = ((1, False, False), (2, True, pin))
+    else:
+        modes = ((0, True, pin),)
+    for marked, sink, pin_k in modes:
+        _flush_kernel[(n, hkv, 2 * parts)](
+            exact_k,
+            exact_v,
+            ks,
+            vs,
+            src_pool_blocks,
+            dst_blocks,
+            packed,
+            scratch,
+            counters.view(torch.int32),
+            src_pool_blocks if sink_rows is None else sink_rows,
+            p,
+            packed.shape[0],
+            G=g,
+            H=hkv,
+            D=d,
+            FP8=fp8,
+            ITERS=iters,
+            STD_FLOOR=std_floor,
+            K_ROUNDING=k_round,
+            V_ROUNDING=v_round,
+            PARTS=parts,
+            ASM=not INTERPRET,
+            SCRATCH=stride,
+            SINK=sink,
+            PIN=pin_k,
+            MARKED=marked,
+            num_warps=warps_for(d, g),
+            **record_constants(layout),
+        )
 
 
 @torch.library.custom_op("kvarn::flush", mutates_args=("packed",))
