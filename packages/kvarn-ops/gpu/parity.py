@@ -24,12 +24,21 @@ HERE = Path(__file__).resolve().parent
 
 
 class _Collector:
-    """pytest plugin that keeps one record per test."""
+    """pytest plugin that keeps one record per test and, with ``out``, rewrites the JSON
+    report after every test (``"complete": false``), so a run stopped by a time limit still
+    leaves what it finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: Path | None = None, start: float = 0.0) -> None:
         self.results: dict[str, dict[str, Any]] = {}
+        self.out = out
+        self.start = start
 
     def pytest_runtest_logreport(self, report: Any) -> None:
+        self._record(report)
+        if self.out is not None and report.when == "teardown":
+            _write_report(self.out, self.results, time.time() - self.start, None, False)
+
+    def _record(self, report: Any) -> None:
         entry = self.results.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
         entry["seconds"] += report.duration
         for key, value in getattr(report, "user_properties", []):
@@ -67,6 +76,36 @@ def _environment() -> dict[str, Any]:
     }
 
 
+def _counts(results: dict[str, dict[str, Any]]) -> dict[str, int]:
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for entry in results.values():
+        counts[entry["outcome"]] += 1
+    return counts
+
+
+def _write_report(
+    out: Path, results: dict[str, dict[str, Any]], elapsed: float, code: int | None, done: bool
+) -> dict[str, int]:
+    """The JSON report: environment, counts (a skip counted as a failure), one entry per
+    test; ``complete`` false while the run is in progress."""
+    counts = _counts(results)
+    report = {
+        "environment": _environment(),
+        "complete": done,
+        "seconds": round(elapsed, 1),
+        "passed": counts["passed"],
+        "failed": counts["failed"],
+        "skipped_counted_as_failed": counts["skipped"],
+        "pytest_exit_code": code,
+        "tests": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out)
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_parity.json"), help="JSON report")
@@ -85,32 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import pytest
 
-    collector = _Collector()
+    start = time.time()
+    collector = _Collector(args.out, start)
     pytest_args = [str(HERE), "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfEs"]
     pytest_args += ["--rootdir", str(HERE)]
     if args.keyword:
         pytest_args += ["-k", args.keyword]
     if args.exitfirst:
         pytest_args.append("-x")
-    start = time.time()
     code = pytest.main(pytest_args, plugins=[collector])
-    elapsed = time.time() - start
-
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
-    for entry in collector.results.values():
-        counts[entry["outcome"]] += 1
+    counts = _write_report(args.out, collector.results, time.time() - start, int(code), True)
     failed = counts["failed"] + counts["skipped"]
-    report = {
-        "environment": _environment(),
-        "seconds": round(elapsed, 1),
-        "passed": counts["passed"],
-        "failed": counts["failed"],
-        "skipped_counted_as_failed": counts["skipped"],
-        "pytest_exit_code": int(code),
-        "tests": collector.results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
     ok = counts["passed"] > 0 and failed == 0 and int(code) == 0
     print(f"gpu_parity: {counts['passed']} passed, {failed} failed")
     return 0 if ok else 1

@@ -34,17 +34,18 @@ OFFLINE_COMPILE_FILES = (
 )
 
 
-# Tests of the repository's benchmark tools (benchmarks/ beside tests/): collected where the
-# tools are, i.e. not where only tests/ is copied next to an installed wheel (`nox -s wheels`).
-BENCHMARK_TOOL_FILES = ("test_profile_ncu.py",)
-_HAVE_BENCHMARKS = (Path(__file__).resolve().parents[1] / "benchmarks").is_dir()
+# Tests of the repository's tools beside tests/ (benchmarks/, gpu/), by the folder each needs:
+# collected where the tools are, i.e. not where only tests/ is copied next to an installed
+# wheel (`nox -s wheels`).
+TOOL_TEST_FILES = {"test_profile_ncu.py": "benchmarks", "test_parity_report.py": "gpu"}
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 def pytest_ignore_collect(collection_path, config):
     if collection_path.name in OFFLINE_COMPILE_FILES:
         return os.environ.get("KVARN_OFFLINE_COMPILE_PROCESS") != "1"
-    if collection_path.name in BENCHMARK_TOOL_FILES:
-        return not _HAVE_BENCHMARKS
+    if collection_path.name in TOOL_TEST_FILES:
+        return not (_PACKAGE_DIR / TOOL_TEST_FILES[collection_path.name]).is_dir()
     return None
 
 
