@@ -690,6 +690,8 @@ def _launch(
     else:  # not read
         scratch = counters = torch.empty(1, dtype=torch.int32, device=dev).view(torch.float32)
     pin = sink_rows is not None and sink_key and layout.field("k_codes").bits in SINK_KEY_BITS
+    # (MARKED, SINK, PIN) of each launch
+    modes: tuple[tuple[int, bool, bool], ...]
     if sink_rows is None:
         modes = ((0, False, False),)
     elif sink_split(tiles, parts, sms):
