@@ -227,11 +227,13 @@ FLUSH_CASES = [
 
 #: flush's stack frame (spills) in bytes at the benchmark geometry (the first two cases),
 #: measured offline: a bound, so that a change which spills more fails here before it is timed
-#: (the kernel of 2026-11-30, before flush_math.py: 400 B with unbiased_clip on sm_90a).
+#: (the kernel of 2026-11-30, before flush_math.py: 400 B with unbiased_clip on sm_90a; 296 B
+#: before the search's means took the tile's 1 / sum(w) instead of two divisions a row and
+#: candidate, 320 B after, with the same spill loads in the loop and 18% fewer instructions).
 FLUSH_SPILL_ALLOWANCE = {
     ("rtn", 90): 8,
     ("rtn", 120): 24,
-    ("unbiased_clip", 90): 304,
+    ("unbiased_clip", 90): 328,
     ("unbiased_clip", 120): 320,
 }
 

@@ -207,10 +207,11 @@ def normalize_split(
 
 
 @triton.jit
-def _refit(c, w, b, mb, vb, s, z, sw):
+def _refit(c, w, b, mb, vb, s, z, rsw):
     """The unbiased refit of every row for codes ``c``, as the reference computes it: ``mq =
-    sum w c / sw``, ``cov = sum w (c - mq)(b - mb) / sw``, ``step = vb / cov``, ``lo = mb - step *
-    mq``, or the clipped ``(s, z)`` where ``cov <= 0``; IEEE quotients (``div_rn``) as torch's.
+    (sum w c) rsw``, ``cov = (sum w (c - mq)(b - mb)) rsw`` (``rsw = 1 / sum w``, the tile's),
+    ``step = vb / cov``, ``lo = mb - step * mq``, or the clipped ``(s, z)`` where ``cov <= 0``;
+    the quotient IEEE (``div_rn``) as torch's.
 
     The covariance keeps the reference's form (two reduction rounds). Folding ``mq`` out of it
     (one round: ``sum w c (b - mb)``, the ``mq`` term being zero but for rounding) changed the
@@ -219,8 +220,8 @@ def _refit(c, w, b, mb, vb, s, z, sw):
     covariance (36 of 2048 V codes of the special tiles' outlier tile differed from the
     reference). Likewise the step's quotient stays exact: with an approximate one (2 ulp) the
     H200 picked another of two nearly tied candidates in some rows (codes 2 apart)."""
-    mq = tl.div_rn(tl.sum(w * c, axis=1), sw)
-    cov = tl.div_rn(tl.sum((w * (c - mq[:, None])) * (b - mb[:, None]), axis=1), sw)
+    mq = tl.sum(w * c, axis=1) * rsw
+    cov = tl.sum((w * (c - mq[:, None])) * (b - mb[:, None]), axis=1) * rsw
     ok = cov > 0.0
     s_u = tl.where(ok, tl.div_rn(vb, tl.where(ok, cov, 1.0)), s)
     return s_u, tl.where(ok, mb - s_u * mq, z)
@@ -250,6 +251,7 @@ def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.con
     mb = tl.div_rn(tl.sum(w * b, axis=1), sw)
     db = b - mb[:, None]
     vb = tl.div_rn(tl.sum(w * (db * db), axis=1), sw)
+    rsw = tl.div_rn(1.0, tl.sum(w1, axis=0))  # a scalar: one register, not one per row
     mid = 0.5 * (hi0 + lo0)
     half = 0.5 * rng
 
@@ -265,9 +267,10 @@ def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.con
     for i in tl.range(0, count, loop_unroll_factor=1):
         ratio = clip_ratio(i, count)
         z = mid - ratio * half
-        s = tl.div_rn((2.0 * ratio) * half, lv)
+        # the reference's step_factor: one quotient per candidate, not per row
+        s = half * tl.div_rn(2.0 * ratio, LEVELS * 1.0)
         c = clip_codes(b, z, s, LEVELS)
-        s_u, z_u = _refit(c, w, b, mb, vb, s, z, sw)
+        s_u, z_u = _refit(c, w, b, mb, vb, s, z, rsw)
         err = b - (c * s_u[:, None] + z_u[:, None])
         e = tl.sum(err * err * w, axis=1)
         better = e < best_e
@@ -277,7 +280,7 @@ def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.con
     refit = code_s > 0.0
     code_s = tl.abs(code_s)
     codes = clip_codes(b, code_z, code_s, LEVELS)
-    step, lo = _refit(codes, w, b, mb, vb, code_s, code_z, sw)
+    step, lo = _refit(codes, w, b, mb, vb, code_s, code_z, rsw)
     step = tl.where(refit, step, code_s)
     lo = tl.where(refit, lo, code_z)
     return codes, step, lo

@@ -65,6 +65,12 @@ def _codes(b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: float)
     return torch.round((b - lo[..., None]) * inv[..., None]).clamp_(0, levels)
 
 
+def step_factor(ratio: float, levels: float) -> torch.Tensor:
+    """``2 * ratio / levels`` as the fp32 quotient of fp32 operands (a 0-d tensor): the
+    clipped step of a candidate is the row's half-range times it (``"unbiased_clip"``)."""
+    return torch.tensor(2.0 * ratio, dtype=torch.float32) / torch.tensor(levels, dtype=torch.float32)
+
+
 def column_weights(lc: torch.Tensor) -> torch.Tensor:
     """Error weight of every column, ``exp(2 * lc)`` relative to the tile's largest (scale
     free, no overflow); ``lc [..., C]`` natural-log column scales."""
@@ -151,16 +157,22 @@ def round_rows(
             s = 2.0 * r * half / levels
             keep(_codes(b, z, s, levels), s, z)
     if mode == "unbiased_clip":
+        # Per candidate and row one division (the refit's step) besides the codes' inverse
+        # step: the means are sums times the tile's 1 / sum(w), and the clipped step is the
+        # half-range times the candidate's fp32 factor 2 r / levels (the Triton flush takes
+        # the same products; a division per row and candidate costs it about ten
+        # instructions in a loop that is most of its time).
         w = weight[..., None, :]
         sw = w.sum(-1)
+        rsw = 1.0 / sw
         mb = (w * b).sum(-1) / sw
         vb = (w * (b - mb[..., None]) ** 2).sum(-1) / sw
         for r in CLIP_RATIOS[: CLIP_COUNTS[bits]]:
             z = mid - r * half
-            s = 2.0 * r * half / levels
+            s = half * step_factor(r, levels)
             c = _codes(b, z, s, levels)
-            mq = (w * c).sum(-1) / sw
-            cov = (w * (c - mq[..., None]) * (b - mb[..., None])).sum(-1) / sw
+            mq = (w * c).sum(-1) * rsw
+            cov = (w * (c - mq[..., None]) * (b - mb[..., None])).sum(-1) * rsw
             ok = cov > 0
             s_u = torch.where(ok, vb / torch.where(ok, cov, 1.0), s)
             z_u = torch.where(ok, mb - s_u * mq, z)
