@@ -41,7 +41,8 @@ H200's copy bandwidth on bf16 input the flush would have about 30 fp32 operation
 element: it is compute bound, two orders of magnitude from that target (BENCHMARKS.md has
 the measured times and profiles). The compiler's layout gives every thread
 8 rows of a tile, each row shared by 8 or 16 threads, so the per-row work of every candidate
-(five IEEE divisions among it) is repeated that often; a layout with whole rows per thread is
+(two IEEE divisions among it, five before the means took the tile's ``1 / sum(w)``) is
+repeated that often; a layout with whole rows per thread is
 not expressible in Triton. The candidate loop is not unrolled (unrolled, it spilled more).
 """
 
