@@ -68,7 +68,8 @@ def _codes(b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: float)
 def step_factor(ratio: float, levels: float) -> torch.Tensor:
     """``2 * ratio / levels`` as the fp32 quotient of fp32 operands (a 0-d tensor): the
     clipped step of a candidate is the row's half-range times it (``"unbiased_clip"``)."""
-    return torch.tensor(2.0 * ratio, dtype=torch.float32) / torch.tensor(levels, dtype=torch.float32)
+    f32 = torch.float32
+    return torch.tensor(2.0 * ratio, dtype=f32) / torch.tensor(levels, dtype=f32)
 
 
 def column_weights(lc: torch.Tensor) -> torch.Tensor:
