@@ -79,6 +79,52 @@ def realistic_kv(gen: torch.Generator, *shape_and_d: int) -> torch.Tensor:
     return (x * chan + offset) * tok
 
 
+def assert_power_of_two_scaled(f1: dict, f2: dict, x1, x2, c: float, side: str) -> None:
+    """``x2`` (decoded from fields ``f2``, the input times the power of two ``c``) equals
+    ``x1 * c`` (decoded from ``f1``) exactly when no stored scale or zero point is subnormal.
+
+    A zero point far below its row's step can be subnormal in fp16 (the rebalance keeps the
+    row scales normal, not every zero point), and where the split puts it moves with the
+    tile's magnitude: it then rounds on a different grid. Each value is then off by at most
+    half a subnormal ulp (2^-25) of that zero point times its column-side scale, plus the
+    decode's fp32 rounding. ``side`` "k" or "v"; fields as ``reference.record_fields`` or
+    ``quantize_k`` / ``quantize_v`` name them."""
+    subnormal = any(
+        bool(((f[n].float().abs() < 2.0**-14) & (f[n] != 0)).any())
+        for f in (f1, f2)
+        for n in f
+        if n.startswith(side + "_") and "codes" not in n
+    )
+    if not subnormal:
+        assert torch.equal(x2, x1 * c), side
+        return
+    eps = torch.finfo(torch.float32).eps
+    (code, s1, z1, w1), (_, s2, z2, w2) = _factors(f1, side), _factors(f2, side)
+    mag1, mag2 = (code * s1 + z1) * w1, (code * s2 + z2) * w2
+    bound = 2.0**-25 * (w2 + c * w1) + 2 * eps * (mag2 + c * mag1)
+    assert bool(((x2 - x1 * c).abs() <= bound).all()), side
+
+
+def _factors(f: dict, side: str):
+    """|codes|, |row-side scale|, |zero point|, |column-side scale| of K or V, each broadcast
+    to the token-major ``[N, G, D]`` of the decoded tile."""
+    if side == "k":  # RTN rows are channels: codes [N, D, G]
+        parts = (
+            f["k_codes"].transpose(1, 2),
+            f["k_col_scale"][:, None, :],
+            f["k_zero_point"][:, None, :],
+            f["k_row_scale"][:, :, None],
+        )
+    else:  # RTN rows are tokens
+        parts = (
+            f["v_codes"],
+            f["v_row_scale"][:, :, None],
+            f["v_zero_point"][:, :, None],
+            f["v_col_scale"][:, None, :],
+        )
+    return tuple(t.float().abs() for t in parts)
+
+
 @dataclass
 class PagedCache:
     layout: object

@@ -8,7 +8,8 @@ What must hold, and why:
   at its value); unmarked tiles, 4-bit K, ``sink_key=False`` and configs without
   ``sink_token`` give the same K bytes as no marks; no other field changes (the token
   scales of a marked tile only by the fp16 rebalance's power of two); scaling by a power
-  of two keeps the codes.
+  of two keeps the codes and scales the decoded key exactly (up to a subnormal zero point's
+  fp16 rounding, ``conftest.assert_power_of_two_scaled``).
 - kernel: the Triton flush with ``sink_rows`` at 2-bit K against ``reference.flush`` (codes
   >= 99.9% identical, the decoded tile's error within 1.02x, ``test_flush._compare``), one
   program per tile and split tiles; the sink key's own error as the reference's.
@@ -28,7 +29,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kvarn_formats as kf  # noqa: E402
-from conftest import realistic_kv  # noqa: E402
+from conftest import assert_power_of_two_scaled, realistic_kv  # noqa: E402
 from kvarn_ops import reference as ref  # noqa: E402
 from test_flush import POISON  # noqa: E402
 from test_sink_token import _sink_pool, flush_with_marks  # noqa: E402
@@ -115,12 +116,9 @@ def test_scale_invariance(power, gen):
     a = ref.quantize_k(k, 2, ref.DEFAULT_CONFIG, marks)
     b = ref.quantize_k(k * 2.0**power, 2, ref.DEFAULT_CONFIG, marks)
     assert torch.equal(a["k_codes"], b["k_codes"])
-    torch.testing.assert_close(
-        ref.dequantize_k(b, torch.float64),
-        ref.dequantize_k(a, torch.float64) * 2.0**power,
-        rtol=0,
-        atol=0,
-    )
+    c = 2.0**power
+    x1, x2 = ref.dequantize_k(a, torch.float64), ref.dequantize_k(b, torch.float64)
+    assert_power_of_two_scaled(a, b, x1, x2, c, "k")
 
 
 def test_bad_marks_rejected(gen):
