@@ -234,7 +234,8 @@ def test_flush_matches_reference(case, gen):
 
 UNBIASED = ref.NormalizeConfig(rounding="unbiased_clip")
 MIXED = ref.NormalizeConfig(rounding="rtn", rounding_v="unbiased_clip")
-CONFIGS = {"unbiased": UNBIASED, "mixed": MIXED}
+PATTERN = ref.NormalizeConfig(rounding="unbiased_clip", clip_search="pattern")
+CONFIGS = {"unbiased": UNBIASED, "mixed": MIXED, "pattern": PATTERN}
 
 ROUNDING_CASES = [
     # (config, format, D, pool dtype, Hkv, N blocks flushed, P pool blocks, packed blocks)
@@ -247,6 +248,8 @@ ROUNDING_CASES = [
     ("mixed", "kvarn_k4v2_g64", 128, FP8, 2, 1, 2, 3),
     ("mixed", "kvarn_k2v2_g64", 128, torch.bfloat16, 2, 2, 3, 3),
     ("mixed", "kvarn_k3v5_g32", 64, torch.bfloat16, 2, 2, 2, 3),
+    ("pattern", "kvarn_k2v2_g64", 128, torch.bfloat16, 2, 2, 3, 3),
+    ("pattern", "kvarn_k2v4_g64", 64, FP8, 1, 2, 2, 4),
 ]
 
 
@@ -288,7 +291,8 @@ def test_flush_rounding_matches_reference(case, gen):
     print(f"{name} {fmt} d{d}: codes identical {agreement:.5f}, records identical {identical:.3f}")
 
 
-def test_flush_unbiased_clip_heavy_tails(gen):
+@pytest.mark.parametrize("search", ["window", "pattern"])
+def test_flush_unbiased_clip_heavy_tails(search, gen):
     """Heavy-tailed 2-bit tiles (Gaussian times a log-normal factor per value), where every
     candidate wins somewhere: measured with the reference on 64 such tiles, min/max and each
     clip ratio (0.35 included) are kept for 0.9-12% of the rows of K and V tiles alike. On
@@ -297,7 +301,9 @@ def test_flush_unbiased_clip_heavy_tails(gen):
     changes several codes of its row: measured over 12 seeds (9216 rows), the kernel had no such
     row (one single-code flip in all), while leaving out the 0.35 candidate gives about 2.7% of
     rows (some 20 per run), which the code agreement alone (0.9978) can miss; hence the bound
-    of at most 2 such rows of the 768 here."""
+    of at most 2 such rows of the 768 here. The same for the pattern search (``search``), whose
+    candidates depend on the row: a wrong step, offset or clamp moves whole rows too."""
+    cfg = UNBIASED if search == "window" else PATTERN
     lay = kf.dense_layout("kvarn_k2v2_g64", 128)
     shape = (2, 64, 2, 128)
     ek, ev = (
@@ -310,8 +316,8 @@ def test_flush_unbiased_clip_heavy_tails(gen):
     dst = torch.tensor([0, 2], dtype=torch.int32)
     packed = torch.full((3, 2, lay.record_bytes), POISON, dtype=torch.uint8)
     packed_ref = packed.clone()
-    flush(ek, ev, None, None, src, dst, packed, lay, config=UNBIASED)
-    rec, tiles = _ref_records(ek, ev, None, None, src, lay, UNBIASED)
+    flush(ek, ev, None, None, src, dst, packed, lay, config=cfg)
+    rec, tiles = _ref_records(ek, ev, None, None, src, lay, cfg)
     packed_ref[dst.long()] = rec
     agreement, _ = _compare(packed, packed_ref, dst, lay, tiles)
     fields, fields_ref = (

@@ -33,6 +33,7 @@ METHODS = {
     "kvarn": DEFAULT_CONFIG,
     "kvarn_nosinkrow": replace(DEFAULT_CONFIG, sink_token=False),
     "kvarn_nosinkkey": replace(DEFAULT_CONFIG, sink_key=False),
+    "kvarn_window": replace(DEFAULT_CONFIG, clip_search="window"),
     "kvarn_rtn": NormalizeConfig(),
     "kvarn_mse": NormalizeConfig(rounding="mse_clip"),
     "kvarn_grid": NormalizeConfig(rounding="mse_grid"),
@@ -58,7 +59,9 @@ quantizer (``DEFAULT_CONFIG``: scale invariant, no clip, 4 normalization iterati
 clipping search with the unbiased refit for K and V, the sequence's first token's V row kept
 almost exact, and at 2-bit K its key on every channel's grid); ``kvarn_nosinkrow``: the
 same without either (the default until 2026-12-05); ``kvarn_nosinkkey``: without the key's
-grid only (the default of 2026-12-05's first half);
+grid only (the default of 2026-12-05's first half); ``kvarn_window``: the clipping search
+over every ratio of its window at 2 bits too (``clip_search="window"``, the default until
+2026-12-05's pattern search);
 ``kvarn_ub``: the same with the
 published 8 iterations (the default until 2026-12-04, and what the tables of ACCURACY.md
 measured before then call ``kvarn``);

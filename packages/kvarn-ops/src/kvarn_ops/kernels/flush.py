@@ -29,14 +29,17 @@ Step 4 (codes and per-row step and zero point) is chosen per tile kind at compil
   ``cov <= 0``); the candidate of least weighted error is kept (strict ``<``: ties keep the
   earlier one; zero-range rows keep min/max). Same fp32 formulas; the divisions are IEEE
   (``div_rn``), as torch's.
+- ``"unbiased_clip"`` with ``config.clip_search="pattern"`` (2, ``DEFAULT_CONFIG``): the same,
+  but at 2 bits the candidates after min/max are those of the pattern search
+  ``CLIP_PATTERNS[2]`` (6 instead of 14: two starts, then two steps of two neighbours of
+  each row's best; the ratio ``k / 32`` from each row's ``k``); other widths take the window.
 Other modes (and prescale off, no fp16 rebalance, a log-scale clip) are refused by
 :func:`check_config`.
 
 Cost: per tile element, the normalization takes two passes of about 6 fp32 operations per
 iteration (4 iterations in ``DEFAULT_CONFIG``, 8 published), and the clipping search about
-16 per candidate (the codes, the refit's code mean and covariance, the error; 15
-candidates at 2 bits, so the default rounding is about 3x the RTN flush's arithmetic; 6 at 4
-bits, 3 at 8). At 50% of the
+16 per candidate (the codes, the refit's code mean and covariance, the error; 7 candidates at
+2 bits with the default's pattern search, 15 with the window; 6 at 4 bits, 3 at 8). At 50% of the
 H200's copy bandwidth on bf16 input the flush would have about 30 fp32 operations per
 element: it is compute bound, two orders of magnitude from that target (BENCHMARKS.md has
 the measured times and profiles). The compiler's layout gives every thread
@@ -76,7 +79,7 @@ from kvarn_ops.kernels.flush_sink import apply_sink, sink_override
 from kvarn_ops.kernels.flush_sink_key import pin_search
 from kvarn_ops.kernels.flush_sync import fence
 from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
-from kvarn_ops.reference.rounding import ROUNDING_MODES
+from kvarn_ops.reference.rounding import CLIP_SEARCHES, ROUNDING_MODES
 from kvarn_ops.reference.sink_key import SINK_KEY_BITS
 
 __all__ = ["ROUNDING_IDS", "check_config", "flush"]
@@ -295,8 +298,9 @@ def _round_rows(
         codes = tl.minimum(tl.maximum(codes, 0.0), levels * 1.0)
         step = tl.div_rn(rng, tl.full([R], levels, tl.float32))
     else:
-        # Clipping search with unbiased refit (reference round_rows, "unbiased_clip").
-        codes, step, lo = unbiased_clip_search(b, lc, levels, R, C)
+        # Clipping search with unbiased refit (reference round_rows, "unbiased_clip"); id 2:
+        # its pattern search (clip_search="pattern").
+        codes, step, lo = unbiased_clip_search(b, lc, levels, R, C, ROUNDING == 2)
     return codes.to(tl.int32), step, lo
 
 
@@ -609,18 +613,24 @@ def sink_split(tiles: int, parts: int, sms: int) -> bool:
 
 
 ROUNDING_IDS = {"rtn": 0, "unbiased_clip": 1}
-"""Rounding modes of ``NormalizeConfig`` the kernel implements, and their ``ROUNDING`` ids."""
+"""Rounding modes of ``NormalizeConfig`` the kernel implements, and their ``ROUNDING`` ids;
+``"unbiased_clip"`` with ``clip_search="pattern"`` is id 2 (:func:`rounding_id`)."""
 
 
-def _rounding_id(name: str, rounding: str) -> int:
+def rounding_id(name: str, rounding: str, clip_search: str = "window") -> int:
+    """The kernel's ``ROUNDING`` id of a rounding mode and clipping search; ``name`` names the
+    argument in errors."""
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"{name}: must be one of {ROUNDING_MODES}, got {rounding!r}")
+    if clip_search not in CLIP_SEARCHES:
+        raise ValueError(f"clip_search: must be one of {CLIP_SEARCHES}, got {clip_search!r}")
     if rounding not in ROUNDING_IDS:
         raise NotImplementedError(
             f"{name}: kvarn_ops.kernels.flush implements rounding {tuple(ROUNDING_IDS)}, got "
             f"{rounding!r}"
         )
-    return ROUNDING_IDS[rounding]
+    pattern = rounding == "unbiased_clip" and clip_search == "pattern"
+    return 2 if pattern else ROUNDING_IDS[rounding]
 
 
 def check_config(config: NormalizeConfig) -> tuple[str, str]:
@@ -661,9 +671,10 @@ def _launch(
     v_rounding: str,
     sink_rows: torch.Tensor | None = None,
     sink_key: bool = True,
+    clip_search: str = "window",
 ) -> None:
-    k_round = _rounding_id("k_rounding", k_rounding)
-    v_round = _rounding_id("v_rounding", v_rounding)
+    k_round = rounding_id("k_rounding", k_rounding, clip_search)
+    v_round = rounding_id("v_rounding", v_rounding, clip_search)
     n = src_pool_blocks.shape[0]
     if n == 0:
         return
@@ -748,6 +759,7 @@ def _flush_op(
     v_rounding: str,
     sink_rows: torch.Tensor | None = None,
     sink_key: bool = True,
+    clip_search: str = "window",
 ) -> None:
     _launch(
         exact_k,
@@ -764,6 +776,7 @@ def _flush_op(
         v_rounding,
         sink_rows,
         sink_key,
+        clip_search,
     )
 
 
@@ -783,6 +796,7 @@ def _flush_fake(
     v_rounding,
     sink_rows=None,
     sink_key=True,
+    clip_search="window",
 ) -> None:
     return None
 
@@ -864,4 +878,5 @@ def flush(
         v_rounding,
         sink_rows if config.sink_token else None,
         config.sink_key,
+        config.clip_search,
     )

@@ -39,6 +39,24 @@ import triton.language as tl
 
 from kvarn_ops.kernels._common import CLIP_COUNT_BY_LEVELS, clip_codes, clip_ratio
 from kvarn_ops.kernels.flush_sync import exchange, partials
+from kvarn_ops.reference.rounding import CLIP_PATTERNS
+
+# The 2-bit pattern search (reference ``CLIP_PATTERNS[2]``) as compile-time tables, one entry
+# per candidate after min/max: a start's ``k`` (0 for a step's candidates), a step's offset
+# (0 for starts), and whether the candidate opens a step (its centre becomes the best so far).
+if sorted(CLIP_PATTERNS) != [2]:  # the tables below hold one width
+    raise ImportError("kvarn_ops.kernels.flush_math implements a pattern search at 2 bits only")
+_PAT = CLIP_PATTERNS[2]
+_PAT_N = tl.constexpr(_PAT.count)
+_PAT_STARTS = tl.constexpr(len(_PAT.starts))
+_PAT_K = tl.constexpr(tuple(float(k) for k in _PAT.starts) + (0.0,) * (2 * len(_PAT.steps)))
+_PAT_OFF = tl.constexpr(
+    (0.0,) * len(_PAT.starts) + tuple(float(o) for h in _PAT.steps for o in (-h, h))
+)
+_PAT_OPEN = tl.constexpr((0,) * len(_PAT.starts) + tuple(v for _ in _PAT.steps for v in (1, 0)))
+_PAT_LO = tl.constexpr(float(_PAT.lo))
+_PAT_HI = tl.constexpr(float(_PAT.hi))
+_PAT_UNIT = tl.constexpr(1.0 / _PAT.denom)
 
 __all__ = ["normalize_split", "normalize_tile", "unbiased_clip_search"]
 
@@ -228,16 +246,41 @@ def _refit(c, w, b, mb, vb, s, z, rsw):
 
 
 @triton.jit
-def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """The reference's ``round_rows(b, lc, bits, "unbiased_clip")`` for one balanced tile
-    ``b [R, C]`` (fp32) with natural-log column scales ``lc [C]``; ``LEVELS = 2**bits - 1``.
+def _pick(i, TABLE: tl.constexpr, N: tl.constexpr):
+    """``TABLE[i]`` for a runtime scalar ``0 <= i < N`` (a chain of selects)."""
+    v = TABLE[0]
+    for j in tl.static_range(1, N):
+        v = tl.where(i == j, TABLE[j], v)
+    return v
+
+
+@triton.jit
+def _pattern_range(k, mid, half, LEVELS: tl.constexpr):
+    """The clipped range of candidate ``k`` (per row) of the pattern search, as the reference
+    forms it: ``r = k / denom`` (exact), ``lo = mid - r * half``, ``step = half * (r * 2 /
+    LEVELS)`` with ``2 / LEVELS`` the fp32 constant."""
+    r = k * _PAT_UNIT
+    f: tl.constexpr = 2.0 / LEVELS
+    return mid - r * half, half * (r * f)
+
+
+@triton.jit
+def unbiased_clip_search(
+    b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.constexpr, PATTERN: tl.constexpr = False
+):
+    """The reference's ``round_rows(b, lc, bits, "unbiased_clip", search)`` for one balanced
+    tile ``b [R, C]`` (fp32) with natural-log column scales ``lc [C]``; ``LEVELS = 2**bits - 1``;
+    ``PATTERN`` the ``"pattern"`` search (at 2 bits: ``CLIP_PATTERNS[2]``; the window at other
+    widths), else the window.
 
     Returns ``(codes, step, lo)``: fp32 integer codes ``[R, C]``, fp32 ``[R]`` each, with ``b ~=
     codes * step + lo``. Same candidates in the same order (min/max first, then the first
     ``CLIP_COUNTS[bits]`` clip ratios, each with its unbiased refit), the candidate's codes from the
     same fp32 expression, strict ``<`` (ties keep the earlier candidate), zero-range rows keep
     min/max; sums as the module docstring says. Only the winner's clipping range is carried through
-    the search; its codes and refit are recomputed from it at the end.
+    the search; its codes and refit are recomputed from it at the end. The pattern search carries
+    each row's best ``k`` (-1: min/max) and its step's centre instead, the candidate's ``k`` per
+    row from the tables above (no per-row table: ``k / denom`` is exact).
     """
     lo0 = tl.min(b, axis=1)
     hi0 = tl.max(b, axis=1)
@@ -259,6 +302,25 @@ def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.con
     err = b - (c0 * step0[:, None] + lo0[:, None])
     # A zero-range row keeps min/max: no error is below -1.
     best_e = tl.where(rng > 0.0, tl.sum(err * err * w, axis=1), -1.0)
+    if PATTERN and LEVELS == 3:
+        code_z, code_s, refit = _pattern_loop(
+            b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
+        )
+    else:
+        code_z, code_s, refit = _window_loop(
+            b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
+        )
+    codes = clip_codes(b, code_z, code_s, LEVELS)
+    step, lo = _refit(codes, w, b, mb, vb, code_s, code_z, rsw)
+    step = tl.where(refit, step, code_s)
+    lo = tl.where(refit, lo, code_z)
+    return codes, step, lo
+
+
+@triton.jit
+def _window_loop(b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS: tl.constexpr):
+    """The window's candidates; the winner's ``(lo, step)`` and whether it is refit (not
+    min/max)."""
     # Only the winner's clipping range is carried (fewer live vectors: the loop is at the
     # register limit); a negative step marks min/max, which has no refit.
     code_z = lo0
@@ -277,10 +339,29 @@ def unbiased_clip_search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, C: tl.con
         best_e = tl.where(better, e, best_e)
         code_z = tl.where(better, z, code_z)
         code_s = tl.where(better, s, code_s)
-    refit = code_s > 0.0
-    code_s = tl.abs(code_s)
-    codes = clip_codes(b, code_z, code_s, LEVELS)
-    step, lo = _refit(codes, w, b, mb, vb, code_s, code_z, rsw)
-    step = tl.where(refit, step, code_s)
-    lo = tl.where(refit, lo, code_z)
-    return codes, step, lo
+    return code_z, tl.abs(code_s), code_s > 0.0
+
+
+@triton.jit
+def _pattern_loop(b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS: tl.constexpr):
+    """The pattern search's candidates (``CLIP_PATTERNS[2]``): each row's best ``k`` so far (-1:
+    min/max) and the centre of the current step (the best at its start, min/max as the grid's
+    top) are carried; returns as :func:`_window_loop`."""
+    best_k = tl.full(best_e.shape, -1.0, tl.float32)
+    base = tl.full(best_e.shape, _PAT_HI, tl.float32)
+    for i in tl.range(0, _PAT_N, loop_unroll_factor=1):
+        opens = _pick(i, _PAT_OPEN, _PAT_N)
+        base = tl.where(opens != 0, tl.where(best_k < 0.0, _PAT_HI, best_k), base)
+        k_step = tl.minimum(tl.maximum(base + _pick(i, _PAT_OFF, _PAT_N), _PAT_LO), _PAT_HI)
+        k = tl.where(i < _PAT_STARTS, _pick(i, _PAT_K, _PAT_N), k_step)
+        z, s = _pattern_range(k, mid, half, LEVELS)
+        c = clip_codes(b, z, s, LEVELS)
+        s_u, z_u = _refit(c, w, b, mb, vb, s, z, rsw)
+        err = b - (c * s_u[:, None] + z_u[:, None])
+        e = tl.sum(err * err * w, axis=1)
+        better = e < best_e
+        best_e = tl.where(better, e, best_e)
+        best_k = tl.where(better, k, best_k)
+    refit = best_k >= 0.0
+    z, s = _pattern_range(tl.maximum(best_k, 0.0), mid, half, LEVELS)
+    return tl.where(refit, z, lo0), tl.where(refit, s, step0), refit

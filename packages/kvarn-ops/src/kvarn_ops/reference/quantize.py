@@ -30,7 +30,8 @@ Algorithm (fp32; every step is what a kernel must reproduce):
    published rounding): ``lo = min``, ``hi = max``, ``step = (hi - lo) / (2**b - 1)``,
    ``code = clamp(rint((B - lo) * inv), 0, 2**b - 1)`` with ``inv = (2**b - 1) / (hi - lo)``
    (0 for a zero-range row, whose codes are 0); rint rounds half to even. The default
-   (``"unbiased_clip"``, ``reference/rounding.py``) tries 14 clipping ranges, refits each
+   (``"unbiased_clip"``, ``reference/rounding.py``) tries up to 14 clipping ranges (at 2
+   bits the 6 of a pattern search, ``clip_search="pattern"``), refits each
    candidate's ``(step, lo)`` so the reconstruction is unbiased along the row, and keeps the
    candidate of least error in the model frame (min/max first, so never worse than RTN on
    that error); measured on SmolLM2-135M (ACCURACY.md) it cuts the perplexity cost of 2-bit V
@@ -63,7 +64,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvarn_ops.reference.rounding import ROUNDING_MODES, round_rows
+from kvarn_ops.reference.rounding import CLIP_SEARCHES, ROUNDING_MODES, round_rows
 from kvarn_ops.reference.sink import apply_sink, check_sink_rows
 from kvarn_ops.reference.sink_key import SINK_KEY_BITS, pin_columns
 
@@ -108,6 +109,11 @@ class NormalizeConfig:
         clipping range by error.
     rounding_v : str or None
         Overrides ``rounding`` for V tiles (``None``: same as K).
+    clip_search : str
+        The candidates of ``"unbiased_clip"`` (``reference.rounding.CLIP_SEARCHES``):
+        ``"window"`` (this field's default) every ratio of the width's window, ``"pattern"``
+        (what ``DEFAULT_CONFIG`` uses) the width's pattern search where there is one (2 bits:
+        7 candidates instead of 15).
     sink_token : bool
         Reconstruct the attention-sink token's V row almost exactly in the tiles whose caller
         marks it (``sink_rows`` of :func:`quantize_v`; a serving engine marks the first token
@@ -125,6 +131,7 @@ class NormalizeConfig:
     std_floor: float = 1e-3
     rounding: str = "rtn"
     rounding_v: str | None = None
+    clip_search: str = "window"
     sink_token: bool = False
     sink_key: bool = True
 
@@ -135,13 +142,19 @@ class NormalizeConfig:
             raise ValueError(f"std_floor: must be > 0, got {self.std_floor!r}")
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"rounding: must be one of {ROUNDING_MODES}, got {self.rounding!r}")
+        if self.clip_search not in CLIP_SEARCHES:
+            raise ValueError(
+                f"clip_search: must be one of {CLIP_SEARCHES}, got {self.clip_search!r}"
+            )
         if self.rounding_v is not None and self.rounding_v not in ROUNDING_MODES:
             raise ValueError(
                 f"rounding_v: must be None or one of {ROUNDING_MODES}, got {self.rounding_v!r}"
             )
 
 
-DEFAULT_CONFIG = NormalizeConfig(iters=4, rounding="unbiased_clip", sink_token=True)
+DEFAULT_CONFIG = NormalizeConfig(
+    iters=4, rounding="unbiased_clip", clip_search="pattern", sink_token=True
+)
 """What every dense op uses: scale-invariant normalization (4 iterations), then the clipping
 search with the unbiased refit (``reference/rounding.py``) for K and V, and the sink token's
 V row kept almost exact where the caller marks it (``reference/sink.py``; on SmolLM2-135M
@@ -316,7 +329,7 @@ def quantize_tiles(
     if config.rounding == "rtn":
         codes, step, lo = quantize_rows(balanced, bits)
     else:
-        codes, step, lo = round_rows(balanced, lc, bits, config.rounding)
+        codes, step, lo = round_rows(balanced, lc, bits, config.rounding, config.clip_search)
     if config.sink_token and config.sink_key and sink_cols is not None and bits in SINK_KEY_BITS:
         t = (sink_cols >= 0).nonzero()[:, 0]
         if t.numel():
