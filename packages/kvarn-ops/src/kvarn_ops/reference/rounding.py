@@ -17,12 +17,13 @@ choose ``(codes, step, lo)`` better, minimizing the reconstruction error in the 
 - ``"unbiased_clip"``: the clipping search over the first ``CLIP_COUNTS[bits]`` ratios (the window
   where the search's choices fall at that width, below; ``search="pattern"`` tries 6 ratios
   chosen by a pattern search instead where :data:`CLIP_PATTERNS` has the width), but every
-  candidate's ``(step, lo)`` is refit so that the reconstruction is unbiased along the row (the regression of ``Bhat`` on ``B``
-  has slope 1 and the weighted means agree: ``step = var(B) / cov(codes, B)``); the candidate with
-  the least error is kept. Least-squares fits shrink the reconstruction towards the row mean (the
-  error correlates with the value); attention sums V over many tokens and scores over many channels,
-  where uncorrelated noise averages out but shrinkage does not: measured on SmolLM2-135M,
-  ``mse_clip`` lowers the tile error and raises perplexity, this mode lowers both.
+  candidate's ``(step, lo)`` is refit so that the reconstruction is unbiased along the row (the
+  regression of ``Bhat`` on ``B`` has slope 1 and the weighted means agree: ``step = var(B) /
+  cov(codes, B)``); the candidate with the least error is kept. Least-squares fits shrink the
+  reconstruction towards the row mean (the error correlates with the value); attention sums V
+  over many tokens and scores over many channels, where uncorrelated noise averages out but
+  shrinkage does not: measured on SmolLM2-135M, ``mse_clip`` lowers the tile error and raises
+  perplexity, this mode lowers both.
 
 The error of row r is ``exp(2*lr[r]) * sum_c exp(2*lc[c]) * (B[r, c] - Bhat[r, c])**2`` in the
 model frame (the Hadamard rotation is orthogonal), so rows are independent and each is
