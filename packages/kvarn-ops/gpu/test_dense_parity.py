@@ -251,6 +251,34 @@ def test_flush(gen, request, fmt, dim, hkv, pool_dtype):
     _check_flush(request, got, want, src, dst, layout, pools)
 
 
+@pytest.mark.parametrize("fmt", ["kvarn_k2v2_g64", "kvarn_k4v2_g64"])
+def test_flush_window_search(gen, request, fmt):
+    """``clip_search="window"`` (every ratio of the window at 2 bits; the default takes the
+    pattern search there): the kernel's other search loop against the reference under the
+    same config, with the bounds of :func:`_check_flush`."""
+    from dataclasses import replace
+
+    config = replace(reference.DEFAULT_CONFIG, clip_search="window")
+    layout = kf.dense_layout(fmt, 128)
+    n, pool_blocks, num_blocks, hkv, g = 200, 220, 260, 4, layout.block_size
+    pools = _flush_pool(gen, layout, hkv, pool_blocks, torch.bfloat16)
+    src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    got = poison_(
+        torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
+    )
+    want = got.clone()
+    kernels.flush(*pools, src, dst, got, layout, config=config)
+    ek, ev, ks, vs = pools
+    kt, vt = (
+        reference.cache.read_pool_blocks(pool, sc, src).permute(0, 2, 1, 3).reshape(-1, g, 128)
+        for pool, sc in ((ek, ks), (ev, vs))
+    )
+    rec = reference.encode_records(kt.contiguous(), vt.contiguous(), layout, config=config)
+    want[dst.long()] = rec.view(n, hkv, -1)
+    _check_flush(request, got, want, src, dst, layout, pools)
+
+
 _FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
 kd = importlib.import_module("kvarn_ops.kernels.decode")
 
