@@ -9,7 +9,12 @@ import torch
 
 import kvarn_formats as kf
 from kvarn_ops import reference as ref
-from kvarn_ops.reference.rounding import ROUNDING_MODES, round_rows, weighted_row_error
+from kvarn_ops.reference.rounding import (
+    CLIP_PATTERNS,
+    ROUNDING_MODES,
+    round_rows,
+    weighted_row_error,
+)
 
 # Relative error of a tile and of the same tile times c may differ by at most this fraction
 # (the target is 1%; fp16 rounding of the scales moves it by ~1e-4).
@@ -228,35 +233,37 @@ def _pattern_walk(b, lc, bits):
     return best_k, torch.where((best_k < 0)[..., None], c_mm, picked)
 
 
-def test_pattern_search_is_the_documented_walk(gen):
-    """``search="pattern"`` at 2 bits: the codes of the walk over every grid ratio's candidate
-    (an independent statement of the pattern), on rows of many shapes (Gaussian, heavy-tailed,
-    offset, a few constant), where the walk ends on many different ratios and on min/max."""
+@pytest.mark.parametrize("bits", sorted(CLIP_PATTERNS))
+def test_pattern_search_is_the_documented_walk(gen, bits):
+    """``search="pattern"``: the codes of the walk over every grid ratio's candidate (an
+    independent statement of the pattern), on rows of many shapes (Gaussian, heavy-tailed,
+    offset, a few constant), where the walk ends on several ratios and on min/max."""
     shape = (12, 64, 64)
     b = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen))
     b[:4] = torch.randn(4, 64, 64, generator=gen) + 3.0 * torch.rand(4, 64, 1, generator=gen)
     b[5, 7] = 0.25
     lc = 0.5 * torch.randn(12, 64, generator=gen)
-    k, expect = _pattern_walk(b, lc, 2)
-    c, _, _ = round_rows(b, lc, 2, "unbiased_clip", "pattern")
+    k, expect = _pattern_walk(b, lc, bits)
+    c, _, _ = round_rows(b, lc, bits, "unbiased_clip", "pattern")
     assert torch.equal(c.float(), expect)
     reached = set(k.unique().tolist())
-    assert -1 in reached and len(reached) >= 8, sorted(reached)
+    assert -1 in reached and len(reached) >= (8 if bits == 2 else 4), sorted(reached)
 
 
 def test_pattern_search_costs_no_error(gen):
-    """On normalized Gaussian tiles the 7 candidates of the 2-bit pattern reach the window's 15
-    within 0.05% of summed error (measured 0.9998x on these and on SmolLM2-135M's real tiles,
-    1.0015x on Student-t rows: ACCURACY.md); other widths are unchanged by it."""
+    """On normalized Gaussian tiles the 2-bit pattern search's 7 candidates reach the window's
+    15 within 0.05% of summed error (measured 0.9998x on these and on SmolLM2-135M's real
+    tiles, 1.0015x on Student-t rows: ACCURACY.md); widths without a pattern are unchanged."""
     from kvarn_ops.reference.quantize import normalize_tiles
 
     b, _, lc, _ = normalize_tiles(torch.randn(200, 64, 64, generator=gen), ref.DEFAULT_CONFIG)
     weight = torch.exp(2 * (lc - lc.amax(-1, keepdim=True)))
-    errs = {}
-    for search in ("window", "pattern"):
-        c, s, z = round_rows(b, lc, 2, "unbiased_clip", search)
-        errs[search] = float(weighted_row_error(b, c.float(), s, z, weight).sum())
-    assert errs["pattern"] <= 1.0005 * errs["window"], errs
+    for bits, bound in ((2, 1.0005),):
+        errs = {}
+        for search in ("window", "pattern"):
+            c, s, z = round_rows(b, lc, bits, "unbiased_clip", search)
+            errs[search] = float(weighted_row_error(b, c.float(), s, z, weight).sum())
+        assert errs["pattern"] <= bound * errs["window"], (bits, errs)
     for bits in (3, 4):
         got = [round_rows(b[:8], lc[:8], bits, "unbiased_clip", x) for x in ("window", "pattern")]
         assert all(torch.equal(a, p) for a, p in zip(*got, strict=True))

@@ -250,6 +250,7 @@ ROUNDING_CASES = [
     ("mixed", "kvarn_k3v5_g32", 64, torch.bfloat16, 2, 2, 2, 3),
     ("pattern", "kvarn_k2v2_g64", 128, torch.bfloat16, 2, 2, 3, 3),
     ("pattern", "kvarn_k2v4_g64", 64, FP8, 1, 2, 2, 4),
+    ("pattern", "kvarn_k4v4_g64", 128, torch.bfloat16, 2, 2, 3, 3),
 ]
 
 

@@ -41,22 +41,49 @@ from kvarn_ops.kernels._common import CLIP_COUNT_BY_LEVELS, clip_codes, clip_rat
 from kvarn_ops.kernels.flush_sync import exchange, partials
 from kvarn_ops.reference.rounding import CLIP_PATTERNS
 
-# The 2-bit pattern search (reference ``CLIP_PATTERNS[2]``) as compile-time tables, one entry
-# per candidate after min/max: a start's ``k`` (0 for a step's candidates), a step's offset
-# (0 for starts), and whether the candidate opens a step (its centre becomes the best so far).
-if sorted(CLIP_PATTERNS) != [2]:  # the tables below hold one width
-    raise ImportError("kvarn_ops.kernels.flush_math implements a pattern search at 2 bits only")
-_PAT = CLIP_PATTERNS[2]
-_PAT_N = tl.constexpr(_PAT.count)
-_PAT_STARTS = tl.constexpr(len(_PAT.starts))
-_PAT_K = tl.constexpr(tuple(float(k) for k in _PAT.starts) + (0.0,) * (2 * len(_PAT.steps)))
-_PAT_OFF = tl.constexpr(
-    (0.0,) * len(_PAT.starts) + tuple(float(o) for h in _PAT.steps for o in (-h, h))
-)
-_PAT_OPEN = tl.constexpr((0,) * len(_PAT.starts) + tuple(v for _ in _PAT.steps for v in (1, 0)))
-_PAT_LO = tl.constexpr(float(_PAT.lo))
-_PAT_HI = tl.constexpr(float(_PAT.hi))
-_PAT_UNIT = tl.constexpr(1.0 / _PAT.denom)
+
+# The pattern searches (reference ``CLIP_PATTERNS``) as compile-time tables indexed by
+# ``LEVELS = 2**bits - 1`` (0 where a width has none). The per-candidate tables are flat,
+# candidate ``i`` of width ``LEVELS`` at ``LEVELS * _PAT_MAX + i`` (Triton indexes a constexpr
+# tuple of scalars, not of tuples): a start's ``k`` (0 for a step's candidates), a step's
+# offset (0 for starts), and whether the candidate opens a step (its centre becomes the best
+# so far).
+def _pattern_of(levels: int):
+    bits = (levels + 1).bit_length() - 1
+    return CLIP_PATTERNS.get(bits) if levels + 1 == 1 << bits else None
+
+
+def _by_levels(fn, empty):
+    return tl.constexpr(tuple(fn(p) if p else empty for p in map(_pattern_of, range(256))))
+
+
+def _candidates(p) -> tuple[tuple[float, float, int], ...]:
+    starts = tuple((float(k), 0.0, 0) for k in p.starts)
+    steps = tuple((0.0, float(o), int(o < 0)) for h in p.steps for o in (-h, h))
+    return starts + steps
+
+
+_PAT_MAX_N = max(p.count for p in CLIP_PATTERNS.values())
+_PAT_MAX = tl.constexpr(_PAT_MAX_N)
+
+
+def _flat(field: int, empty):
+    out = []
+    for levels in range(256):
+        p = _pattern_of(levels)
+        rows = [c[field] for c in _candidates(p)] if p else []
+        out += rows + [empty] * (_PAT_MAX_N - len(rows))
+    return tl.constexpr(tuple(out))
+
+
+_PAT_N = _by_levels(lambda p: p.count, 0)
+_PAT_STARTS = _by_levels(lambda p: len(p.starts), 0)
+_PAT_K = _flat(0, 0.0)
+_PAT_OFF = _flat(1, 0.0)
+_PAT_OPEN = _flat(2, 0)
+_PAT_LO = _by_levels(lambda p: float(p.lo), 0.0)
+_PAT_HI = _by_levels(lambda p: float(p.hi), 0.0)
+_PAT_UNIT = _by_levels(lambda p: 1.0 / p.denom, 0.0)
 
 __all__ = ["normalize_split", "normalize_tile", "unbiased_clip_search"]
 
@@ -246,11 +273,11 @@ def _refit(c, w, b, mb, vb, s, z, rsw):
 
 
 @triton.jit
-def _pick(i, TABLE: tl.constexpr, N: tl.constexpr):
-    """``TABLE[i]`` for a runtime scalar ``0 <= i < N`` (a chain of selects)."""
-    v = TABLE[0]
+def _pick(i, TABLE: tl.constexpr, BASE: tl.constexpr, N: tl.constexpr):
+    """``TABLE[BASE + i]`` for a runtime scalar ``0 <= i < N`` (a chain of selects)."""
+    v = TABLE[BASE]
     for j in tl.static_range(1, N):
-        v = tl.where(i == j, TABLE[j], v)
+        v = tl.where(i == j, TABLE[BASE + j], v)
     return v
 
 
@@ -259,7 +286,7 @@ def _pattern_range(k, mid, half, LEVELS: tl.constexpr):
     """The clipped range of candidate ``k`` (per row) of the pattern search, as the reference
     forms it: ``r = k / denom`` (exact), ``lo = mid - r * half``, ``step = half * (r * 2 /
     LEVELS)`` with ``2 / LEVELS`` the fp32 constant."""
-    r = k * _PAT_UNIT
+    r = k * _PAT_UNIT[LEVELS]
     f: tl.constexpr = 2.0 / LEVELS
     return mid - r * half, half * (r * f)
 
@@ -270,7 +297,7 @@ def unbiased_clip_search(
 ):
     """The reference's ``round_rows(b, lc, bits, "unbiased_clip", search)`` for one balanced
     tile ``b [R, C]`` (fp32) with natural-log column scales ``lc [C]``; ``LEVELS = 2**bits - 1``;
-    ``PATTERN`` the ``"pattern"`` search (at 2 bits: ``CLIP_PATTERNS[2]``; the window at other
+    ``PATTERN`` the ``"pattern"`` search (``CLIP_PATTERNS[bits]``; the window at other
     widths), else the window.
 
     Returns ``(codes, step, lo)``: fp32 integer codes ``[R, C]``, fp32 ``[R]`` each, with ``b ~=
@@ -302,7 +329,7 @@ def unbiased_clip_search(
     err = b - (c0 * step0[:, None] + lo0[:, None])
     # A zero-range row keeps min/max: no error is below -1.
     best_e = tl.where(rng > 0.0, tl.sum(err * err * w, axis=1), -1.0)
-    if PATTERN and LEVELS == 3:
+    if PATTERN and _PAT_N[LEVELS] > 0:
         code_z, code_s, refit = _pattern_loop(
             b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
         )
@@ -344,16 +371,20 @@ def _window_loop(b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS: tl.co
 
 @triton.jit
 def _pattern_loop(b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS: tl.constexpr):
-    """The pattern search's candidates (``CLIP_PATTERNS[2]``): each row's best ``k`` so far (-1:
+    """The pattern search's candidates (``CLIP_PATTERNS[bits]``): each row's best ``k`` so far (-1:
     min/max) and the centre of the current step (the best at its start, min/max as the grid's
     top) are carried; returns as :func:`_window_loop`."""
+    n: tl.constexpr = _PAT_N[LEVELS]
+    lo_k: tl.constexpr = _PAT_LO[LEVELS]
+    hi_k: tl.constexpr = _PAT_HI[LEVELS]
     best_k = tl.full(best_e.shape, -1.0, tl.float32)
-    base = tl.full(best_e.shape, _PAT_HI, tl.float32)
-    for i in tl.range(0, _PAT_N, loop_unroll_factor=1):
-        opens = _pick(i, _PAT_OPEN, _PAT_N)
-        base = tl.where(opens != 0, tl.where(best_k < 0.0, _PAT_HI, best_k), base)
-        k_step = tl.minimum(tl.maximum(base + _pick(i, _PAT_OFF, _PAT_N), _PAT_LO), _PAT_HI)
-        k = tl.where(i < _PAT_STARTS, _pick(i, _PAT_K, _PAT_N), k_step)
+    base = tl.full(best_e.shape, hi_k, tl.float32)
+    for i in tl.range(0, n, loop_unroll_factor=1):
+        at: tl.constexpr = LEVELS * _PAT_MAX
+        opens = _pick(i, _PAT_OPEN, at, n)
+        base = tl.where(opens != 0, tl.where(best_k < 0.0, hi_k, best_k), base)
+        k_step = tl.minimum(tl.maximum(base + _pick(i, _PAT_OFF, at, n), lo_k), hi_k)
+        k = tl.where(i < _PAT_STARTS[LEVELS], _pick(i, _PAT_K, at, n), k_step)
         z, s = _pattern_range(k, mid, half, LEVELS)
         c = clip_codes(b, z, s, LEVELS)
         s_u, z_u = _refit(c, w, b, mb, vb, s, z, rsw)
