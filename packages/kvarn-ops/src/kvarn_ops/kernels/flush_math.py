@@ -345,6 +345,16 @@ def unbiased_clip_search(
 
 
 @triton.jit
+def _candidate_error(b, z, s, w, mb, vb, rsw, LEVELS: tl.constexpr):
+    """Each row's weighted error of the candidate with clipped range ``(z, s)``: its codes, the
+    unbiased refit, the error sum."""
+    c = clip_codes(b, z, s, LEVELS)
+    s_u, z_u = _refit(c, w, b, mb, vb, s, z, rsw)
+    err = b - (c * s_u[:, None] + z_u[:, None])
+    return tl.sum(err * err * w, axis=1)
+
+
+@triton.jit
 def _window_loop(b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS: tl.constexpr):
     """The window's candidates; the winner's ``(lo, step)`` and whether it is refit (not
     min/max)."""
@@ -358,10 +368,7 @@ def _window_loop(b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS: tl.co
         z = mid - ratio * half
         # the reference's step_factor: one quotient per candidate, not per row
         s = half * tl.div_rn(2.0 * ratio, LEVELS * 1.0)
-        c = clip_codes(b, z, s, LEVELS)
-        s_u, z_u = _refit(c, w, b, mb, vb, s, z, rsw)
-        err = b - (c * s_u[:, None] + z_u[:, None])
-        e = tl.sum(err * err * w, axis=1)
+        e = _candidate_error(b, z, s, w, mb, vb, rsw, LEVELS)
         better = e < best_e
         best_e = tl.where(better, e, best_e)
         code_z = tl.where(better, z, code_z)
@@ -386,10 +393,7 @@ def _pattern_loop(b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS: tl.c
         k_step = tl.minimum(tl.maximum(base + _pick(i, _PAT_OFF, at, n), lo_k), hi_k)
         k = tl.where(i < _PAT_STARTS[LEVELS], _pick(i, _PAT_K, at, n), k_step)
         z, s = _pattern_range(k, mid, half, LEVELS)
-        c = clip_codes(b, z, s, LEVELS)
-        s_u, z_u = _refit(c, w, b, mb, vb, s, z, rsw)
-        err = b - (c * s_u[:, None] + z_u[:, None])
-        e = tl.sum(err * err * w, axis=1)
+        e = _candidate_error(b, z, s, w, mb, vb, rsw, LEVELS)
         better = e < best_e
         best_e = tl.where(better, e, best_e)
         best_k = tl.where(better, k, best_k)
