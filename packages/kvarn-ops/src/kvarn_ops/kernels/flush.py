@@ -298,9 +298,9 @@ def _round_rows(
         codes = tl.minimum(tl.maximum(codes, 0.0), levels * 1.0)
         step = tl.div_rn(rng, tl.full([R], levels, tl.float32))
     else:
-        # Clipping search with unbiased refit (reference round_rows, "unbiased_clip"); id 2:
-        # its pattern search (clip_search="pattern").
-        codes, step, lo = unbiased_clip_search(b, lc, levels, R, C, ROUNDING == 2)
+        # Clipping search with unbiased refit (reference round_rows, "unbiased_clip");
+        # PATTERN_ID: its pattern search (clip_search="pattern").
+        codes, step, lo = unbiased_clip_search(b, lc, levels, R, C, ROUNDING == PATTERN_ID)
     return codes.to(tl.int32), step, lo
 
 
@@ -614,7 +614,8 @@ def sink_split(tiles: int, parts: int, sms: int) -> bool:
 
 ROUNDING_IDS = {"rtn": 0, "unbiased_clip": 1}
 """Rounding modes of ``NormalizeConfig`` the kernel implements, and their ``ROUNDING`` ids;
-``"unbiased_clip"`` with ``clip_search="pattern"`` is id 2 (:func:`rounding_id`)."""
+``"unbiased_clip"`` with ``clip_search="pattern"`` is :data:`PATTERN_ID` (:func:`rounding_id`)."""
+PATTERN_ID = tl.constexpr(2)
 
 
 def rounding_id(name: str, rounding: str, clip_search: str = "window") -> int:
@@ -630,7 +631,7 @@ def rounding_id(name: str, rounding: str, clip_search: str = "window") -> int:
             f"{rounding!r}"
         )
     pattern = rounding == "unbiased_clip" and clip_search == "pattern"
-    return 2 if pattern else ROUNDING_IDS[rounding]
+    return PATTERN_ID.value if pattern else ROUNDING_IDS[rounding]
 
 
 def check_config(config: NormalizeConfig) -> tuple[str, str]:

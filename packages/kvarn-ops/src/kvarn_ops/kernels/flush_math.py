@@ -385,9 +385,9 @@ def _pattern_loop(b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS: tl.c
     lo_k: tl.constexpr = _PAT_LO[LEVELS]
     hi_k: tl.constexpr = _PAT_HI[LEVELS]
     best_k = tl.full(best_e.shape, -1.0, tl.float32)
+    at: tl.constexpr = LEVELS * _PAT_MAX
     base = tl.full(best_e.shape, hi_k, tl.float32)
     for i in tl.range(0, n, loop_unroll_factor=1):
-        at: tl.constexpr = LEVELS * _PAT_MAX
         opens = _pick(i, _PAT_OPEN, at, n)
         base = tl.where(opens != 0, tl.where(best_k < 0.0, hi_k, best_k), base)
         k_step = tl.minimum(tl.maximum(base + _pick(i, _PAT_OFF, at, n), lo_k), hi_k)
