@@ -25,7 +25,15 @@ flush computes the same quantities with fewer operations per tile element:
   also dropped: the error of each candidate from the refit's moments (an expansion in the
   variance, covariance and code variance, which saves the error pass). It cancels
   catastrophically in rows that the codes fit almost exactly; offline it picked candidates
-  with up to 2.3x the reference's error.
+  with up to 2.3x the reference's error. Tried again with the reference scoring the same way
+  (up to 5 bits, clamped at 0: summed error of the chosen candidates within 1e-7 of the
+  literal form on normalized Gaussian and Student-t tiles), it saved too little to keep:
+  sm_90a, k4v2 D 128, loop instructions per candidate 1,582 -> 1,506 (K tile) and 1,586 ->
+  1,431 (V tile), spill frame 368 -> 512 B. About 830 of the V tile's 1,431 are per-value
+  arithmetic (64 values a thread, 13 operations each); the rest are the rows' scalars (8 rows
+  a thread, each replicated over the 16 lanes that share it, two correctly rounded quotients
+  per row), the reductions' shuffles and, in the K tile, whose rows span the four warps,
+  shared-memory rounds and spill loads.
 
 Equal in exact arithmetic. In fp32 they differ from the reference's results by rounding, as a
 different reduction order does. Measured in ``tests/test_flush.py`` and in the GPU parity
