@@ -18,6 +18,8 @@ Tolerances:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -88,7 +90,11 @@ def test_normalization_balances_and_helps(gen):
     x = a * torch.randn(12, 128, 64, generator=gen) * c
     bal, lr, lc, e = ref.normalize_tiles(x)
     start = torch.ldexp(x, -e.float()[:, None, None])
-    assert (_imbalance(bal, 1e-3) < 2.05).all()  # 2 is perfect balance
+    # 2 is perfect balance. The default's 2 iterations leave up to 2.20 (300 seeds), 4 up to
+    # 2.0008; the start is above 20.
+    assert (_imbalance(bal, 1e-3) < 2.3).all()
+    bal4 = ref.normalize_tiles(x, replace(ref.DEFAULT_CONFIG, iters=4))[0]
+    assert (_imbalance(bal4, 1e-3) < 2.01).all()
     assert (_imbalance(start, 1e-3) > 20).all()
     recon = torch.ldexp(
         torch.exp(lr)[:, :, None] * bal * torch.exp(lc)[:, None, :], e.float()[:, None, None]
@@ -96,7 +102,7 @@ def test_normalization_balances_and_helps(gen):
     torch.testing.assert_close(recon, x, rtol=2e-5, atol=0)
     # Mean per-tile relative error (a total norm is dominated by the largest tile and made this
     # flaky): normalization cuts it by at least 20%. Over 80 seeds the worst ratio was 0.72;
-    # with the 4-iteration default, 0.54 over 60 seeds (and the imbalance at most 2.0007 over 150).
+    # with the 4-iteration default, 0.54 over 60 seeds; with the 2-iteration one 0.52 over 60.
     for bits in (2, 4):
 
         def rel_err(config, bits=bits):

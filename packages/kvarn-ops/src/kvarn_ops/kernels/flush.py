@@ -37,7 +37,7 @@ Other modes (and prescale off, no fp16 rebalance, a log-scale clip) are refused 
 :func:`check_config`.
 
 Cost: per tile element, the normalization takes two passes of about 6 fp32 operations per
-iteration (4 iterations in ``DEFAULT_CONFIG``, 8 published), and the clipping search about
+iteration (2 iterations in ``DEFAULT_CONFIG``, 8 published), and the clipping search about
 16 per candidate (the codes, the refit's code mean and covariance, the error; 7 candidates at
 2 bits with the default's pattern search, 15 with the window; 6 at 4 bits, 3 at 8). At 50% of the
 H200's copy bandwidth on bf16 input the flush would have about 30 fp32 operations per
@@ -576,7 +576,8 @@ def parts_for(tiles: int, group: int, head_dim: int, sms: int) -> int:
     blocks, as in every decode step where a request fills a block, costs that whatever N is.
     The programs of a split tile normalize redundantly (about 60 us of the 120) and share the
     clipping search (BENCHMARKS.md, "2026-12-04: the flush of a decode step"); with the
-    default's 4 iterations a one-block step's flush takes 42 us."""
+    default's 4 iterations a one-block step's flush took 42 us, with its 2 since 2026-12-05
+    (and the pattern search) 40 us with a marked sink row (an H100, BENCHMARKS.md)."""
     slots = sms * PROGRAMS_PER_SM
     if 2 * tiles > slots:
         return 1

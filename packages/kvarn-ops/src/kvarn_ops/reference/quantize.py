@@ -153,16 +153,18 @@ class NormalizeConfig:
 
 
 DEFAULT_CONFIG = NormalizeConfig(
-    iters=4, rounding="unbiased_clip", clip_search="pattern", sink_token=True
+    iters=2, rounding="unbiased_clip", clip_search="pattern", sink_token=True
 )
-"""What every dense op uses: scale-invariant normalization (4 iterations), then the clipping
+"""What every dense op uses: scale-invariant normalization (2 iterations), then the clipping
 search with the unbiased refit (``reference/rounding.py``) for K and V, and the sink token's
 V row kept almost exact where the caller marks it (``reference/sink.py``; on SmolLM2-135M
-k4v2 without an exact first tile: license text +4.6% -> +1.0%, ACCURACY.md). Four iterations
-instead of the published eight: on SmolLM2-135M the difference in perplexity was not
-measurable (paired, pooled over six texts and on the license text, k2v2 to k4v4, with and
-without the exact first tile; ACCURACY.md), and the flush is compute bound (about 1.2x faster
-in bulk and 1.4x for a decode step's one block on an H200, BENCHMARKS.md)."""
+k4v2 without an exact first tile: license text +4.6% -> +1.0%, ACCURACY.md). Two iterations
+instead of the published eight (four from 2026-12-04, two since 2026-12-05): on SmolLM2-135M
+the difference in perplexity was not measurable without an exact first tile (paired, pooled
+over six texts and on the license text, k2v2 to k4v4; ACCURACY.md; with an exact first tile,
+which the serving plugin does not keep, k2v2 pooled +0.64 +- 0.30), and the flush is compute
+bound (2 iterations against 4: 14% less time in bulk and 16% for a decode step's one block
+on an H100; 4 against 8: 1.2x and 1.4x on an H200; BENCHMARKS.md)."""
 PUBLISHED_CONFIG = NormalizeConfig(
     log_scale_clip=(-0.3, 10.0), prescale=False, rebalance_fp16=False
 )
