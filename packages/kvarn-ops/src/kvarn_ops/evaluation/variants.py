@@ -29,16 +29,12 @@ from kvarn_ops.reference import (
 
 __all__ = ["METHODS", "CacheVariant", "make_variant", "parse_variant"]
 
-# The default as it was until 2026-12-05's evening (4 normalization iterations): the earlier
-# defaults below are measured against it in ACCURACY.md, so they keep its iterations.
-_ITERS4 = replace(DEFAULT_CONFIG, iters=4)
-
 METHODS = {
     "kvarn": DEFAULT_CONFIG,
-    "kvarn_iters4": _ITERS4,
-    "kvarn_nosinkrow": replace(_ITERS4, sink_token=False),
-    "kvarn_nosinkkey": replace(_ITERS4, sink_key=False),
-    "kvarn_window": replace(_ITERS4, clip_search="window"),
+    "kvarn_iters4": replace(DEFAULT_CONFIG, iters=4),
+    "kvarn_nosinkrow": replace(DEFAULT_CONFIG, sink_token=False),
+    "kvarn_nosinkkey": replace(DEFAULT_CONFIG, sink_key=False),
+    "kvarn_window": replace(DEFAULT_CONFIG, clip_search="window"),
     "kvarn_rtn": NormalizeConfig(),
     "kvarn_mse": NormalizeConfig(rounding="mse_clip"),
     "kvarn_grid": NormalizeConfig(rounding="mse_grid"),
@@ -63,11 +59,13 @@ METHODS = {
 quantizer (``DEFAULT_CONFIG``: scale invariant, no clip, 2 normalization iterations, the
 clipping search with the unbiased refit for K and V, the sequence's first token's V row kept
 almost exact, and at 2-bit K its key on every channel's grid); ``kvarn_iters4``: the same
-with 4 iterations (the default until 2026-12-05's evening); the next three keep those 4
-iterations: ``kvarn_nosinkrow``: without the sink row and key (the default until
-2026-12-05); ``kvarn_nosinkkey``: without the key's grid only (the default of 2026-12-05's
-first half); ``kvarn_window``: the clipping search over every ratio of its window at 2 bits
-too (``clip_search="window"``, the default until 2026-12-05's pattern search);
+with 4 iterations (the default until 2026-12-05's evening); the next three are the default
+without one of its steps, and follow its iterations (ACCURACY.md measured them at 4, against
+the default of the time): ``kvarn_nosinkrow``: without the sink row and key (the default
+until 2026-12-05); ``kvarn_nosinkkey``: without the key's grid only (the default of
+2026-12-05's first half); ``kvarn_window``: the clipping search over every ratio of its
+window at 2 bits too (``clip_search="window"``, the default until 2026-12-05's pattern
+search);
 ``kvarn_ub``: the same with the
 published 8 iterations (the default until 2026-12-04, and what the tables of ACCURACY.md
 measured before then call ``kvarn``);
