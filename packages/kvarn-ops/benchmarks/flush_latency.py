@@ -107,7 +107,7 @@ def run_case(args, n, pool, warps, parts, reference=None):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     used = parts or flush_mod.parts_for(n * hkv * 2, g, d, sms)
     if warps:
-        flush_mod.warps_for = lambda head_dim, group: warps
+        flush_mod.warps_for = lambda head_dim, group, parts=1: warps
     flush_mod.FORCE_PARTS = parts or None
     config = replace(DEFAULT_CONFIG, iters=args.iters) if args.iters else DEFAULT_CONFIG
     rows = None
@@ -131,7 +131,7 @@ def run_case(args, n, pool, warps, parts, reference=None):
         kv_heads=hkv,
         blocks=n,
         pool=pool,
-        warps=warps or shipped(d, g),
+        warps=warps or shipped(d, g, used),
         parts=used,
         iters=config.iters,
         sink_rows_marked=None if rows is None else int((rows >= 0).sum()),

@@ -297,7 +297,8 @@ def _compile_flush(case, target, parts=1, sink=False, marked=0):
         "num_pool_blocks": "i32",
         "num_blocks": "i32",
     }
-    k, _ = _compile(mod._flush_kernel, types_, consts, target, mod.warps_for(d, lay.block_size))
+    warps = mod.warps_for(d, lay.block_size, parts)  # the launcher's choice
+    k, _ = _compile(mod._flush_kernel, types_, consts, target, warps)
     regs, frame = cubin_resources(k.asm["cubin"])
     print(
         f"flush {case} parts {parts} sink {sink} marked {marked} sm{target.arch}: {regs} "
@@ -326,6 +327,7 @@ def test_flush_split_tiles_compile(target):
     the last program's scratch reads of the other programs' rows past L1."""
     k, regs, frame = _compile_flush(FLUSH_CASES[1], target, parts=8)
     ptx = k.asm["ptx"]
+    assert k.metadata.num_warps == 8  # flush.SPLIT_WARPS_MIN_PARTS
     assert 0 < regs <= 255
     assert frame <= FLUSH_SPILL_ALLOWANCE[("pattern", target.arch)], frame
     assert ptx.count("fence.acq_rel.gpu") >= 2, "release and acquire fences"

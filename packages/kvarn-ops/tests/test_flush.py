@@ -713,3 +713,19 @@ def test_flush_split_special_tiles(gen, force_parts):
 )
 def test_parts_for(tiles, group, head_dim, sms, parts):
     assert FLUSH_MOD.parts_for(tiles, group, head_dim, sms) == parts
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group", "parts", "warps"),
+    [
+        (128, 64, 1, 4),  # bulk: two 4-warp programs per SM beat one 8-warp one
+        (128, 64, 4, 4),
+        (128, 64, 8, 8),  # a step's one block: every program normalizes the whole tile
+        (64, 64, 8, 8),
+        (256, 64, 1, 8),
+        (256, 64, 8, 8),
+        (512, 64, 8, 16),
+    ],
+)
+def test_warps_for(head_dim, group, parts, warps):
+    assert FLUSH_MOD.warps_for(head_dim, group, parts) == warps

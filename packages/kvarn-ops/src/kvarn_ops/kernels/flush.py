@@ -545,9 +545,22 @@ def record_constants(layout) -> dict:
     return out
 
 
-def warps_for(head_dim: int, group: int) -> int:
-    """4 warps per 8192-value tile (64 fp32 values per thread), up to 16. Not tuned yet."""
-    return max(4, min(16, head_dim * group // 2048))
+#: Programs per tile from which a 4-warp tile's programs take 8 warps. Every program of a
+#: split tile normalizes the whole tile (the redundant part of its time), and with 8 warps
+#: each thread holds half the values: H100, 2 iterations, one block x 8 KV heads (8 programs
+#: per tile), 30.3 -> 25.6 us at k4v2 and 31.4 -> 26.2 us at k2v2. With one program per tile
+#: 8 warps are slower (bulk k4v2 14.6 -> 19.3 ms: at 255 registers an SM holds two 4-warp
+#: programs or one 8-warp one, the same 8 warps, each with less to overlap).
+SPLIT_WARPS_MIN_PARTS = 8
+
+
+def warps_for(head_dim: int, group: int, parts: int = 1) -> int:
+    """4 warps per 8192-value tile (64 fp32 values per thread), up to 16; 8 for a 4-warp
+    tile split over at least :data:`SPLIT_WARPS_MIN_PARTS` programs."""
+    warps = max(4, min(16, head_dim * group // 2048))
+    if parts >= SPLIT_WARPS_MIN_PARTS and warps < 8:
+        return 8
+    return warps
 
 
 def scratch_stride(group: int, head_dim: int) -> int:
@@ -576,8 +589,9 @@ def parts_for(tiles: int, group: int, head_dim: int, sms: int) -> int:
     blocks, as in every decode step where a request fills a block, costs that whatever N is.
     The programs of a split tile normalize redundantly (about 60 us of the 120) and share the
     clipping search (BENCHMARKS.md, "2026-12-04: the flush of a decode step"); with the
-    default's 4 iterations a one-block step's flush took 42 us, with its 2 since 2026-12-05
-    (and the pattern search) 40 us with a marked sink row (an H100, BENCHMARKS.md)."""
+    default's 4 iterations a one-block step's flush took 42 us; with its 2 since 2026-12-05,
+    the pattern search and 8 warps per program (:func:`warps_for`) 23.6 us (an H100,
+    BENCHMARKS.md)."""
     slots = sms * PROGRAMS_PER_SM
     if 2 * tiles > slots:
         return 1
@@ -740,7 +754,7 @@ def _launch(
             SINK=sink,
             PIN=pin_k,
             MARKED=marked,
-            num_warps=warps_for(d, g),
+            num_warps=warps_for(d, g, parts),
             **record_constants(layout),
         )
 
