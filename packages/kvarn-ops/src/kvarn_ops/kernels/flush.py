@@ -549,8 +549,8 @@ def record_constants(layout) -> dict:
 #: split tile normalizes the whole tile (the redundant part of its time), and with 8 warps
 #: each thread holds half the values: H100, 2 iterations, one block x 8 KV heads (8 programs
 #: per tile), 30.3 -> 25.6 us at k4v2 and 31.4 -> 26.2 us at k2v2. With one program per tile
-#: 8 warps are slower (bulk k4v2 14.6 -> 19.3 ms: at 255 registers an SM holds two 4-warp
-#: programs or one 8-warp one, the same 8 warps, each with less to overlap).
+#: 8 warps are slower (bulk k4v2 14.6 -> 19.3 ms; offline 243 registers without spills, so an
+#: SM holds one 8-warp program where it held two 4-warp ones: the same 8 warps).
 SPLIT_WARPS_MIN_PARTS = 8
 
 
