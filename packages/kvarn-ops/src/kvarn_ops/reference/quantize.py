@@ -162,9 +162,9 @@ k4v2 without an exact first tile: license text +4.6% -> +1.0%, ACCURACY.md). Two
 instead of the published eight (four from 2026-12-04, two since 2026-12-05): on SmolLM2-135M
 the difference in perplexity was not measurable without an exact first tile (paired, pooled
 over six texts and on the license text, k2v2 to k4v4; ACCURACY.md; with an exact first tile,
-which the serving plugin does not keep, k2v2 pooled +0.64 +- 0.30), and the flush is compute
-bound (2 iterations against 4: 14% less time in bulk and 16% for a decode step's one block
-on an H100; 4 against 8: 1.2x and 1.4x on an H200; BENCHMARKS.md)."""
+which the serving plugin does not keep, k2v2 pooled +0.64 +- 0.30), and the flush's time is
+its arithmetic's (2 iterations against 4: 14% less time in bulk and 16% for a decode step's
+one block on an H100; 4 against 8: 1.2x and 1.4x on an H200; BENCHMARKS.md)."""
 PUBLISHED_CONFIG = NormalizeConfig(
     log_scale_clip=(-0.3, 10.0), prescale=False, rebalance_fp16=False
 )
