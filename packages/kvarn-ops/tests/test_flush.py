@@ -510,7 +510,12 @@ def test_flush_saturates_scales_beyond_fp16(config, gen):
     weight <= 2.3e-7; seed 2502968739: one code in a channel of weight 7.9e-4, its row's
     candidate differing, the row's error 1 + 1.9e-9 times the reference's). So differing V
     codes are 1 LSB apart and every row's decoded error (fp64, the tile's own frame, where the
-    column weights are implicit) is the reference's to a relative 1e-6: ties only.
+    column weights are implicit) is the reference's to a relative 1e-6: ties only. That holds
+    where the V scale fields equal the reference's; with the default's 2 iterations the V
+    normalization of this tile has not converged either, and in 14 of 300 seeds its scales
+    differ (as K's below): then codes move by up to 3 LSB in channels of negligible weight and
+    each row's decoded error stays within 1 + 1e-4 of the reference's (measured at most 1 +
+    1.0e-5; the tile's mean relative error within 1 + 2e-7).
 
     K codes: after 8 normalization iterations identical but for ties (seed 32: one code of
     2048; none in 59 other seeds), so at most 10 may differ. After the default's 4 the
@@ -552,11 +557,15 @@ def test_flush_saturates_scales_beyond_fp16(config, gen):
         assert torch.equal(fields["v_codes"], fields_ref["v_codes"])
         return
     diff = (fields["v_codes"].int() - fields_ref["v_codes"].int()).abs()  # [1, G, D]
-    assert int(diff.max()) <= 1
     x = ek.double().reshape(1, 32, 64)
     sse = ((ref.dequantize_v(fields, torch.float64) - x) ** 2).sum(-1)
     sse_ref = ((ref.dequantize_v(fields_ref, torch.float64) - x) ** 2).sum(-1)
-    assert bool((sse <= sse_ref * (1 + 1e-6)).all()), (sse / sse_ref).max().item()
+    same_scales = all(torch.equal(fields[f], fields_ref[f]) for f in ("v_col_scale", "v_row_scale"))
+    if same_scales:  # ties only
+        assert int(diff.max()) <= 1
+        assert bool((sse <= sse_ref * (1 + 1e-6)).all()), (sse / sse_ref).max().item()
+    else:  # the unconverged normalization's scales, as K's above
+        assert bool((sse <= sse_ref * (1 + 1e-4)).all()), (sse / sse_ref).max().item()
 
 
 def test_flush_empty_is_a_no_op():
