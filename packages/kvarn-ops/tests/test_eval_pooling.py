@@ -9,6 +9,7 @@ import random
 import pytest
 
 from kvarn_ops.evaluation.harness import (
+    code_text_set,
     default_token_ids,
     paired_stats,
     pool_exact,
@@ -75,10 +76,13 @@ def test_pooling_refuses_mismatched_runs():
 def test_shipped_text_sets():
     ids, source = default_token_ids()
     texts, pydoc_source = pydoc_text_set()
+    code, code_source = code_text_set()
     assert len(ids) == 2048 and "LICENSE" in source
-    assert len(texts) == 6 and all(len(t) == 2048 for t in texts)
+    for group in (texts, code):
+        assert len(group) == 6 and all(len(t) == 2048 for t in group)
     assert "pydoc_data.topics" in pydoc_source
-    # independent windows: no two texts (nor the license text) share a 64-token tile
-    tiles = [tuple(t[i : i + 64]) for t in [ids, *texts] for i in range(0, 2048, 64)]
+    assert "argparse" in code_source and "tokens 1024-3071" in code_source
+    # independent windows: no two texts (in any set, nor the license text) share a 64-token tile
+    tiles = [tuple(t[i : i + 64]) for t in [ids, *texts, *code] for i in range(0, 2048, 64)]
     assert len(set(tiles)) == len(tiles)
-    assert all(0 <= x < 49152 for t in texts for x in t)  # SmolLM2's vocabulary
+    assert all(0 <= x < 49152 for t in [*texts, *code] for x in t)  # SmolLM2's vocabulary

@@ -6,6 +6,7 @@ kvarn-eval setup                                   # build SmolLM2-135M into the
 kvarn-eval run --out results/                      # the default comparison (see --help)
 kvarn-eval run --formats kvarn_k4v2_g64 --methods published,kvarn_mse --sink on
 kvarn-eval run --texts pydoc --detail none         # pooled over six more shipped texts
+kvarn-eval run --texts code --detail none          # six windows of Python source code
 kvarn-eval report results/results.json             # tables again from a saved run
 """
 
@@ -59,6 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvarn_ops.evaluation import report
     from kvarn_ops.evaluation.harness import (
         Harness,
+        code_text_set,
         default_token_ids,
         pool_exact,
         pool_texts,
@@ -81,6 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         text = data.get("source", args.text_ids)
     elif args.texts == "pydoc":
         texts, text = pydoc_text_set()
+    elif args.texts == "code":
+        texts, text = code_text_set()
     else:
         ids, text = default_token_ids()
         texts = [ids]
@@ -212,11 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--texts",
-        choices=("license", "pydoc"),
+        choices=("license", "pydoc", "code"),
         default="license",
         help="shipped token ids: 'license' (default: CPython's LICENSE, 2048 tokens, the "
-        "reference setup) or 'pydoc' (six 2048-token texts of Python's library reference, "
-        "pooled: about 2.5x smaller standard errors)",
+        "reference setup), 'pydoc' (six 2048-token texts of Python's library reference, "
+        "pooled: about 2.5x smaller standard errors) or 'code' (six 2048-token windows of "
+        "CPython's standard-library source)",
     )
     r.add_argument(
         "--text-ids",

@@ -25,6 +25,7 @@ from kvarn_ops.evaluation.variants import CacheVariant, make_variant
 
 __all__ = [
     "Harness",
+    "code_text_set",
     "default_token_ids",
     "pool_exact",
     "pool_texts",
@@ -41,14 +42,23 @@ def default_token_ids() -> tuple[list[int], str]:
     return data["ids"], data["source"]
 
 
+def _text_set(name: str) -> tuple[list[list[int]], str]:
+    data = json.loads(resources.files("kvarn_ops.evaluation").joinpath(f"data/{name}").read_text())
+    return data["texts"], data["source"]
+
+
 def pydoc_text_set() -> tuple[list[list[int]], str]:
     """Six more texts for decisions between quantizers (one 2048-token text gives standard
     errors of 0.5-1.5 points at k4v2; six independent ones about 0.2): 2048 SmolLM2 token ids
     each from Python's library reference topics, shipped; ``(texts, source)``."""
-    data = json.loads(
-        resources.files("kvarn_ops.evaluation").joinpath("data/pydoc_6x2048.json").read_text()
-    )
-    return data["texts"], data["source"]
+    return _text_set("pydoc_6x2048.json")
+
+
+def code_text_set() -> tuple[list[list[int]], str]:
+    """Six texts of source code, a distribution unlike the prose of the other two sets: 2048
+    SmolLM2 token ids from each of six CPython 3.11.7 standard-library modules (tokens
+    1024-3071 of each file), shipped; ``(texts, source)``."""
+    return _text_set("code_6x2048.json")
 
 
 def pool_exact(exact: Sequence[dict]) -> dict:
