@@ -37,7 +37,11 @@ OFFLINE_COMPILE_FILES = (
 # Tests of the repository's tools beside tests/ (benchmarks/, gpu/), by the folder each needs:
 # collected where the tools are, i.e. not where only tests/ is copied next to an installed
 # wheel (`nox -s wheels`).
-TOOL_TEST_FILES = {"test_profile_ncu.py": "benchmarks", "test_parity_report.py": "gpu"}
+TOOL_TEST_FILES = {
+    "test_profile_ncu.py": "benchmarks",
+    "test_parity_report.py": "gpu",
+    "test_probe_flush_columns.py": "benchmarks",
+}
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
