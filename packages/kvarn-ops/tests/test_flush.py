@@ -7,6 +7,12 @@ What must hold, and why:
   writer's records built from the kernel's own decoded fields): packing and stores are exact.
 - codes: >= 99.9% identical to the reference (CODE_AGREEMENT), the rest 1 LSB apart: same
   algorithm in the same order; only a float reduction order or an exp/log ulp flips a rounding.
+  Where the clipping search's two best candidates of a row are within rounding of each
+  other, the kernel may keep the other one and that row's codes move together (1 LSB each);
+  a record set whose codes fall below the bound passes only if the differing codes lie in
+  at most ROW_FLIPS of its rounding rows (seen once in CI: one 64-code V row at k3v5 g32,
+  22 codes of 16,384; none in 180 further seeds of the small-tile cases), and the decoded
+  error check below still holds.
 - fp16 scale fields: not compared bit for bit, the decoded tile is. Near convergence successive
   iterates have almost equal imbalance, so an ulp can pick a neighbouring iterate whose
   row/column split differs by a near-constant factor (codes and products unchanged).
@@ -41,6 +47,7 @@ from kvarn_ops import reference as ref  # noqa: E402
 from kvarn_ops.kernels import _common, flush  # noqa: E402
 
 CODE_AGREEMENT = 0.999
+ROW_FLIPS = 1
 ERR_RATIO = 1.02
 POISON = 0xAB
 FP8 = torch.float8_e4m3fn
@@ -173,14 +180,17 @@ def _compare(packed, packed_ref, dst, layout, pool_tiles, err_ratio=ERR_RATIO, u
     # reference writer gives the kernel's bytes back.
     assert torch.equal(ref.fields_to_records(fields, layout), recs)
     fields_ref = ref.record_fields(recs_ref, layout)
-    same = total = 0
+    same = total = rows = 0
     for name in ("k_codes", "v_codes"):
         diff = (fields[name].int() - fields_ref[name].int()).abs()
         assert int(diff.max()) <= 1, f"{name}: codes differ by {int(diff.max())}"
         same += int((diff == 0).sum())
         total += diff.numel()
+        rows += int((diff > 0).any(-1).sum())  # rounding rows (K: channels, V: tokens)
     agreement = same / total
-    assert agreement >= CODE_AGREEMENT, f"code agreement {agreement:.5f}"
+    assert agreement >= CODE_AGREEMENT or rows <= ROW_FLIPS, (
+        f"code agreement {agreement:.5f} over {rows} rows"
+    )
     slacks = _field_ulp_slack(fields_ref, layout) if ulp_slack else (None, None)
     for got, want, x, slack in zip(
         ref.decode_records(recs, layout),
