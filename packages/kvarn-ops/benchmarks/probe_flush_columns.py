@@ -4,7 +4,7 @@ The flush holds each [R, C] tile in registers (64 fp32 values per thread at 4 wa
 compiler spreads every row over 8-16 threads, so the search's per-row sums go through
 shuffles and its per-row work is repeated in each of them; Nsight Compute measured the bulk
 flush at 255 registers, two programs per SM and 31% issue use (BENCHMARKS.md, "2026-12-05,
-evening"). This probe times the search alone, on the same tiles, three ways:
+evening"). This probe times the search alone, on the same tiles, four ways:
 
 - ``tile``: the flush's own ``flush_math.unbiased_clip_search`` on the tile in registers
   (offline, sm_90a, 4 warps, R 128 and C 64 or R 64 and C 128: 255 registers and 536 B of
@@ -17,18 +17,25 @@ evening"). This probe times the search alone, on the same tiles, three ways:
   longer holds an SM to two programs;
 - ``moments``: as ``columns``, one pass per candidate: ``sum w c``, ``sum w c^2`` and
   ``sum w c (b - mean)`` give the refit and the error in closed form (candidates within
-  rounding of each other can then order differently from the reference); 40 registers.
+  rounding of each other can then order differently from the reference); 40 registers;
+- ``rows`` (``probe_flush_rows.py``, Gluon, GPU only): the tile in registers as in ``tile``
+  but in a layout chosen by hand, one row per thread (two for 128 columns), so the per-row
+  sums need no shuffles and no thread repeats another's row work; offline, sm_90a, 254
+  registers and no spills at R 128 (96 B at R 64); its candidate loop is 912-953 SASS
+  instructions for 64 elements a thread against ``tile``'s 2,219-2,345 (about 14 against 35
+  per element, the same count for both).
 
 A flush built the ``columns`` way would also write its normalized tile to a scratch slot of
 its own and read it back to pack the codes (8-32 KB per tile, L1/L2 resident); that traffic
-is not in the probe's time. All three run the window's candidates (``clip_search="window"``),
+is not in the probe's time. All four run the window's candidates (``clip_search="window"``),
 so the work is the same; each is compared with the reference (``reference.rounding.round_rows``)
-as the fraction of rows with the reference's codes (``columns`` and ``moments`` return the
-winning clipping range, whose codes are recomputed here). ``--check`` runs a few tiles of each
-shape under the interpreter (no timing; a CPU test runs it).
+as the fraction of rows with the reference's codes (``columns``, ``moments`` and ``rows``
+return the winning clipping range, whose codes are recomputed here). ``--check`` runs a few
+tiles of each shape under the interpreter (no timing; a CPU test runs it; ``rows`` is Gluon,
+which the interpreter cannot run: a CPU test compiles it instead).
 
     python benchmarks/probe_flush_columns.py --out results/probe_flush_columns.json
-        [--tiles 32768] [--bits 2,4] [--variants tile,columns,moments]
+        [--tiles 32768] [--bits 2,4] [--variants tile,columns,moments,rows]
     TRITON_INTERPRET=1 python benchmarks/probe_flush_columns.py --check
 """
 
@@ -229,6 +236,12 @@ def prepare(name, b, lc, bits, codes=None):
                 b, lc, out, target, R=r, C=c, LEVELS=levels, CODES=codes is not None, num_warps=4
             )
 
+    elif name == "rows":
+        from probe_flush_rows import launch_rows  # Gluon: GPU only
+
+        def launch():
+            launch_rows(b, lc, out, bits)
+
     else:
         bt = b.transpose(1, 2).contiguous()
         w = torch.exp(2.0 * (lc - lc.amax(-1, keepdim=True)))
@@ -279,7 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="tiles of --check")
     ap.add_argument("--tiles", type=int, default=32768)
     ap.add_argument("--bits", default="2,4")
-    ap.add_argument("--variants", default="tile,columns,moments")
+    ap.add_argument("--variants", default="tile,columns,moments,rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.check:

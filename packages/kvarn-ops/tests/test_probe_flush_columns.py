@@ -6,7 +6,13 @@ timing it exists for runs on a GPU only; this keeps what it times honest."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 _PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_flush_columns.py"
 
@@ -28,3 +34,45 @@ def test_probe_variants_match_the_reference(seed):
             assert frac >= 0.97, (key, frac)
         else:
             assert frac == 1.0, (key, frac)
+
+
+_COMPILE_ROWS = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from cubin_info import cubin_resources
+import probe_flush_rows as P
+
+fn = P._rows_kernel
+res = []
+for r, c, bits, arch in ((128, 64, 4, 90), (64, 128, 2, 120)):
+    tpr, warps = P.geometry(r, c)
+    consts = dict(R=r, C=c, LEVELS=(1 << bits) - 1, TPR=tpr, WARPS=warps)
+    sig = {n: "constexpr" if n in consts else "*fp32" for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    res.append(dict(r=r, arch=arch, regs=regs, frame=frame, shfl=k.asm["ptx"].count("shfl.sync")))
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+def test_probe_rows_variant_compiles_offline():
+    """The Gluon ``rows`` variant cannot run under the interpreter; it compiles for sm_90a
+    (K tile, 4-bit) and sm_120a (V tile, 2-bit) in a process with the interpreter off, and has
+    the layout its docstring claims: a K tile's thread holds whole rows and every column's
+    weight, so it has no shuffle at all, and it does not spill."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    path = os.pathsep.join(str(p) for p in (_PROBE.parent, Path(__file__).resolve().parent))
+    env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_ROWS], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    k_tile, v_tile = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert k_tile["regs"] <= 255 and k_tile["frame"] == 0, k_tile
+    assert k_tile["shfl"] == 0, k_tile
+    assert v_tile["regs"] <= 255, v_tile
