@@ -22,8 +22,8 @@ evening"). This probe times the search alone, on the same tiles, four ways:
   but in a layout chosen by hand, one row per thread (two for 128 columns), so the per-row
   sums need no shuffles and no thread repeats another's row work; offline, sm_90a, 254
   registers and no spills at R 128 (96 B at R 64); its candidate loop is 912-953 SASS
-  instructions for 64 elements a thread against ``tile``'s 2,219-2,345 (about 14 against 35
-  per element, the same count for both).
+  instructions for 64 elements a thread against ``tile``'s 2,219-2,345 here and 1,582-1,650
+  inside the flush (counted the same way).
 
 A flush built the ``columns`` way would also write its normalized tile to a scratch slot of
 its own and read it back to pack the codes (8-32 KB per tile, L1/L2 resident); that traffic
