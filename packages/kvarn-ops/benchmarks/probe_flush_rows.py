@@ -1,5 +1,8 @@
-"""The ``rows`` variant of ``probe_flush_columns.py``: the clipping search in Gluon with one
-tile row per thread (two threads per row for 128-column tiles), the tile in registers.
+"""The flush's clipping search and normalization in Gluon with layouts chosen by hand: the
+``rows`` variants of ``probe_flush_columns.py`` and ``probe_flush_norm.py``.
+
+The search: one tile row per thread (two threads per row for 128-column tiles), the tile in
+registers.
 
 Triton chooses the flush tile's register layout itself, and for a ``[128, 64]`` fp32 tile at
 4 warps it spreads each row over 16 threads: every per-row sum of the search is then a
@@ -15,6 +18,12 @@ min/max).
 Gluon kernels do not run under the Triton interpreter; the probe checks this variant's rows
 against the reference on the GPU (``rows as reference``) and a CPU test compiles it for
 sm_90a and sm_120a.
+
+The normalization (``_norm_rows_kernel``): the flush's ``flush_math.normalize_tile`` with the
+tile held twice, once a row per thread (its row statistics in one thread) and once a column
+per thread (two threads per column for 128-row tiles: its column statistics the same way),
+the second copy made once through shared memory (``convert_layout``); only the line scales
+(R and C values) cross between the two each iteration.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ _MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2**23: the fp32 add rounds to an inte
 
 
 @gluon.jit
-def _ratio(i, COUNT: gl.constexpr):
+def _clip_ratio(i, COUNT: gl.constexpr):
     ratio = 0.0
     for j in gl.static_range(COUNT):
         ratio = gl.where(i == j, _RATIOS[j], ratio)
@@ -93,7 +102,7 @@ def _rows_kernel(
     code_s = -step0
     COUNT: gl.constexpr = CLIP_COUNT_BY_LEVELS[LEVELS]
     for i in range(COUNT):
-        ratio = _ratio(i, COUNT)
+        ratio = _clip_ratio(i, COUNT)
         z = mid - ratio * half
         s = half * gl.div_rn(2.0 * ratio, LEVELS * 1.0)
         q = _codes(b, z, _inverse(s), LEVELS)
@@ -112,6 +121,85 @@ def _rows_kernel(
     gl.store(out_ptr + t * 2 * R + R + r, code_z)
 
 
+@gluon.jit
+def _moments(u, AXIS: gl.constexpr, N: gl.constexpr):
+    """Population variance (two-pass) and mean square of every line of ``u`` along AXIS (the
+    flush's ``_line_moments``)."""
+    mean = gl.sum(u, axis=AXIS) / N
+    dev = u - gl.expand_dims(mean, AXIS)
+    var = gl.sum(dev * dev, axis=AXIS) / N
+    return var, var + mean * mean
+
+
+@gluon.jit
+def _log_spread(var, ms, FLOOR2: gl.constexpr):
+    """The flush's ``_log_spread(_half_log(var, ms))``: ``log max(std, floor * rms)`` of each
+    line, zero lines filled with the mean of the others' logs."""
+    v = gl.maximum(var, FLOOR2 * ms)
+    pos = v > 0.0
+    hl = 0.5 * gl.log(gl.where(pos, v, 1.0))
+    count = gl.sum(pos.to(gl.int32), axis=0)
+    fill = gl.sum(gl.where(pos, hl, 0.0), axis=0) / gl.maximum(count, 1).to(gl.float32)
+    return gl.where(pos, hl, fill)
+
+
+@gluon.jit
+def _spread_ratio(log_spread):
+    return gl.exp(gl.max(log_spread, axis=0) - gl.min(log_spread, axis=0))
+
+
+@gluon.jit
+def _norm_rows_kernel(
+    x_ptr,
+    out_ptr,
+    R: gl.constexpr,
+    C: gl.constexpr,
+    ITERS: gl.constexpr,
+    STD_FLOOR: gl.constexpr,
+    TPR: gl.constexpr,
+    TPC: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """Log scales ``(lr [R], lc [C])`` of the best-balanced iterate of each prescaled tile
+    ``x [N, R, C]`` into ``out [N, R + C]``, as ``flush_math.normalize_tile``."""
+    L: gl.constexpr = gl.BlockedLayout([1, C // TPR], [32 // TPR, TPR], [WARPS, 1], [1, 0])
+    LT: gl.constexpr = gl.BlockedLayout([R // TPC, 1], [TPC, 32 // TPC], [1, WARPS], [0, 1])
+    FLOOR2: gl.constexpr = STD_FLOOR * STD_FLOOR
+    t = gl.program_id(0)
+    r = gl.arange(0, R, layout=gl.SliceLayout(1, L))
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, L))
+    xp = gl.load(x_ptr + t * R * C + gl.expand_dims(r, 1) * C + gl.expand_dims(c, 0))
+    xt = gl.convert_layout(xp, LT)
+    lr = gl.zeros([R], gl.float32, gl.SliceLayout(1, L))
+    lc = gl.zeros([C], gl.float32, gl.SliceLayout(0, LT))
+    var_c, ms_c = _moments(xt, 0, R)
+    lcs = _log_spread(var_c, ms_c, FLOOR2)
+    var_r, ms_r = _moments(xp, 1, C)
+    best = _spread_ratio(lcs) + _spread_ratio(_log_spread(var_r, ms_r, FLOOR2))
+    best_lr = lr
+    best_lc = lc
+    for _ in range(ITERS):
+        lc = lc + lcs
+        b = gl.exp(-lc)
+        y = (xp * gl.expand_dims(gl.exp(-lr), 1)) * gl.expand_dims(
+            gl.convert_layout(b, gl.SliceLayout(0, L)), 0
+        )
+        var_r, ms_r = _moments(y, 1, C)
+        lr = lr + _log_spread(var_r, ms_r, FLOOR2)
+        lr_t = gl.convert_layout(lr, gl.SliceLayout(1, LT))
+        y = (xt * gl.expand_dims(gl.exp(-lr_t), 1)) * gl.expand_dims(b, 0)
+        var_c, ms_c = _moments(y, 0, R)
+        lcs = _log_spread(var_c, ms_c, FLOOR2)
+        imb = _spread_ratio(lcs) + 1.0
+        better = imb < best
+        best = gl.where(better, imb, best)
+        best_lr = gl.where(better, lr, best_lr)
+        best_lc = gl.where(better, lc, best_lc)
+    gl.store(out_ptr + t * (R + C) + r, best_lr)
+    ct = gl.arange(0, C, layout=gl.SliceLayout(0, LT))
+    gl.store(out_ptr + t * (R + C) + R + ct, best_lc)
+
+
 def geometry(r: int, c: int) -> tuple[int, int]:
     """``(threads per row, warps)`` of an ``[r, c]`` tile: a row per thread up to 64 columns."""
     tpr = max(1, c // 64)
@@ -119,6 +207,28 @@ def geometry(r: int, c: int) -> tuple[int, int]:
     if warps < 1 or r * tpr % 32:
         raise ValueError(f"tile: {r} x {c} does not fill whole warps at {tpr} threads a row")
     return tpr, warps
+
+
+def launch_norm_rows(x: torch.Tensor, out: torch.Tensor, iters: int, std_floor: float) -> None:
+    """The normalization of every prescaled tile ``x [N, R, C]`` (fp32, contiguous): log
+    scales into ``out [N, R + C]``."""
+    n, r, c = x.shape
+    tpr, warps = geometry(r, c)
+    tpc = max(1, r // 64)  # threads per column
+    if (32 // tpc) * warps != c:
+        raise ValueError(f"tile: {r} x {c} has no column layout at {warps} warps")
+    _norm_rows_kernel[(n,)](
+        x,
+        out,
+        R=r,
+        C=c,
+        ITERS=iters,
+        STD_FLOOR=std_floor,
+        TPR=tpr,
+        TPC=tpc,
+        WARPS=warps,
+        num_warps=warps,
+    )
 
 
 def launch_rows(b: torch.Tensor, lc: torch.Tensor, out: torch.Tensor, bits: int) -> None:

@@ -1,7 +1,10 @@
-"""The flush-search probe (``benchmarks/probe_flush_columns.py``) computes what the reference
-does: its three kernels on fresh random tiles of both shapes and widths, under the
-interpreter, row for row against ``reference.rounding.round_rows`` (window search). The GPU
-timing it exists for runs on a GPU only; this keeps what it times honest."""
+"""The flush probes (``benchmarks/probe_flush_columns.py``, ``probe_flush_norm.py``) compute
+what the reference does: the search probe's three Triton kernels on fresh random tiles of
+both shapes and widths, under the interpreter, row for row against
+``reference.rounding.round_rows`` (window search); the normalization probe's Triton kernel
+against ``reference.quantize.normalize_tiles``; their Gluon variants
+(``probe_flush_rows.py``) compiled offline. The GPU timing they exist for runs on a GPU only;
+this keeps what they time honest."""
 
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ import pytest
 _PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_flush_columns.py"
 
 
-def _probe():
-    spec = importlib.util.spec_from_file_location("probe_flush_columns", _PROBE)
+def _probe(name: str = "probe_flush_columns"):
+    spec = importlib.util.spec_from_file_location(name, _PROBE.with_name(name + ".py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -34,6 +37,12 @@ def test_probe_variants_match_the_reference(seed):
             assert frac >= 0.97, (key, frac)
         else:
             assert frac == 1.0, (key, frac)
+
+
+def test_probe_norm_tile_matches_the_reference(seed):
+    res = _probe("probe_flush_norm").check(n=2, seed=seed)
+    for kind, r in res.items():
+        assert r["within"] == 1.0, (kind, r)
 
 
 _COMPILE_ROWS = """
@@ -55,16 +64,27 @@ for r, c, bits, arch in ((128, 64, 4, 90), (64, 128, 2, 120)):
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
     regs, frame = cubin_resources(k.asm["cubin"])
     res.append(dict(r=r, arch=arch, regs=regs, frame=frame, shfl=k.asm["ptx"].count("shfl.sync")))
+fn = P._norm_rows_kernel
+for r, c, arch in ((128, 64, 90), (64, 128, 120)):
+    tpr, warps = P.geometry(r, c)
+    consts = dict(R=r, C=c, ITERS=2, STD_FLOOR=1e-3, TPR=tpr, TPC=max(1, r // 64), WARPS=warps)
+    sig = {n: "constexpr" if n in consts else "*fp32" for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    res.append(dict(r=r, arch=arch, regs=regs, frame=frame, bar=k.asm["ptx"].count("bar.sync")))
 print(json.dumps(res))
 """
 
 
 @pytest.mark.slow
-def test_probe_rows_variant_compiles_offline():
-    """The Gluon ``rows`` variant cannot run under the interpreter; it compiles for sm_90a
-    (K tile, 4-bit) and sm_120a (V tile, 2-bit) in a process with the interpreter off, and has
-    the layout its docstring claims: a K tile's thread holds whole rows and every column's
-    weight, so it has no shuffle at all, and it does not spill."""
+def test_probe_rows_variants_compile_offline():
+    """The Gluon ``rows`` variants cannot run under the interpreter; they compile for sm_90a
+    (K tile; the search at 4 bits) and sm_120a (V tile; 2 bits) in a process with the
+    interpreter off. The search has the layout its docstring claims: a K tile's thread holds
+    whole rows and every column's weight, so it has no shuffle at all, and it does not spill;
+    the normalization exchanges through shared memory (barriers) and fits the register file."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     path = os.pathsep.join(str(p) for p in (_PROBE.parent, Path(__file__).resolve().parent))
     env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
@@ -72,7 +92,9 @@ def test_probe_rows_variant_compiles_offline():
         [sys.executable, "-c", _COMPILE_ROWS], env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    k_tile, v_tile = json.loads(proc.stdout.strip().splitlines()[-1])
+    k_tile, v_tile, k_norm, v_norm = json.loads(proc.stdout.strip().splitlines()[-1])
     assert k_tile["regs"] <= 255 and k_tile["frame"] == 0, k_tile
     assert k_tile["shfl"] == 0, k_tile
     assert v_tile["regs"] <= 255, v_tile
+    for norm in (k_norm, v_norm):
+        assert norm["regs"] <= 255 and norm["frame"] <= 128 and norm["bar"] > 0, norm
