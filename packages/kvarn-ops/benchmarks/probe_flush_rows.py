@@ -209,33 +209,48 @@ def geometry(r: int, c: int) -> tuple[int, int]:
     return tpr, warps
 
 
-def launch_norm_rows(x: torch.Tensor, out: torch.Tensor, iters: int, std_floor: float) -> None:
-    """The normalization of every prescaled tile ``x [N, R, C]`` (fp32, contiguous): log
-    scales into ``out [N, R + C]``."""
-    n, r, c = x.shape
+def search_consts(r: int, c: int, bits: int) -> dict:
+    """Constexprs of ``_rows_kernel`` for ``[r, c]`` tiles of ``bits``-bit codes (``WARPS``
+    is also the launch's ``num_warps``)."""
+    tpr, warps = geometry(r, c)
+    return dict(R=r, C=c, LEVELS=(1 << bits) - 1, TPR=tpr, WARPS=warps)
+
+
+def norm_consts(r: int, c: int, iters: int, std_floor: float) -> dict:
+    """Constexprs of ``_norm_rows_kernel`` for ``[r, c]`` tiles."""
     tpr, warps = geometry(r, c)
     tpc = max(1, r // 64)  # threads per column
     if (32 // tpc) * warps != c:
         raise ValueError(f"tile: {r} x {c} has no column layout at {warps} warps")
-    _norm_rows_kernel[(n,)](
-        x,
-        out,
-        R=r,
-        C=c,
-        ITERS=iters,
-        STD_FLOOR=std_floor,
-        TPR=tpr,
-        TPC=tpc,
-        WARPS=warps,
-        num_warps=warps,
-    )
+    return dict(R=r, C=c, ITERS=iters, STD_FLOOR=std_floor, TPR=tpr, TPC=tpc, WARPS=warps)
+
+
+def compile_offline(kernel, consts: dict, arch: int):
+    """Compile ``_rows_kernel`` or ``_norm_rows_kernel`` for ``sm_{arch}`` without a GPU (every
+    pointer fp32); returns triton's compiled kernel (``.asm["cubin"]``, ``.asm["ptx"]``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else "*fp32" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    target = GPUTarget("cuda", arch, 32)
+    return triton.compile(src, target=target, options=dict(num_warps=consts["WARPS"]))
+
+
+def launch_norm_rows(x: torch.Tensor, out: torch.Tensor, iters: int, std_floor: float) -> None:
+    """The normalization of every prescaled tile ``x [N, R, C]`` (fp32, contiguous): log
+    scales into ``out [N, R + C]``."""
+    n, r, c = x.shape
+    k = norm_consts(r, c, iters, std_floor)
+    _norm_rows_kernel[(n,)](x, out, **k, num_warps=k["WARPS"])
 
 
 def launch_rows(b: torch.Tensor, lc: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     """The search of every tile ``b [N, R, C]`` (fp32, contiguous) with log column scales
     ``lc [N, C]``; each row's winning ``(step, lo)`` into ``out [N, 2R]``."""
     n, r, c = b.shape
-    tpr, warps = geometry(r, c)
-    _rows_kernel[(n,)](
-        b, lc, out, R=r, C=c, LEVELS=(1 << bits) - 1, TPR=tpr, WARPS=warps, num_warps=warps
-    )
+    k = search_consts(r, c, bits)
+    _rows_kernel[(n,)](b, lc, out, **k, num_warps=k["WARPS"])

@@ -46,34 +46,22 @@ def test_probe_norm_tile_matches_the_reference(seed):
 
 
 _COMPILE_ROWS = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+import json
 from cubin_info import cubin_resources
 import probe_flush_rows as P
 
-fn = P._rows_kernel
+cases = (
+    (P._rows_kernel, P.search_consts(128, 64, 4), 90),
+    (P._rows_kernel, P.search_consts(64, 128, 2), 120),
+    (P._norm_rows_kernel, P.norm_consts(128, 64, 2, 1e-3), 90),
+    (P._norm_rows_kernel, P.norm_consts(64, 128, 2, 1e-3), 120),
+)
 res = []
-for r, c, bits, arch in ((128, 64, 4, 90), (64, 128, 2, 120)):
-    tpr, warps = P.geometry(r, c)
-    consts = dict(R=r, C=c, LEVELS=(1 << bits) - 1, TPR=tpr, WARPS=warps)
-    sig = {n: "constexpr" if n in consts else "*fp32" for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+for kernel, consts, arch in cases:
+    k = P.compile_offline(kernel, consts, arch)
     regs, frame = cubin_resources(k.asm["cubin"])
-    res.append(dict(r=r, arch=arch, regs=regs, frame=frame, shfl=k.asm["ptx"].count("shfl.sync")))
-fn = P._norm_rows_kernel
-for r, c, arch in ((128, 64, 90), (64, 128, 120)):
-    tpr, warps = P.geometry(r, c)
-    consts = dict(R=r, C=c, ITERS=2, STD_FLOOR=1e-3, TPR=tpr, TPC=max(1, r // 64), WARPS=warps)
-    sig = {n: "constexpr" if n in consts else "*fp32" for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
-    regs, frame = cubin_resources(k.asm["cubin"])
-    res.append(dict(r=r, arch=arch, regs=regs, frame=frame, bar=k.asm["ptx"].count("bar.sync")))
+    ptx = k.asm["ptx"]
+    res.append(dict(regs=regs, frame=frame, shfl=ptx.count("shfl.sync"), bar=ptx.count("bar.sync")))
 print(json.dumps(res))
 """
 
