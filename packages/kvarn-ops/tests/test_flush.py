@@ -9,10 +9,10 @@ What must hold, and why:
   algorithm in the same order; only a float reduction order or an exp/log ulp flips a rounding.
   Where the clipping search's two best candidates of a row are within rounding of each
   other, the kernel may keep the other one and that row's codes move together (1 LSB each);
-  a record set whose codes fall below the bound passes only if the differing codes lie in
-  at most ROW_FLIPS of its rounding rows (seen once in CI: one 64-code V row at k3v5 g32,
-  22 codes of 16,384; none in 180 further seeds of the small-tile cases), and the decoded
-  error check below still holds.
+  so the bound applies to the codes outside the ROW_FLIPS rounding rows with the most
+  differing codes (seen in CI: one 64-code V row at k3v5 g32, 22 codes of 16,384; and in a
+  marked fp8-pool k2v4 tile one V row of 25 codes beside 5 single-code flips in three other
+  rows, 30 of 24,576), and the decoded error check below still holds.
 - fp16 scale fields: not compared bit for bit, the decoded tile is. Near convergence successive
   iterates have almost equal imbalance, so an ulp can pick a neighbouring iterate whose
   row/column split differs by a near-constant factor (codes and products unchanged).
@@ -180,16 +180,19 @@ def _compare(packed, packed_ref, dst, layout, pool_tiles, err_ratio=ERR_RATIO, u
     # reference writer gives the kernel's bytes back.
     assert torch.equal(ref.fields_to_records(fields, layout), recs)
     fields_ref = ref.record_fields(recs_ref, layout)
-    same = total = rows = 0
+    same = total = 0
+    per_row = []
     for name in ("k_codes", "v_codes"):
         diff = (fields[name].int() - fields_ref[name].int()).abs()
         assert int(diff.max()) <= 1, f"{name}: codes differ by {int(diff.max())}"
         same += int((diff == 0).sum())
         total += diff.numel()
-        rows += int((diff > 0).any(-1).sum())  # rounding rows (K: channels, V: tokens)
+        per_row.append((diff > 0).sum(-1).flatten())  # rounding rows (K: channels, V: tokens)
     agreement = same / total
-    assert agreement >= CODE_AGREEMENT or rows <= ROW_FLIPS, (
-        f"code agreement {agreement:.5f} over {rows} rows"
+    flipped = int(torch.cat(per_row).sort(descending=True).values[:ROW_FLIPS].sum())
+    assert (same + flipped) / total >= CODE_AGREEMENT, (
+        f"code agreement {agreement:.5f}, {(same + flipped) / total:.5f} outside the "
+        f"{ROW_FLIPS} row(s) with the most differing codes"
     )
     slacks = _field_ulp_slack(fields_ref, layout) if ulp_slack else (None, None)
     for got, want, x, slack in zip(
