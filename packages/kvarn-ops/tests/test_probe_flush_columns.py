@@ -42,7 +42,8 @@ def test_probe_variants_match_the_reference(seed):
 def test_probe_norm_tile_matches_the_reference(seed):
     res = _probe("probe_flush_norm").check(n=2, seed=seed)
     for kind, r in res.items():
-        assert r["within"] == 1.0, (kind, r)
+        # summation order only: a few fp32 ulps of log scales near 1 (measured 2.4e-7 to 4.8e-7)
+        assert r["within"] == 1.0 and r["max_gap"] <= 2e-6, (kind, r)
 
 
 _COMPILE_ROWS = """
