@@ -7,6 +7,8 @@ for CPU tensors: on a GPU they would force a host synchronization.
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -184,6 +186,10 @@ def check_pool(
         "exact_v", exact_v, dtypes=(exact_k.dtype,), shape=(p, g, hkv, d), device=exact_k.device
     )
     check_head_dim("exact_k", d)
+    if hkv < 1:
+        raise ValueError(
+            f"exact_k: needs at least one KV head (dim 2), got shape {list(exact_k.shape)}"
+        )
     if layout is not None:
         if g != layout.block_size:
             raise ValueError(
@@ -210,3 +216,49 @@ def check_pool(
                 "(scales exist only for float8_e4m3fn pools)"
             )
     return p, g, hkv, d
+
+
+def check_softmax_scale(value: Any) -> float:
+    """``softmax_scale`` must be a finite positive real number (bool refused); returns it as a
+    float."""
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"softmax_scale: must be a finite positive float, got {value!r}")
+    return float(value)
+
+
+def check_count(name: str, value: Any, low: int = 0) -> int:
+    """An integer size argument (anything with ``__index__`` but bool) of at least ``low``;
+    returns it as an int."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or isinstance(value, bool) or n < low:
+        raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+    return n
+
+
+def check_not_partly_aliased(
+    name: str, out: torch.Tensor, src_name: str, src: torch.Tensor
+) -> None:
+    """``out`` may be ``src`` itself (same memory, dtype and shape) or separate memory; an
+    output that overlaps its input anywhere else would be read after being written."""
+    if torch.compiler.is_compiling():
+        return  # fake tensors have no memory; the op's body checks the real ones
+    if out.numel() == 0 or src.numel() == 0 or out.device != src.device:
+        return
+    a0 = out.data_ptr()
+    a1 = a0 + out.numel() * out.element_size()
+    b0 = src.data_ptr()
+    b1 = b0 + src.numel() * src.element_size()
+    same = a0 == b0 and out.dtype == src.dtype and out.shape == src.shape
+    if a0 < b1 and b0 < a1 and not same:
+        raise ValueError(
+            f"{name}: overlaps {src_name}'s memory without being {src_name} itself; pass "
+            f"{src_name} (in place) or a separate tensor"
+        )

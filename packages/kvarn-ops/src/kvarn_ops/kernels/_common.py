@@ -12,6 +12,11 @@ Jit helpers
 ``cast_rne(x, dtype)``      ``x.to(dtype)`` rounding to nearest even also in the interpreter.
 ``round_to_e4m3(x)``        ``x`` (already in [-448, 448]) rounded to the float8_e4m3fn grid
                             with ties to even, so the later cast is exact everywhere.
+``abs_max(x, axis)``        ``max |x|`` along ``axis``, NaN when any element is NaN (as torch's
+                            ``amax``; ``tl.max`` may drop NaN on a GPU).
+``clamp_e4m3(x)``           ``x`` clamped to [-448, 448], NaN kept.
+``to_e4m3(x)``              ``x.to(float8e4nv)`` with NaN kept as NaN also in the interpreter
+                            (whose cast turns NaN into 384).
 ``hadamard_signs(N)``       ``[N, N]`` fp32 matrix of ``(-1)**popcount(i & j)`` (unnormalized).
 ``rotate_rows(x, D, EXACT)`` ``x [M, D] @ H_D`` (normalized), fp32 in and out.
 ``scale_inv_sqrt(x, D)``    ``x * fp32(1/sqrt(D))``, the normalization of ``H_D``.
@@ -44,6 +49,9 @@ from kvarn_ops.reference.rounding import CLIP_COUNTS, CLIP_RATIOS
 
 __all__ = [
     "INTERPRET",
+    "abs_max",
+    "clamp_e4m3",
+    "to_e4m3",
     "cast_rne",
     "check_device",
     "clip_codes",
@@ -225,6 +233,41 @@ def round_to_e4m3(x):
     r = round_half_even(x * pow2(-ulp_exp)) * pow2(ulp_exp)
     # A negative value that rounds to zero is -0 (0x80), as the hardware and torch casts give.
     return tl.where(r == 0.0, x * 0.0, r)
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def abs_max(x, axis: tl.constexpr):
+    """``max |x|`` along ``axis``; NaN when any element is NaN, as ``torch.amax``, so a token
+    holding NaN gets the reference's fp8 scale (1.0: NaN is not > 0) on every backend."""
+    return tl.reduce(tl.abs(x), axis, _max_keep_nan)
+
+
+@triton.jit
+def clamp_e4m3(x):
+    """``x`` clamped to the float8_e4m3fn range [-448, 448] with NaN kept (as ``torch.clamp``;
+    ``tl.minimum``/``tl.maximum`` may turn NaN into a bound on a GPU)."""
+    return tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+_FIX_FP8_NAN: tl.constexpr = tl.constexpr(INTERPRET)
+"""The interpreter's fp32 -> float8e4nv cast turns NaN into 384; compiled, the conversion
+keeps NaN."""
+
+
+@triton.jit
+def to_e4m3(x):
+    """fp32 ``x`` as ``float8e4nv`` (compiled: rounded to nearest even, saturating at +-448),
+    NaN kept as NaN (0x7F) on every backend."""
+    y = x.to(tl.float8e4nv)
+    if _FIX_FP8_NAN:
+        bits = tl.where(x != x, 0x7F, y.to(tl.uint8, bitcast=True))
+        y = bits.to(tl.float8e4nv, bitcast=True)
+    return y
 
 
 @triton.jit

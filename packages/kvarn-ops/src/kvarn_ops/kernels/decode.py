@@ -1071,6 +1071,16 @@ def decode_workspace(
     the live split count of each call is at most ``S`` and follows each request's live context
     length.
     """
+    for name, value, low in (
+        ("batch", batch, 0),
+        ("query_len", query_len, 1),
+        ("num_q_heads", num_q_heads, 1),
+        ("num_kv_heads", num_kv_heads, 1),
+        ("head_dim", head_dim, 1),
+        ("max_seq_len", max_seq_len, 0),
+        ("block_size", block_size, 1),
+    ):
+        V.check_count(name, value, low)
     if num_splits is None:
         # at head_dim 64 the MMA kernel's programs take up to two KV heads each
         rows = query_len * (num_q_heads // max(1, num_kv_heads))
@@ -1133,10 +1143,11 @@ def _check_decode_args(
     npool, g, phkv, pd = V.check_pool(exact_k, exact_v, k_scale, v_scale, device=dev, layout=layout)
     if phkv != hkv:
         raise ValueError(f"exact_k: {phkv} KV heads, but packed has {hkv}")
-    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: must be a finite float, got {softmax_scale!r}")
+    V.check_softmax_scale(softmax_scale)
     V.check_tensor("out", out, dtypes=V.MODEL_DTYPES, shape=(b, t, hq, d), device=dev)
     V.check_tensor("workspace", workspace, dtypes=torch.float32, ndim=1, device=dev)
+    if b == 0:
+        return 0  # an empty batch: nothing to read or write
     splits = workspace.numel() // (b * t * hq * (d + 1))
     if splits < 1:
         raise ValueError(
@@ -1444,6 +1455,8 @@ def decode(
         out,
         workspace,
     )
+    if splits == 0:
+        return  # empty batch
     t = q.shape[1]
     step = chunk_tokens(layout.format_name, q, packed.shape[1])
     cache = (packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block)

@@ -826,9 +826,9 @@ def flush(
     dst_blocks: torch.Tensor,
     packed: torch.Tensor,
     layout,
+    sink_rows: torch.Tensor | None = None,
     *,
     config: NormalizeConfig = DEFAULT_CONFIG,
-    sink_rows: torch.Tensor | None = None,
 ) -> None:
     """Pack N full pool blocks into records, every KV head, one launch (Triton).
 

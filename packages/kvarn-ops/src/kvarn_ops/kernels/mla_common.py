@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_ops.kernels._common import round_to_bf16, round_to_e4m3
+from kvarn_ops.kernels._common import (
+    abs_max,
+    clamp_e4m3,
+    round_to_bf16,
+    round_to_e4m3,
+    to_e4m3,
+)
 
 __all__ = [
     "bf16_bits_to_f32",
@@ -21,6 +27,7 @@ __all__ = [
     "latent_cols",
     "pair_codes_f16",
     "phase_token",
+    "pool_cast",
     "pool_round",
     "token_mask_rows",
     "token_rope",
@@ -52,13 +59,22 @@ def pool_round(y, FP8: tl.constexpr):
     ``(values fp32 on the pool grid, per-token scale fp32 [M])``. fp8: scale = amax/448 (1.0
     when amax is 0), values = e4m3(clamp(y/scale)); bf16: values rounded to bf16, scale 1."""
     if FP8:
-        amax = tl.max(tl.abs(y), axis=1)
+        amax = abs_max(y, 1)  # NaN for a token holding NaN: scale 1.0, as the reference
         scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
         q = tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
-        q = round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+        q = round_to_e4m3(clamp_e4m3(q))
         return q, scale
     else:
         return round_to_bf16(y), tl.full([y.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def pool_cast(vals, FP8: tl.constexpr, dtype: tl.constexpr):
+    """:func:`pool_round`'s values as the pool's element type (fp8: NaN kept as NaN)."""
+    if FP8:
+        return to_e4m3(vals)
+    else:
+        return vals.to(dtype)
 
 
 @triton.jit

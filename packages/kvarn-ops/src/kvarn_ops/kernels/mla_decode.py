@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvarn_ops._validate import check_count
 from kvarn_ops.kernels._common import (
     INTERPRET,
     cast_rne,
@@ -756,7 +757,8 @@ def _mla_decode_kernel(
     if NC >= 4:
         _store_chunk(po_ptr, prow, hok, a2, l, 2)
         _store_chunk(po_ptr, prow, hok, a3, l, 3)
-    lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), float("-inf"))
+    # l == 0: nothing read; NaN (a NaN or infinite query): kept, so the output is NaN
+    lse = tl.where(l != 0.0, m + tl.log(tl.where(l != 0.0, l, 1.0)), float("-inf"))
     tl.store(plse_ptr + prow, lse, mask=hok)
 
 
@@ -882,9 +884,9 @@ def mla_decode_workspace(
     rows, each split reads 2 blocks); the Triton kernel 0.156 / 0.066 / 0.082 ms. The part
     rows take ``B * H * splits * 2 KB``: a batch of 256 requests with 128 heads gets one split
     (64 MB; a floor of 32 splits, which the launcher could not use there, took 2 GiB)."""
+    check_count("batch", batch)
+    check_count("num_heads", num_heads)
     if num_splits is None:
-        if batch < 0 or num_heads < 0:
-            raise ValueError(f"batch, num_heads: must be >= 0, got {batch}, {num_heads}")
         dev = torch.device(device) if device is not None else torch.device("cpu")
         # the head groups of the kernel a large head count takes on sm_90 (64 heads, one
         # program per SM) need more splits to fill the GPU than 16-head groups do
@@ -1096,6 +1098,7 @@ def mla_decode(
         out,
         workspace,
         indices,
+        softmax_scale,
     )
     check_device(q)
     if CHUNK not in (128, 256, 512):

@@ -597,7 +597,7 @@ def mla_mma_kernel(
             a2 = _pool_values(a2, alpha3, pw, rmax, pool_ptr, row0, valid, 2)
             a3 = _pool_values(a3, alpha3, pw, rmax, pool_ptr, row0, valid, 3)
 
-    seen = l > 0.0
+    seen = l != 0.0  # l NaN (a NaN or infinite query) is kept: the output is NaN
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l, 1.0), 0.0)
     lse = gl.where(seen, (m + gl.log2(gl.where(seen, l, 1.0))) * 0.6931471805599453, float("-inf"))
     gl.store(plse_ptr + (b * H + h2) * S + split, lse, mask=h2 < H)

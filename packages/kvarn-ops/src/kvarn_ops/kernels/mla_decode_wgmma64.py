@@ -337,7 +337,7 @@ def mla_wgmma64_kernel(
 
     o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
 
-    seen = l > 0.0
+    seen = l != 0.0  # l NaN (a NaN or infinite query) is kept: the output is NaN
     scale = gl.where(seen, f_run / gl.where(seen, l, 1.0), 0.0)
     lse = gl.where(seen, (m + gl.log2(gl.where(seen, l, 1.0))) * 0.6931471805599453, float("-inf"))
     gl.store(plse_ptr + qrow * S + split, lse, mask=hok)

@@ -27,12 +27,15 @@ import triton.language as tl
 
 from kvarn_ops._validate import check_index_range, check_tensor
 from kvarn_ops.kernels._common import (
+    abs_max,
     cast_rne,
     check_device,
+    clamp_e4m3,
     launch_or_op,
     rotate_rows,
     round_to_bf16,
     round_to_e4m3,
+    to_e4m3,
 )
 from kvarn_ops.kernels.mla_common import field_offsets, pool_views
 from kvarn_ops.reference.mla import (
@@ -237,16 +240,16 @@ def _mla_gather_kernel(
                 FP8,
             )
             x = round_to_bf16(x * rs[:, None])
-            amax = tl.max(tl.abs(x), axis=1)
+            amax = abs_max(x, 1)  # NaN for a group holding NaN: scale 1.0, as the reference
             scale = tl.where(
                 amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0
             )
             q = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-            q = round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+            q = round_to_e4m3(clamp_e4m3(q))
             d = c * 128 + tl.arange(0, 128)
             tl.store(
                 out8_ptr + i[:, None] * 656 + d[None, :],
-                q.to(tl.float8e4nv),
+                to_e4m3(q),
                 mask=tl.broadcast_to(ok[:, None], [BLOCK_T, 128]),
             )
             scales = tl.where(c4[None, :] == c, scale[:, None], scales)

@@ -33,7 +33,7 @@ from kvarn_ops.kernels._common import (
     unpack_codes_load,
 )
 from kvarn_ops.kernels.flush_math import normalize_tile
-from kvarn_ops.kernels.mla_common import field_offsets, pool_round, pool_views
+from kvarn_ops.kernels.mla_common import field_offsets, pool_cast, pool_round, pool_views
 from kvarn_ops.kernels.mla_pack_math import (
     copy_rope,
     load_rows,
@@ -141,7 +141,9 @@ def _mla_rehydrate_kernel(
     x = (codes.to(tl.float32) * cs[:, None] + zp[:, None]) * rs[None, :]
     vals, scale = pool_round(tl.trans(x), FP8)
     rows = dst * 64 + t
-    tl.store(pool_ptr + rows[:, None] * 512 + d[None, :], vals.to(pool_ptr.dtype.element_ty))
+    tl.store(
+        pool_ptr + rows[:, None] * 512 + d[None, :], pool_cast(vals, FP8, pool_ptr.dtype.element_ty)
+    )
     if FP8:
         tl.store(pscale_ptr + rows, scale)
     rr = tl.arange(0, 64)

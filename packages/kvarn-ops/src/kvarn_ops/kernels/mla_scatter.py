@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kvarn_ops._validate import MODEL_DTYPES, check_index_range, check_tensor
 from kvarn_ops.kernels._common import check_device, launch_or_op, rotate_rows, round_to_bf16
-from kvarn_ops.kernels.mla_common import pool_round, pool_views
+from kvarn_ops.kernels.mla_common import pool_cast, pool_round, pool_views
 from kvarn_ops.reference.mla import GROUP, LATENT_DIM, ROPE_DIM, check_mla_pool
 
 __all__ = ["mla_exact_scatter"]
@@ -50,7 +50,7 @@ def _mla_scatter_kernel(
     vals, scale = pool_round(y, FP8)
     tl.store(
         pool_ptr + slot[:, None] * 512 + d[None, :],
-        vals.to(pool_ptr.dtype.element_ty),
+        pool_cast(vals, FP8, pool_ptr.dtype.element_ty),
         mask=ok[:, None],
     )
     if FP8:

@@ -10,7 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_ops._validate import DENSE_HEAD_DIMS, check_head_dim, check_tensor
+from kvarn_ops._validate import (
+    DENSE_HEAD_DIMS,
+    check_head_dim,
+    check_not_partly_aliased,
+    check_tensor,
+)
 from kvarn_ops.kernels._common import (
     cast_rne,
     check_device,
@@ -45,6 +50,8 @@ def _rotate_kernel(
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor) -> None:
+    # here, not in the launcher: under torch.compile only the op's body sees real memory
+    check_not_partly_aliased("out", out, "x", x)
     d = x.shape[-1]
     rows = x.numel() // d
     if rows == 0:
@@ -73,7 +80,8 @@ def rotate(x: torch.Tensor, out: torch.Tensor) -> None:
     ----------
     x : Tensor [..., D], float16, bfloat16 or float32, contiguous; D in 64, 128, 256, 512.
     out : Tensor, same shape and device as ``x``, float16, bfloat16 or float32, contiguous.
-        May be ``x`` itself (each program reads its rows before writing them).
+        May be ``x`` itself (each program reads its rows before writing them); any other
+        overlap with ``x`` is refused.
 
     Raises
     ------

@@ -29,14 +29,17 @@ import triton.language as tl
 from kvarn_ops._validate import MODEL_DTYPES, check_index_range, check_pool, check_tensor
 from kvarn_ops.kernels._common import (
     INTERPRET,
+    abs_max,
     cast_rne,
     check_device,
+    clamp_e4m3,
     exact_in_tf32,
     hadamard_signs,
     launch_or_op,
     rotate_rows,
     round_to_e4m3,
     scale_inv_sqrt,
+    to_e4m3,
 )
 
 __all__ = ["store"]
@@ -142,7 +145,7 @@ def _store_one(
     row = slot * H + head
     dst = row[:, None] * D + d[None, :]
     if FP8:
-        amax = tl.max(tl.abs(y), axis=1)
+        amax = abs_max(y, 1)  # NaN for a token holding NaN: scale 1.0, as the reference
         if FOLD:
             amax = scale_inv_sqrt(amax, D)  # == max |fl(y c)|: rounding is monotone
         # amax / 448 (FP8_MAX, the largest e4m3 value), IEEE-rounded like torch.
@@ -159,10 +162,10 @@ def _store_one(
             q0 = y * r
             q = tl.fma(tl.fma(-q0, scale[:, None], y), r, q0)
         if _EMULATE_E4M3:
-            q = round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+            q = round_to_e4m3(clamp_e4m3(q))
         # compiled: the conversion rounds to nearest even and saturates at +-448
-        # (cvt.rn.satfinite), the reference's clamp
-        tl.store(pool_ptr + dst, q.to(tl.float8e4nv), mask=ok[:, None])
+        # (cvt.rn.satfinite), the reference's clamp; NaN stays NaN (flush zeroes the token)
+        tl.store(pool_ptr + dst, to_e4m3(q), mask=ok[:, None])
         tl.store(scale_ptr + row, scale, mask=ok)
     else:
         tl.store(pool_ptr + dst, cast_rne(y, pool_ptr.dtype.element_ty), mask=ok[:, None])

@@ -102,8 +102,10 @@ def store(
 
     Notes
     -----
-    A token holding NaN/Inf is stored as is (fp8: scale and values become NaN); ``flush``
-    then quantizes that token as zeros. fp16 pools overflow to Inf above 65504.
+    A token holding NaN/Inf stays non-finite in the pool, so ``flush`` quantizes it as zeros
+    and a decode reading it as the exact tail gives NaN. fp8: a NaN element stays NaN and the
+    token's scale is 1.0 (its amax is NaN, which is not > 0); with an infinite element the
+    scale is inf, that element NaN and the others 0. fp16 pools overflow to Inf above 65504.
     """
     p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
     dev = exact_k.device

@@ -19,7 +19,7 @@ import math
 import torch
 
 from kvarn_formats import RecordLayout
-from kvarn_ops._validate import MODEL_DTYPES, check_tensor
+from kvarn_ops._validate import MODEL_DTYPES, check_softmax_scale, check_tensor
 from kvarn_ops.reference.cache import check_context_args, read_pool_blocks
 from kvarn_ops.reference.hadamard import hadamard
 from kvarn_ops.reference.records import record_fields
@@ -186,8 +186,8 @@ def decode(
         )
     if not 1 <= t_q <= MAX_QUERY_TOKENS:
         raise ValueError(f"q: T (dim 1) must be 1 to {MAX_QUERY_TOKENS}, got {t_q}")
-    if hq % hkv:
-        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
+    if hq < hkv or hq % hkv:
+        raise ValueError(f"q: {hq} query heads is not a positive multiple of {hkv} KV heads")
     if hq // hkv > MAX_GQA:
         raise ValueError(f"q: {hq // hkv} query heads per KV head exceed {MAX_GQA}")
     if t_q * (hq // hkv) > MAX_QUERY_ROWS:
@@ -196,13 +196,7 @@ def decode(
             "query rows per KV head"
         )
     check_tensor("out", out, dtypes=MODEL_DTYPES, shape=tuple(q.shape), device=dev)
-    if (
-        not isinstance(softmax_scale, (int, float))
-        or isinstance(softmax_scale, bool)
-        or not math.isfinite(softmax_scale)
-        or softmax_scale <= 0
-    ):
-        raise ValueError(f"softmax_scale: must be a finite positive float, got {softmax_scale!r}")
+    softmax_scale = check_softmax_scale(softmax_scale)
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"compute_dtype: must be torch.float32 or torch.float64, got {compute_dtype}"

@@ -10,7 +10,12 @@ import math
 
 import torch
 
-from kvarn_ops._validate import DENSE_HEAD_DIMS, check_head_dim, check_tensor
+from kvarn_ops._validate import (
+    DENSE_HEAD_DIMS,
+    check_head_dim,
+    check_not_partly_aliased,
+    check_tensor,
+)
 
 __all__ = ["hadamard", "hadamard_matrix", "rotate"]
 
@@ -66,7 +71,7 @@ def rotate(x: torch.Tensor, out: torch.Tensor) -> None:
     ----------
     x : Tensor [..., D], float16, bfloat16 or float32, contiguous; D in 64, 128, 256, 512
     out : Tensor, same shape as ``x``, float16, bfloat16 or float32, contiguous, same device.
-        May be ``x`` itself.
+        May be ``x`` itself; any other overlap with ``x`` is refused (as the kernel does).
     """
     check_tensor("x", x, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     if x.dim() < 1 or x.shape[-1] not in DENSE_HEAD_DIMS:
@@ -78,4 +83,5 @@ def rotate(x: torch.Tensor, out: torch.Tensor) -> None:
         shape=tuple(x.shape),
         device=x.device,
     )
+    check_not_partly_aliased("out", out, "x", x)
     out.copy_(hadamard(x))

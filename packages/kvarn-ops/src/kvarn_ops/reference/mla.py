@@ -39,7 +39,14 @@ from dataclasses import dataclass
 import torch
 
 import kvarn_formats as kf
-from kvarn_ops._validate import FP8_MAX, MODEL_DTYPES, check_index_range, check_tensor
+from kvarn_ops._validate import (
+    FP8_MAX,
+    MODEL_DTYPES,
+    check_count,
+    check_index_range,
+    check_softmax_scale,
+    check_tensor,
+)
 from kvarn_ops.reference.bitpack import pack_codes, unpack_codes
 from kvarn_ops.reference.hadamard import hadamard
 from kvarn_ops.reference.quantize import NormalizeConfig, dequantize_k, quantize_k
@@ -160,6 +167,8 @@ def quantize_pool_latent(x: torch.Tensor, dtype: torch.dtype):
 
     fp8: ``scale = amax / 448`` per token (1.0 when amax is 0), ``values = clamp(x / scale,
     -448, 448)`` rounded to nearest even e4m3. bf16: ``values = x`` rounded, ``scale = None``.
+    A token holding NaN/Inf stays non-finite (fp8: scale 1.0 when it holds NaN, inf when it
+    holds an infinity), so the pack quantizes it as zeros.
     """
     if dtype == torch.bfloat16:
         return x.to(torch.bfloat16), None
@@ -533,8 +542,9 @@ def mla_decode_workspace(
     batch: int, num_heads: int, num_splits: int = 32, device=None
 ) -> MlaDecodeWorkspace:
     """Workspace for ``mla_decode`` with ``num_splits`` split-K partitions per request."""
-    if num_splits < 1:
-        raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
+    check_count("batch", batch)
+    check_count("num_heads", num_heads)
+    check_count("num_splits", num_splits, 1)
     f32 = torch.float32
     return MlaDecodeWorkspace(
         q_rot=torch.empty(batch, num_heads, LATENT_DIM, dtype=f32, device=device),
@@ -556,8 +566,10 @@ def check_decode_args(
     out,
     workspace,
     indices,
+    softmax_scale,
 ):
     """Shared checks of the decode reference and launcher; returns ``(B, H)``."""
+    check_softmax_scale(softmax_scale)
     p = check_mla_pool(pool_latent, pool_scale, pool_rope)
     dev = pool_latent.device
     nb = check_packed(packed, layout, device=dev)
@@ -574,6 +586,11 @@ def check_decode_args(
     mb = block_table.shape[1]
     check_tensor("seq_lens", seq_lens, dtypes=torch.int32, shape=(b,), device=dev)
     check_tensor("out", out, dtypes=MODEL_DTYPES, shape=(b, h, LATENT_DIM), device=dev)
+    if workspace is not None and not isinstance(workspace, MlaDecodeWorkspace):
+        raise ValueError(
+            f"workspace: must be an MlaDecodeWorkspace (mla_decode_workspace(...)) or None, got "
+            f"{type(workspace).__name__}"
+        )
     if workspace is not None:
         s = workspace.part_lse.shape[2] if workspace.part_lse.dim() == 3 else 0
         check_tensor(
@@ -651,7 +668,8 @@ def mla_decode(
     q : [B, H, 576] float16/bfloat16/float32, model frame.
     block_table : int32 [B, max_blocks]; seq_lens : int32 [B] (>= 1).
     out : [B, H, 512] float16/bfloat16/float32 (written).
-    workspace : ignored by the reference.
+    workspace : an :class:`MlaDecodeWorkspace` (checked against the geometry, else unused by
+        the reference) or None.
     indices : int32 [B, K] or None.
     """
     b, h = check_decode_args(
@@ -667,6 +685,7 @@ def mla_decode(
         out,
         workspace,
         indices,
+        softmax_scale,
     )
     q_rot = hadamard(q[..., :LATENT_DIM].to(torch.float64))
     q_rope = q[..., LATENT_DIM:].to(torch.float64)
