@@ -54,6 +54,9 @@ def _compile_all(arch: int) -> dict:
             "release_add": ptx.count("atom.global.gpu.release.add"),
             "acquire_load": ptx.count("ld.acquire.gpu.global"),
             "acq_rel_add": ptx.count("atom.global.gpu.acq_rel.add"),
+            # fp8 rounding: NaN-keeping max (the amax) and no NaN-dropping one
+            "max_nan": ptx.count("max.NaN.f32"),
+            "max_plain": ptx.count("max.f32"),
         }
 
     def fmt(bits):
@@ -253,6 +256,10 @@ def test_every_mla_kernel_compiles(arch):
     # The split pack: three exchange sites (steps 1-2, iterate 0, the iteration loop's body),
     # each one thread's release increment and an acquire polling loop (a load before and in
     # the loop); then the final acquire-release count.
+    # fp8 pools and staging: a token holding NaN keeps the reference's scale (amax NaN, scale
+    # 1.0) and its NaN (no max that drops NaN): the stored token stays non-finite
+    for name in ("scatter-fp8-*fp32", "gather-stage1-k5-fp8"):
+        assert results[name]["max_nan"] > 0 and results[name]["max_plain"] == 0, results[name]
     split = results["pack-split-k4-bf16"]
     assert (split["release_add"], split["acquire_load"], split["acq_rel_add"]) == (3, 6, 1), split
 
