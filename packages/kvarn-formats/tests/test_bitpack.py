@@ -43,3 +43,8 @@ def test_bad_input():
         kf.pack_codes([-1], 3)
     with pytest.raises(ValueError, match="need 2"):
         kf.unpack_codes(b"\x00", 4, 3)
+    with pytest.raises(ValueError, match=r"codes\[0\] = True"):
+        kf.pack_codes([True, False], 2)
+    for count in (2.5, True, -1):
+        with pytest.raises(ValueError, match="count must be an integer"):
+            kf.packed_size(count, 4)

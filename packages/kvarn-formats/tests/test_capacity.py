@@ -44,3 +44,6 @@ def test_tokens_that_fit():
     assert tokens / (8 * gib // (512 * 8 * 32)) == pytest.approx(512 / 114 * left, rel=1e-3)
     with pytest.raises(ValueError, match="max_requests=100000"):
         kf.tokens_that_fit(gib, layout, 32, 8, max_requests=100_000)
+    exact = 4 * kf.exact_pool_bytes_per_request(layout, 32, 8)
+    with pytest.raises(ValueError, match="leaving nothing"):  # the pools fill memory exactly
+        kf.tokens_that_fit(exact, layout, 32, 8, max_requests=4)

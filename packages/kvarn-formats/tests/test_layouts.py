@@ -158,6 +158,48 @@ def test_json_rejects_tampering_and_garbage():
         kf.layout_from_json("[]")
 
 
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda d: d["fields"][1].__setitem__("offset", d["fields"][1]["offset"] + 0.5),
+        lambda d: d.__setitem__("head_dim", str(d["head_dim"])),
+        lambda d: d.__setitem__("schema_version", True),
+        lambda d: d.__setitem__("endianness", "big"),
+        lambda d: d["fields"][0].__setitem__("packing", "msb"),
+        lambda d: d["fields"][0].__setitem__("shape", [128.0, 64]),
+        lambda d: d["fields"][0].__setitem__("bits", "4"),
+    ],
+    ids=[
+        "float-offset",
+        "str-head-dim",
+        "bool-version",
+        "unknown-key",
+        "unknown-field-key",
+        "float-shape",
+        "str-bits",
+    ],  # fmt: skip
+)
+def test_json_refuses_wrong_types_and_unknown_keys(tamper):
+    """Values are not converted (4096.5 is not an offset) and no key is ignored: a document
+    this version does not fully understand is refused, naming what is wrong."""
+    data = json.loads(kf.dense_layout("kvarn_k4v2_g64", 128).to_json())
+    tamper(data)
+    with pytest.raises(kf.LayoutError, match="malformed layout description"):
+        kf.layout_from_dict(data)
+
+
+def test_hand_built_formats_are_checked_like_names():
+    with pytest.raises(kf.FormatError):
+        kf.dense_layout(kf.DenseFormat(9, 2, 48), 128)
+    with pytest.raises(kf.FormatError):
+        kf.mla_layout(kf.MlaFormat(1, 64))
+    with pytest.raises(kf.FormatError, match="g32|group"):
+        kf.mla_layout(kf.MlaFormat(4, 32))
+    with pytest.raises(kf.FormatError):
+        kf.layout_for(object(), 128)  # type: ignore[arg-type]
+    assert kf.dense_layout(kf.DenseFormat(4, 2, 64), 128) == kf.dense_layout("kvarn_k4v2_g64", 128)
+
+
 def test_layouts_are_built_once_and_errors_are_not_cached():
     """Launchers ask for their layout on every call: the same immutable object comes back
     (for equal head_dim values of other types too, as a plain int), and a bad request raises

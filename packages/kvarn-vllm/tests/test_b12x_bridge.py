@@ -341,8 +341,18 @@ def test_stage_decode_checks_arguments():
         )
     with pytest.raises(ValueError, match="slots"):
         bridge.stage_decode(q, cache, slots.int(), width=8, records=ok)
+    # a bad q_out is refused before the records are written (one selected token)
+    one = slots.clone()
+    one[0, 0] = 5
+    poisoned = torch.full((64, 656), 0xA5, dtype=torch.uint8)
     with pytest.raises(ValueError, match="q_out"):
-        bridge.stage_decode(q, cache, slots, width=8, records=ok, q_out=torch.empty(2, H, 576))
+        bridge.stage_decode(q, cache, one, width=8, records=poisoned, q_out=torch.empty(2, H, 576))
+    assert bool((poisoned == 0xA5).all()), "records written before q_out was checked"
+    with pytest.raises(ValueError, match=r"^q: expected \[B, H, 576\]"):
+        bridge.stage_decode(q[:, 0], cache, slots, width=8, records=ok)
+    for bad in ((-1, 5), (3, -2), (2.5, 4)):
+        with pytest.raises(ValueError, match="max_batch|width"):
+            bridge.staging_rows(*bad)
 
 
 def test_finish_decode_rotates_back_and_zeroes_empty():
@@ -352,6 +362,11 @@ def test_finish_decode_rotates_back_and_zeroes_empty():
     want = mla.hadamard(res.float())
     torch.testing.assert_close(out[[0, 2]], want[[0, 2]])
     assert bool((out[1] == 0).all())
+    # one request's result never broadcasts into a larger output
+    with pytest.raises(ValueError, match="^out"):
+        bridge.finish_decode(res[:1], torch.tensor([1], dtype=torch.int32), out)
+    with pytest.raises(ValueError, match="^selected_lengths"):
+        bridge.finish_decode(res, torch.tensor([1], dtype=torch.int32), out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -135,3 +136,35 @@ def test_random_steps_against_oracle(speculative):
             if speculative and total - computed > 1:  # reject 0..k of the k drafts
                 live[rid][0] = total - rng.randrange(total - computed)
     assert next_rid > 20
+
+
+@pytest.mark.parametrize(
+    ("requests", "needle"),
+    [
+        ([(0, 3, [5]), (0, 2, [5])], "block 5 is written twice"),
+        ([(0, 9, [5, 5, 6])], "block 5 is written twice"),
+        ([(4, 2, [5, 6])], "total (2) below computed (4)"),
+        ([(0, 3, [-3])], "block id -3"),
+        ([(0, 9, [5, 6])], "2 block ids for 9 tokens; need 3"),
+        ([(0.5, 3, [5])], "computed must be an integer"),
+    ],
+)
+def test_malformed_steps_are_refused_before_any_change(requests, needle):
+    alloc = ExactPoolAllocator(8)
+    alloc.plan([(0, 3, [7])], G)
+    before = dict(alloc.owned)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        alloc.plan(requests, G)
+    assert alloc.owned == before
+    assert alloc.plan([(3, 4, [7])], G).flush == [(before[7], 7)]  # still usable
+
+
+def test_null_block_may_repeat_and_bad_group_is_refused():
+    alloc = ExactPoolAllocator(8)
+    plan = alloc.plan([(0, 3, [NULL_BLOCK]), (0, 2, [NULL_BLOCK])], G)
+    assert plan.pool_of == {NULL_BLOCK: alloc.scratch}
+    with pytest.raises(ValueError, match="group"):
+        alloc.plan([(0, 3, [5])], 0)
+    for bad in ((0, 100, 64), (4, 0, 64), (4, 100, 0)):
+        with pytest.raises(ValueError, match="must be at least 1"):
+            pool_blocks_needed(*bad)

@@ -121,3 +121,10 @@ def test_rejection_error_lists_all_reasons():
 def test_exact_mode_has_no_block_size_rule():
     exact = Settings("exact", "float16", "test")
     assert gates.layer_problems(exact, **{**LAYER_OK, "block_size": 128}) == []
+
+
+def test_layer_cache_dtype_must_be_the_engine_format():
+    other = {**LAYER_OK, "kv_cache_dtype": "kvarn_k2v2_g64"}
+    (reason,) = gates.layer_problems(K4V2, **other)
+    assert "--kv-cache-dtype kvarn_k2v2_g64" in reason and "kvarn_k4v2_g64" in reason
+    assert gates.layer_problems(K4V2, **{**LAYER_OK, "kv_cache_dtype": "kvarn_k4v2_g64"}) == []

@@ -72,3 +72,18 @@ def test_one_format_per_process():
             s.activate(s.Settings("kvarn_k4v4_g64", "float16", "x"))
     finally:
         s.reset_for_tests()
+
+
+def test_unknown_kvarn_keys_are_refused_not_ignored():
+    """A misspelled setting must not silently fall back (here: fp8 asked, float16 served)."""
+    extra = {s.FORMAT_KEY: "kvarn_k4v2_g64", "kvarn_pool_dtyp": "fp8"}
+    with pytest.raises(s.SettingsError, match="'kvarn_pool_dtyp': not a kvarn setting"):
+        s.resolve(cfg(extra=extra))
+    # other plugins' keys are not ours to judge
+    got = s.resolve(cfg(extra={s.FORMAT_KEY: "kvarn_k4v2_g64", "other_plugin_flag": 1}))
+    assert got.format_name == "kvarn_k4v2_g64"
+
+
+def test_pool_dtype_without_a_format_is_refused():
+    with pytest.raises(s.SettingsError, match="kvarn_pool_dtype is set but no kvarn format"):
+        s.resolve(cfg(extra={s.POOL_DTYPE_KEY: "fp8"}))

@@ -19,8 +19,8 @@ def _check_bits(bits: int) -> None:
 def packed_size(count: int, bits: int) -> int:
     """Bytes needed for ``count`` codes of ``bits`` bits."""
     _check_bits(bits)
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"count must be an integer >= 0, got {count!r}")
     return -(-count * bits // 8)
 
 
@@ -34,7 +34,7 @@ def pack_codes(codes: Sequence[int], bits: int) -> bytes:
     limit = 1 << bits
     stream = 0
     for i, code in enumerate(codes):
-        if not isinstance(code, int) or not 0 <= code < limit:
+        if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code < limit:
             raise ValueError(f"codes[{i}] = {code!r} does not fit in {bits} bits")
         stream |= code << (i * bits)
     return stream.to_bytes(packed_size(len(codes), bits), "little")

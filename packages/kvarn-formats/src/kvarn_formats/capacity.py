@@ -94,8 +94,9 @@ def tokens_that_fit(
     )
     if pools >= memory_bytes:
         raise ValueError(
-            f"max_requests={max_requests}: the exact pools need {pools} bytes, more than the "
-            f"{memory_bytes} available; lower max_requests or give more memory"
+            f"max_requests={max_requests}: the exact pools need {pools} bytes, leaving nothing "
+            f"of the {memory_bytes} available for packed blocks; lower max_requests or give "
+            "more memory"
         )
     blocks = (memory_bytes - pools) // packed_bytes_per_block(layout, num_layers, num_kv_heads)
     return blocks * layout.block_size

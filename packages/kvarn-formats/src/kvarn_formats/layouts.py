@@ -155,7 +155,12 @@ def _build(
 
 
 def _as_format(fmt: str | DenseFormat | MlaFormat) -> DenseFormat | MlaFormat:
-    return parse_format(fmt) if isinstance(fmt, str) else fmt
+    if isinstance(fmt, str):
+        return parse_format(fmt)
+    if isinstance(fmt, (DenseFormat, MlaFormat)):
+        # a format object built by hand is checked as its name would be (bits, group)
+        return parse_format(fmt.name)
+    raise FormatError(f"expected a format name or a parsed format, got {type(fmt).__name__}")
 
 
 def dense_layout(fmt: str | DenseFormat, head_dim: int) -> RecordLayout:
@@ -268,8 +273,70 @@ def layout_for(fmt: str | DenseFormat | MlaFormat, head_dim: int | None = None) 
     return dense_layout(f, head_dim)
 
 
+_DOC_KEYS = (
+    "schema",
+    "schema_version",
+    "format",
+    "kind",
+    "head_dim",
+    "rope_dim",
+    "block_size",
+    "record_bytes",
+    "fields",
+)
+_FIELD_KEYS = ("name", "offset", "size", "dtype", "shape", "bits")
+_BAD = "malformed layout description"
+
+
+def _check_doc(data: Any) -> None:
+    """Exact keys and JSON types of a layout description (a float, a string or a bool where
+    an integer belongs is refused, not converted)."""
+
+    def integer(where: str, v: Any) -> None:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise LayoutError(f"{_BAD} {where}: expected an integer, got {v!r}")
+
+    def keys(where: str, d: Any, want: tuple[str, ...]) -> None:
+        if not isinstance(d, dict):
+            raise LayoutError(f"{_BAD} {where}: expected an object, got {d!r}")
+        extra = sorted(set(map(str, d)) - set(want))
+        missing = [k for k in want if k not in d]
+        if extra or missing:
+            raise LayoutError(f"{_BAD} {where}: unknown keys {extra}, missing keys {missing}")
+
+    keys("", data, _DOC_KEYS)
+    for k in ("schema_version", "head_dim", "rope_dim", "block_size", "record_bytes"):
+        integer(k, data[k])
+    for k in ("schema", "format", "kind"):
+        if not isinstance(data[k], str):
+            raise LayoutError(f"{_BAD} {k}: expected a string, got {data[k]!r}")
+    if not isinstance(data["fields"], list):
+        raise LayoutError(f"{_BAD} fields: expected a list, got {data['fields']!r}")
+    for i, f in enumerate(data["fields"]):
+        keys(f"fields[{i}]", f, _FIELD_KEYS)
+        for k in ("offset", "size"):
+            integer(f"fields[{i}].{k}", f[k])
+        if f["bits"] is not None:
+            integer(f"fields[{i}].bits", f["bits"])
+        if not isinstance(f["shape"], list):
+            raise LayoutError(f"{_BAD} fields[{i}].shape: expected a list")
+        for s in f["shape"]:
+            integer(f"fields[{i}].shape", s)
+        for k in ("name", "dtype"):
+            if not isinstance(f[k], str):
+                raise LayoutError(f"{_BAD} fields[{i}].{k}: expected a string")
+
+
 def layout_from_dict(data: dict[str, Any]) -> RecordLayout:
-    """Load a layout description, checking it equals the layout this library computes."""
+    """Load a layout description, checking it equals the layout this library computes.
+
+    Raises
+    ------
+    LayoutError
+        An unknown or missing key, a value of the wrong JSON type, another schema or version,
+        or a layout other than the one computed for its format.
+    """
+    _check_doc(data)
     try:
         if data["schema"] != SCHEMA_NAME:
             raise LayoutError(f"not a {SCHEMA_NAME} document: schema={data['schema']!r}")

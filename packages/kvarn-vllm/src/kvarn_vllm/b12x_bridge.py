@@ -290,6 +290,9 @@ def _hadamard_512(device: str) -> torch.Tensor:
 def staging_rows(max_batch: int, width: int) -> int:
     """Rows of the staging buffer for ``max_batch`` requests of ``width`` selected tokens,
     rounded up to whole pages of :data:`PAGE_SIZE`."""
+    for name, value in (("max_batch", max_batch), ("width", width)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
     return -(-max_batch * width // PAGE_SIZE) * PAGE_SIZE
 
 
@@ -321,9 +324,9 @@ def stage_decode(
     """
     import torch
 
+    if q.dim() != 3 or q.shape[2] != LATENT_DIM + ROPE_DIM:
+        raise ValueError(f"q: expected [B, H, {LATENT_DIM + ROPE_DIM}], got {tuple(q.shape)}")
     b, h, d = q.shape
-    if d != LATENT_DIM + ROPE_DIM:
-        raise ValueError(f"q: last dim must be {LATENT_DIM + ROPE_DIM}, got {d}")
     if slots.dtype != torch.int64 or slots.dim() != 2 or slots.shape[0] != b:
         raise ValueError(f"slots: expected int64 [{b}, K], got {slots.dtype} {tuple(slots.shape)}")
     k = slots.shape[1]
@@ -343,6 +346,20 @@ def stage_decode(
     if flat_records.shape[0] < b * width:
         raise ValueError(f"records: {flat_records.shape[0]} rows, need {b * width}")
     dev = slots.device
+    # every argument is checked before anything is written
+    if q_out is None:
+        q_out = torch.empty(b, h, d, dtype=torch.bfloat16, device=dev)
+    if (
+        q_out.dtype != torch.bfloat16
+        or not q_out.is_contiguous()
+        or q_out.dim() != 3
+        or q_out.shape[0] < b
+        or q_out.shape[1:] != q.shape[1:]
+    ):
+        raise ValueError(
+            f"q_out: must be contiguous bfloat16 [>= {b}, {h}, {d}] (q's heads and width), got "
+            f"{q_out.dtype} {tuple(q_out.shape)}"
+        )
 
     valid = slots >= 0
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
@@ -363,15 +380,6 @@ def stage_decode(
     selected = torch.where(compact >= 0, rows, torch.full_like(rows, -1))
     lengths = valid.sum(dim=1, dtype=torch.int32)
 
-    if q_out is None:
-        q_out = torch.empty(b, h, d, dtype=torch.bfloat16, device=dev)
-    if (
-        q_out.dtype != torch.bfloat16
-        or not q_out.is_contiguous()
-        or q_out.shape[0] < b
-        or q_out.shape[1:] != q.shape[1:]
-    ):
-        raise ValueError(f"q_out: must be contiguous bfloat16 [>= {b}, {h}, {d}]")
     qb = q_out[:b]
     qb[..., :LATENT_DIM] = q[..., :LATENT_DIM].float() @ _hadamard_512(str(dev))
     qb[..., LATENT_DIM:] = q[..., LATENT_DIM:]
@@ -389,6 +397,16 @@ def finish_decode(result: torch.Tensor, selected_lengths: torch.Tensor, out: tor
     ``kvarn_ops`` ``mla_decode`` rule)."""
     import torch
 
+    if result.dim() != 3 or result.shape[2] != LATENT_DIM:
+        raise ValueError(f"result: expected [B, H, {LATENT_DIM}], got {tuple(result.shape)}")
+    if out.shape != result.shape:
+        raise ValueError(
+            f"out: expected {tuple(result.shape)} (result's shape), got {tuple(out.shape)}"
+        )
+    if selected_lengths.shape != (result.shape[0],):
+        raise ValueError(
+            f"selected_lengths: expected [{result.shape[0]}], got {tuple(selected_lengths.shape)}"
+        )
     model = result.float() @ _hadamard_512(str(result.device))
     empty = (selected_lengths == 0).view(-1, 1, 1)
     out.copy_(torch.where(empty, torch.zeros_like(model), model))

@@ -27,8 +27,10 @@ requests, and only full blocks are shared by prefix caching):
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 NULL_BLOCK = 0
 
@@ -40,8 +42,66 @@ def pool_blocks_needed(max_num_seqs: int, max_num_batched_tokens: int, group: in
     A step of T tokens over R requests touches at most ``T // G + 2R`` blocks; requests not
     scheduled in the step hold at most ``max_num_seqs - R`` partial tails.
     """
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("group", group),
+    ):
+        n = _index(value)
+        if n is None or n < 1:
+            raise ValueError(f"{name}: must be at least 1, got {value!r}")
     transient = -(-max_num_batched_tokens // group) + max_num_seqs
     return transient + 2 * max_num_seqs + 1
+
+
+def _index(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (bool excluded), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_requests(requests: list[tuple[int, int, list[int]]], group: int) -> None:
+    """The scheduler's step as :meth:`ExactPoolAllocator.plan` reads it, checked before any
+    bookkeeping changes: a block written by two requests (or twice by one) would share a pool
+    block, and a short or negative block list would read another block's rows."""
+    g = _index(group)
+    if g is None or g < 1:
+        raise ValueError(f"group: must be at least 1, got {group!r}")
+    written: dict[int, int] = {}
+    for r, req in enumerate(requests):
+        computed, total, blocks = req
+        for name, value in (("computed", computed), ("total", total)):
+            n = _index(value)
+            if n is None or n < 0:
+                raise ValueError(f"requests[{r}]: {name} must be an integer >= 0, got {value!r}")
+        if total < computed:
+            raise ValueError(
+                f"requests[{r}]: total ({total}) below computed ({computed}): tokens are only "
+                "added in a step"
+            )
+        need = -(-total // group)
+        if len(blocks) < need:
+            raise ValueError(
+                f"requests[{r}]: {len(blocks)} block ids for {total} tokens; need {need}"
+            )
+        if total == computed:
+            continue  # nothing written
+        for i in range(computed // group, need):
+            physical = _index(blocks[i])
+            if physical is None or physical < 0:
+                raise ValueError(f"requests[{r}]: block id {blocks[i]!r} is not an id >= 0")
+            if physical == NULL_BLOCK:
+                continue
+            if physical in written:
+                raise ValueError(
+                    f"requests[{r}]: block {physical} is written twice in one step (also by "
+                    f"request {written[physical]}); a partial block belongs to one request"
+                )
+            written[physical] = r
 
 
 class PoolExhausted(RuntimeError):
@@ -130,11 +190,14 @@ class ExactPoolAllocator:
 
         Raises
         ------
+        ValueError
+            A malformed step (see :func:`_check_requests`), before anything changes.
         LostTail
             A block continued at offset > 0 owns no pool block.
         PoolExhausted
             No pool block can be freed.
         """
+        _check_requests(requests, group)
         for physical in self._release_next:
             if self.keep_packed and physical in self._owner:
                 self._last_touch.pop(physical, None)

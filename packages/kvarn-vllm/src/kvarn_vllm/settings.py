@@ -33,6 +33,8 @@ FORMAT_KEY = "kvarn_kv_cache_dtype"
 POOL_DTYPE_KEY = "kvarn_pool_dtype"
 EXACT = "exact"
 POOL_DTYPES = ("float16", "bfloat16", "fp8")
+KNOWN_KEYS = (FORMAT_KEY, POOL_DTYPE_KEY)
+"""The ``additional_config`` keys this release reads; any other ``kvarn_*`` key is refused."""
 
 
 class SettingsError(ValueError):
@@ -43,7 +45,8 @@ class SettingsError(ValueError):
 class Settings:
     """The active KV-cache mode of an engine.
 
-    ``format_name`` is a canonical dense kvarn name, or ``"exact"`` for the debug mode.
+    ``format_name`` is a canonical kvarn name (dense, or MLA for MLA models), or ``"exact"``
+    for the debug mode.
     ``pool_dtype`` is one of ``POOL_DTYPES`` (unused in exact mode).
     ``source`` says where the format came from, for messages.
     """
@@ -99,10 +102,17 @@ def resolve(vllm_config: Any, kv_cache_dtype: str | None = None) -> Settings | N
     Raises
     ------
     SettingsError
-        An unknown format or pool dtype, a non-dense kvarn format, or the format given twice
-        with different values.
+        An unknown format or pool dtype, the format given twice with different values, a
+        ``kvarn_*`` key of ``additional_config`` this release does not know (a misspelled
+        setting must not be ignored), or ``kvarn_pool_dtype`` without a kvarn format.
     """
     extra = _additional(vllm_config)
+    unknown = sorted(k for k in extra if str(k).startswith("kvarn_") and k not in KNOWN_KEYS)
+    if unknown:
+        raise SettingsError(
+            f"additional_config {unknown[0]!r}: not a kvarn setting (known: "
+            f"{', '.join(KNOWN_KEYS)})"
+        )
     if kv_cache_dtype is None:
         cache_config = getattr(vllm_config, "cache_config", None)
         kv_cache_dtype = getattr(cache_config, "cache_dtype", None)
@@ -115,6 +125,11 @@ def resolve(vllm_config: Any, kv_cache_dtype: str | None = None) -> Settings | N
         )
     name = from_dtype or from_extra
     if name is None:
+        if POOL_DTYPE_KEY in extra:
+            raise SettingsError(
+                f"additional_config {POOL_DTYPE_KEY} is set but no kvarn format is: pass "
+                f"--kv-cache-dtype kvarn_... or additional_config {FORMAT_KEY}"
+            )
         return None
     source = "--kv-cache-dtype" if from_dtype else f"additional_config {FORMAT_KEY}"
     if name != EXACT:
