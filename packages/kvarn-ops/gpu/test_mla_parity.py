@@ -450,3 +450,52 @@ def test_decode_cuda_graph_replay(gen, heads):
         ref.mla_decode(q, *args, oracle, None)
         err = rel_err(out, oracle)
         assert err <= 2 * 2**-10 + 2**-8, f"replay {step}: MLA decode error {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_scatter_fp8_keeps_nonfinite_tokens_nonfinite(gen, kind):
+    """Compiled, the clamp before the e4m3 rounding must keep NaN (tl.minimum/maximum may turn
+    it into -448) and the amax must see it (scale 1.0 for NaN, as the reference)."""
+    n = 256
+    lat = _latent(gen, n)
+    bad = torch.randperm(n, generator=gen, device=DEVICE)[:8]
+    lat[bad, torch.randint(0, 512, (8,), generator=gen, device=DEVICE)] = (
+        float("nan") if kind == "nan" else -float("inf")
+    )
+    rope = torch.randn(n, 64, generator=gen, device=DEVICE)
+    got, want = _pool(4, FP8), _pool(4, FP8)
+    slots = torch.arange(n, device=DEVICE)
+    kscat.mla_exact_scatter(lat, rope, slots, got[0], got[2], got[1])
+    ref.mla_exact_scatter(lat, rope, slots, want[0], want[2], want[1])
+    glat, wlat = got[0].view(n, 512).float(), want[0].view(n, 512).float()
+    assert bool((~torch.isfinite(glat[bad])).any(dim=1).all()), "a bad token came out finite"
+    assert bool((~torch.isfinite(wlat[bad])).any(dim=1).all())
+    good = torch.ones(n, dtype=torch.bool, device=DEVICE)
+    good[bad] = False
+    assert bool(torch.isfinite(glat[good]).all())
+    gs, ws = got[1].view(n), want[1].view(n)
+    if kind == "nan":
+        assert bool((gs[bad] == 1.0).all()) and bool((ws[bad] == 1.0).all())
+    assert rel_err(gs[good], ws[good]) < 1e-6
+
+
+@pytest.mark.parametrize("kernel", ["default", "triton"])
+def test_decode_nonfinite_query_gives_nan(gen, monkeypatch, kernel):
+    """A head whose query holds NaN gets NaN (every kernel kept a NaN sum of weights as an
+    empty split's and returned zeros before); the other heads match the oracle."""
+    _pick_kernel(monkeypatch, kernel)
+    lens = [4096 + 5, 300]
+    layout, pool, packed, table, block_pool_map = _decode_cache(gen, 4, BF16, lens)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 16, 576, generator=gen, device=DEVICE).to(BF16)
+    q[0, 3, 100] = float("nan")
+    q[1, 7, 530] = float("inf")
+    args = (packed, table, seq, block_pool_map, *pool, layout, 1 / math.sqrt(576))
+    out = poison_(torch.empty(2, 16, 512, dtype=BF16, device=DEVICE))
+    kdec.mla_decode(q, *args, out, kdec.mla_decode_workspace(2, 16, device=DEVICE), None)
+    oracle = torch.empty(2, 16, 512, dtype=torch.float32, device=DEVICE)
+    ref.mla_decode(q, *args, oracle, None, None)
+    assert bool(out[0, 3].isnan().all()) and bool(out[1, 7].isnan().all())
+    ok = torch.ones(2, 16, dtype=torch.bool, device=DEVICE)
+    ok[0, 3] = ok[1, 7] = False
+    assert rel_err(out[ok], oracle[ok]) <= 2 * 2**-10 + 2**-8
