@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -73,6 +74,17 @@ def test_loader_argument_checks(tmp_path):
     (tmp_path / aot.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(aot.ArtifactError, match="x.so .*does not exist"):
         aot.load_artifacts(tmp_path, "sm_90a")
+    (tmp_path / "x.so").write_bytes(b"")
+    spec = dataclasses.asdict(SPEC)
+    for specs, needle in (
+        (None, "'specs' must be a list"),
+        ({"a": 1}, "'specs' must be a list"),
+        ([{**spec, "new_field": 1}], r"specs\[0\] must be an object with the keys"),
+        ([1], r"specs\[0\] must be an object"),
+    ):
+        (tmp_path / aot.MANIFEST).write_text(json.dumps({**m, "specs": specs}))
+        with pytest.raises(aot.ArtifactError, match=needle):
+            aot.load_artifacts(tmp_path, "sm_90a")
 
 
 def test_get_function_without_artifact_or_compiler(monkeypatch, tmp_path):
@@ -105,3 +117,21 @@ def test_cli_rejects_bad_spec(capsys):
         aot.main(["--arch", "sm_90a", "--out", "x", "--spec", "kvarn_k4v2_g64:128"])
     assert "FORMAT:HEAD_DIM:GQA:T:QDTYPE:POOLDTYPE" in capsys.readouterr().err
     assert aot.main(["--arch", "sm_80a", "--out", "x"]) == 2
+    with pytest.raises(SystemExit):
+        aot.main(
+            ["--arch", "sm_90a", "--out", "x", "--spec", "kvarn_k4v2_g64:96:4:1:bfloat16:bfloat16"]
+        )
+    assert "head_dim must be one of" in capsys.readouterr().err  # the reason, not the option only
+    spec0 = "kvarn_k4v2_g64:128:0:1:bfloat16:bfloat16"  # GQA 0: refused before compiling
+    assert aot.main(["--arch", "sm_90a", "--out", "x", "--spec", spec0]) == 2
+    assert "gqa: must be a positive integer" in capsys.readouterr().err
+
+
+def test_cli_without_the_dsl_is_a_clean_error(monkeypatch, tmp_path, capsys):
+    def no_dsl(*a, **k):
+        raise ModuleNotFoundError("No module named 'cutlass'")
+
+    monkeypatch.setattr(aot, "_compile_one", no_dsl, raising=False)
+    monkeypatch.setattr(aot, "build", no_dsl)
+    assert aot.main(["--arch", "sm_90a", "--out", str(tmp_path)]) == 2
+    assert "needs the CuTe DSL" in capsys.readouterr().err

@@ -49,10 +49,28 @@ def test_sm120_compiles_but_is_not_run(monkeypatch):
         cap.check_arch("sm_121a", for_build=True)
 
 
-def test_env_override_wins(monkeypatch):
-    _mock_device(monkeypatch, 8, 0)
+def test_env_names_the_arch_only_without_a_gpu(monkeypatch):
+    """The variable is for offline compiles: with a visible GPU it cannot let a kernel run on
+    an arch it was not validated on (an A100 posing as sm_90a passed the gate before)."""
     monkeypatch.setenv(cap.ARCH_ENV, "sm_90a")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cap.device_arch() == "sm_90a"
+    _mock_device(monkeypatch, 8, 0)
+    with pytest.raises(ValueError, match=f"^{cap.ARCH_ENV}=sm_90a: the visible GPU is sm_80a"):
+        cap.device_arch()
+    cap.clear_cache()
+    _mock_device(monkeypatch, 9, 0)
+    assert cap.device_arch() == "sm_90a"
+
+
+@pytest.mark.parametrize(
+    ("gqa", "query_len"), [(0, 1), (-1, 1), (1, 0), (-2, -4), (2.5, 1), (True, 1)]
+)
+def test_impossible_geometry_is_an_error(gqa, query_len):
+    with pytest.raises(ValueError, match="^(gqa|query_len): must be a positive integer"):
+        cap.is_supported("sm_90a", 4, 2, 64, 128, gqa=gqa, query_len=query_len)
+    with pytest.raises(ValueError, match="^head_dim"):
+        cap.is_supported("sm_90a", 4, 2, 64, 128.0)
 
 
 def test_no_gpu_is_refused(monkeypatch):

@@ -74,6 +74,8 @@ def no_compile(monkeypatch):
         (3, torch.tensor([70, 200], dtype=torch.int64), "seq_lens: dtype"),
         (8, torch.zeros(3, dtype=torch.int32), "tail_pool_block"),
         (10, float("nan"), "softmax_scale"),
+        (10, 10**400, "softmax_scale"),  # too large for a float (OverflowError before)
+        (10, -0.125, "softmax_scale"),
         (11, torch.empty(2, 1, 8, 64, dtype=torch.bfloat16), "out: expected shape"),
         (12, torch.empty(10), "workspace: too small"),
     ],

@@ -6,8 +6,9 @@ the AOT builder and the tests share.
 tests) but that no one has run it on: they are refused at run time and accepted by the AOT
 builder. Everything is refused with a ``NotImplementedError`` before any compile.
 
-``KVARN_CUTEDSL_ARCH`` (e.g. ``sm_90a``) overrides the device's arch, for offline compiles
-and tests on machines without the GPU.
+``KVARN_CUTEDSL_ARCH`` (e.g. ``sm_90a``) names the arch on machines without a visible GPU,
+for offline compiles and tests; where a GPU is visible it must agree with it (it can never let
+a kernel run on an arch it was not validated on).
 """
 
 from __future__ import annotations
@@ -53,15 +54,30 @@ def _device_arch(index: int) -> str:
 
 
 def device_arch(index: int | None = None) -> str:
-    """Arch of the current (or given) CUDA device, cached; ``KVARN_CUTEDSL_ARCH`` wins."""
-    override = os.environ.get(ARCH_ENV)
-    if override:
-        return override.strip()
-    if index is None:
-        import torch
+    """Arch of the current (or given) CUDA device, cached. Without a visible GPU,
+    ``KVARN_CUTEDSL_ARCH`` names it; with one, the variable must name the device's own arch.
 
+    Raises
+    ------
+    NotImplementedError
+        No GPU is visible and the variable is not set.
+    ValueError
+        The variable names another arch than the visible device's (naming the variable).
+    """
+    import torch
+
+    override = (os.environ.get(ARCH_ENV) or "").strip()
+    if override and not torch.cuda.is_available():
+        return override
+    if index is None:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    return _device_arch(index)
+    arch = _device_arch(index)
+    if override and override != arch:
+        raise ValueError(
+            f"{ARCH_ENV}={override}: the visible GPU is {arch}; the variable only names the arch "
+            "for offline compiles on machines without a GPU (unset it)"
+        )
+    return arch
 
 
 def clear_cache() -> None:
@@ -86,6 +102,11 @@ def check_arch(arch: str, *, for_build: bool = False) -> None:
 
 def check_format(k_bits: int, v_bits: int, group: int, head_dim: int, name: str = "") -> None:
     """Refuse a dense format / head_dim the kernel does not implement."""
+    for what, value in (("k_bits", k_bits), ("v_bits", v_bits), ("group", group)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{what}: must be an integer, got {value!r}")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+        raise ValueError(f"head_dim: must be an integer, got {head_dim!r}")
     label = name or f"kvarn_k{k_bits}v{v_bits}_g{group}"
     problems = []
     if k_bits not in SUPPORTED_K_BITS:
@@ -106,7 +127,11 @@ def check_format(k_bits: int, v_bits: int, group: int, head_dim: int, name: str 
 
 
 def check_geometry(gqa: int, query_len: int, q_dtype: str, pool_dtype: str, out_dtype: str) -> None:
-    """Refuse query geometry or dtypes the kernel does not implement."""
+    """Refuse query geometry or dtypes the kernel does not implement (ValueError for values
+    that are no geometry at all: non-positive or non-integer)."""
+    for name, value in (("gqa", gqa), ("query_len", query_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     if gqa * query_len > SUPPORTED_MAX_ROWS:
         raise NotImplementedError(
             f"kvarn-cutedsl decode serves at most {SUPPORTED_MAX_ROWS} query rows per KV head "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import hashlib
 import json
 import os
@@ -142,7 +143,10 @@ def _parse_spec(text: str) -> KernelSpec:
             "kvarn_k4v2_g64:128:4:1:bfloat16:bfloat16"
         )
     f, d, gqa, t, qd, pd = parts
-    return make_spec(f, int(d), int(gqa), int(t), qd, pd)
+    try:
+        return make_spec(f, int(d), int(gqa), int(t), qd, pd)
+    except (ValueError, NotImplementedError) as exc:  # FormatError is a ValueError
+        raise argparse.ArgumentTypeError(f"--spec {text!r}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,8 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         specs += [make_spec(*row) for row in PRESETS[a.preset or "parity"]]
     try:
         lib = build(specs, a.arch, a.out, copy_runtime=a.copy_runtime)
-    except NotImplementedError as exc:
+    except (NotImplementedError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        print(
+            f"error: building kernels needs the CuTe DSL ({exc}); install it with "
+            "`pip install 'nvidia-cutlass-dsl>=4.8,<4.9'` (a dependency of kvarn-cutedsl)",
+            file=sys.stderr,
+        )
         return 2
     print(f"wrote {lib} ({len(specs)} specializations) and {a.out / MANIFEST}")
     return 0
@@ -266,6 +277,18 @@ def read_manifest(directory: Path) -> dict:
             f"{path}: manifest_version {data['manifest_version']}, this "
             f"kvarn-cutedsl reads {MANIFEST_VERSION}; rebuild the artifacts"
         )
+    specs = data["specs"]
+    if not isinstance(specs, list):
+        raise ArtifactError(f"{path}: 'specs' must be a list, got {type(specs).__name__}")
+    fields = {f.name for f in dataclasses.fields(KernelSpec)}
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, dict) or set(spec) != fields:
+            raise ArtifactError(
+                f"{path}: specs[{i}] must be an object with the keys {sorted(fields)}, got "
+                f"{sorted(spec) if isinstance(spec, dict) else type(spec).__name__}"
+            )
+    if not isinstance(data["library"], str) or not isinstance(data["arch"], str):
+        raise ArtifactError(f"{path}: 'library' and 'arch' must be strings")
     return data
 
 

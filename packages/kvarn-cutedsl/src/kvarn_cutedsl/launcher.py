@@ -68,6 +68,17 @@ def decode_workspace(
     return torch.empty(n, dtype=torch.float32, device=device)
 
 
+def _finite_positive(value) -> bool:
+    """A real number (bool excluded) that is finite and > 0 as a float (an int too large for a
+    float is not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and float(value) > 0
+    except OverflowError:
+        return False
+
+
 def _check_tensor(name, t, dtypes, ndim=None, shape=None, device=None):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -138,12 +149,8 @@ def check_arguments(
             _check_tensor(name, sc, (torch.float32,), shape=tuple(exact_k.shape[:3]), device=dev)
     elif k_scale is not None or v_scale is not None:
         raise ValueError("k_scale, v_scale: must be None for a float16/bfloat16 pool")
-    if (
-        not isinstance(softmax_scale, (int, float))
-        or isinstance(softmax_scale, bool)
-        or not math.isfinite(softmax_scale)
-    ):
-        raise ValueError(f"softmax_scale: must be a finite float, got {softmax_scale!r}")
+    if not _finite_positive(softmax_scale):
+        raise ValueError(f"softmax_scale: must be a finite positive float, got {softmax_scale!r}")
     _check_tensor("out", out, _MODEL_DTYPES, shape=(b, t, hq, d), device=dev)
     _check_tensor("workspace", workspace, (torch.float32,), ndim=1, device=dev)
     for name, x in (
