@@ -58,6 +58,7 @@ def _run(args: argparse.Namespace) -> int:
     tqdm = import_module("tqdm").tqdm
 
     from kvarn_ops.evaluation import report
+    from kvarn_ops.evaluation.cli_checks import check_texts, load_text_ids
     from kvarn_ops.evaluation.harness import (
         Harness,
         code_text_set,
@@ -78,9 +79,11 @@ def _run(args: argparse.Namespace) -> int:
     else:
         model_dir, model_name = Path(args.model), Path(args.model).name
     if args.text_ids:
-        data = json.loads(Path(args.text_ids).read_text())
-        texts = data["texts"] if "texts" in data else [data["ids"]]
-        text = data.get("source", args.text_ids)
+        try:
+            texts, text = load_text_ids(args.text_ids)
+        except ValueError as exc:
+            print(f"kvarn-eval run: {exc}", file=sys.stderr)
+            return 2
     elif args.texts == "pydoc":
         texts, text = pydoc_text_set()
     elif args.texts == "code":
@@ -88,21 +91,29 @@ def _run(args: argparse.Namespace) -> int:
     else:
         ids, text = default_token_ids()
         texts = [ids]
+    problem = check_texts(texts, args.tokens, args.group, args.sink)
+    if problem:
+        print(f"kvarn-eval run: {problem}", file=sys.stderr)
+        return 2
     texts = [t[: args.tokens] for t in texts]
     sinks = {"on": (True,), "off": (False,), "both": (False, True)}[args.sink]
     variants = _variants(args.formats.split(","), args.methods.split(","), sinks)
-    harnesses = [
-        Harness(
-            model_dir,
-            ids,
-            group=args.group,
-            gen_prompt=args.gen_prompt,
-            gen_tokens=args.gen_tokens if i == 0 else 0,
-            static_queries=args.static_queries,
-            threads=args.threads,
-        )
-        for i, ids in enumerate(texts)
-    ]
+    try:
+        harnesses = [
+            Harness(
+                model_dir,
+                ids,
+                group=args.group,
+                gen_prompt=args.gen_prompt,
+                gen_tokens=args.gen_tokens if i == 0 else 0,
+                static_queries=args.static_queries,
+                threads=args.threads,
+            )
+            for i, ids in enumerate(texts)
+        ]
+    except ValueError as exc:  # token ids outside the model's vocabulary
+        print(f"kvarn-eval run: {exc}", file=sys.stderr)
+        return 2
     h = harnesses[0]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,17 +165,39 @@ def _run(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from kvarn_ops.evaluation import report
 
-    results = json.loads(Path(args.results[0]).read_text())
+    def load(path: str) -> dict:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise SystemExit(f"kvarn-eval report: {path}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"kvarn-eval report: {path}: not valid JSON ({exc})") from None
+        missing = (
+            [k for k in ("meta", "exact", "variants") if k not in data]
+            if isinstance(data, dict)
+            else ["an object"]
+        )
+        if missing:
+            raise SystemExit(f"kvarn-eval report: {path}: not a results.json (missing {missing})")
+        return data
+
+    results = load(args.results[0])
     for extra in args.results[1:]:  # runs of the same model and text, merged
-        more = json.loads(Path(extra).read_text())
-        if more["exact"]["chunk_nll_sums"] != results["exact"]["chunk_nll_sums"]:
+        more = load(extra)
+        if more["exact"].get("chunk_nll_sums") != results["exact"].get("chunk_nll_sums"):
             raise SystemExit(f"{extra}: not the same model and text as {args.results[0]}")
         names = {v["name"] for v in results["variants"]}
         results["variants"] += [v for v in more["variants"] if v["name"] not in names]
-    results["comparisons"] = report.comparisons(results)
+    try:
+        results["comparisons"] = report.comparisons(results)
+        tables = report.markdown_tables(results)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SystemExit(
+            f"kvarn-eval report: {args.results[0]}: a results.json of another layout ({exc!r})"
+        ) from None
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print(report.markdown_tables(results))
+    print(tables)
     if args.plot:
         report.plot(results, Path(args.plot))
     return 0
@@ -229,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(overrides --texts)",
     )
     r.add_argument("--tokens", type=int, default=2048, help="context length (default 2048)")
-    r.add_argument("--group", type=int, default=64, help="tile size G (default 64)")
+    r.add_argument(
+        "--group", type=int, default=None, help="tile size G (default: the formats' G; 64)"
+    )
     r.add_argument("--gen-prompt", type=int, default=1024, help="prompt tokens for greedy")
     r.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens (0: skip)")
     r.add_argument(
@@ -268,7 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        from kvarn_ops.evaluation.cli_checks import check_run_args
+
+        problem = check_run_args(args, ",".join(DEFAULT_DETAIL))
+        if problem:
+            parser.error(problem)  # exit status 2, with the usage line
     return {"setup": _setup, "run": _run, "report": _report}[args.command](args)
 
 

@@ -170,6 +170,12 @@ class Harness:
             str(model_dir), dtype=torch.float32, attn_implementation=name
         ).eval()
         cfg = self.model.config
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is not None and int(self.ids.max()) >= vocab or int(self.ids.min()) < 0:
+            raise ValueError(
+                f"ids: token ids must be in [0, {vocab}) for this model, found "
+                f"{int(self.ids.min())}..{int(self.ids.max())}"
+            )
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers = cfg.num_hidden_layers
         self._exact: _Run | None = None
