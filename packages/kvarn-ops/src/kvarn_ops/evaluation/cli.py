@@ -164,14 +164,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from kvarn_ops.evaluation import report
+    from kvarn_ops.evaluation.cli_checks import read_json
 
-    def load(path: str) -> dict:
+    def load(path: str) -> Any:
         try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise SystemExit(f"kvarn-eval report: {path}: {exc.strerror or exc}") from None
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"kvarn-eval report: {path}: not valid JSON ({exc})") from None
+            data = read_json(path, f"kvarn-eval report: {path}")
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
         missing = (
             [k for k in ("meta", "exact", "variants") if k not in data]
             if isinstance(data, dict)

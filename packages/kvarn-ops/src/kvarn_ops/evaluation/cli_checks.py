@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["check_run_args", "check_texts", "load_text_ids"]
+__all__ = ["check_run_args", "check_texts", "load_text_ids", "read_json"]
 
 
 def _dense_group(fmt: str) -> int:
@@ -65,16 +65,22 @@ def check_run_args(args: argparse.Namespace, default_detail: str = "") -> str | 
     return None
 
 
-def load_text_ids(path: str) -> tuple[list[list[int]], str]:
-    """Texts of a ``--text-ids`` file: ``{"ids": [...]}`` or ``{"texts": [[...], ...]}``,
-    token ids as JSON integers >= 0. Raises ValueError naming the problem."""
-    where = f"--text-ids {path}"
+def read_json(path: str, where: str) -> object:
+    """The JSON document of ``path``; ValueError starting with ``where`` when the file cannot
+    be read or is not JSON."""
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except OSError as exc:
         raise ValueError(f"{where}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: not valid JSON ({exc})") from None
+
+
+def load_text_ids(path: str) -> tuple[list[list[int]], str]:
+    """Texts of a ``--text-ids`` file: ``{"ids": [...]}`` or ``{"texts": [[...], ...]}``,
+    token ids as JSON integers >= 0. Raises ValueError naming the problem."""
+    where = f"--text-ids {path}"
+    data = read_json(path, where)
     if not isinstance(data, dict) or ("ids" in data) == ("texts" in data):
         raise ValueError(f"{where}: expected an object with 'ids' or 'texts' (one of them)")
     texts = data["texts"] if "texts" in data else [data["ids"]]
