@@ -154,7 +154,11 @@ def test_mla_decode_propagates_a_nonfinite_query(gen, kind, sparse):
     for out in outs:
         assert bool(out[0, 0].isnan().all())
         assert bool(torch.isfinite(out[0, 1]).all())
-    assert float((outs[0][0, 1] - outs[1][0, 1]).abs().max()) < 1e-2
+    # the finite head against the oracle within test_mla_ops' bounds: sparse 2e-4 * max; full
+    # context the fp16-operand yardstick's own bound (8 * 2**-10) plus the kernel's allowance
+    top = float(outs[0][0, 1].abs().max())
+    bound = 2e-4 if sparse else 8 * 2**-10 + 2e-4 + 2**-10
+    assert float((outs[0][0, 1] - outs[1][0, 1]).abs().max()) <= bound * top
 
 
 @pytest.mark.parametrize("scale", BAD_SCALES)
@@ -266,9 +270,9 @@ def test_flush_takes_sink_rows_by_position_like_the_reference(make_cache, gen):
     K.flush(c.exact_k, c.exact_v, None, None, i32(0), i32(0), a, c.layout, sink)
     K.flush(c.exact_k, c.exact_v, None, None, i32(0), i32(0), b, c.layout, sink_rows=sink)
     assert torch.equal(a, b)
-    r = c.packed.clone()
-    ref.flush(c.exact_k, c.exact_v, None, None, i32(0), i32(0), r, c.layout, sink)
-    assert not torch.equal(a, c.packed), "the flush wrote nothing"
+    plain = c.packed.clone()
+    K.flush(c.exact_k, c.exact_v, None, None, i32(0), i32(0), plain, c.layout)
+    assert not torch.equal(a, plain), "the positional sink_rows was ignored"
 
 
 # ------------------------------------------------------------------------------------ rotate

@@ -171,7 +171,7 @@ class Harness:
         ).eval()
         cfg = self.model.config
         vocab = getattr(cfg, "vocab_size", None)
-        if vocab is not None and int(self.ids.max()) >= vocab or int(self.ids.min()) < 0:
+        if int(self.ids.min()) < 0 or (vocab is not None and int(self.ids.max()) >= vocab):
             raise ValueError(
                 f"ids: token ids must be in [0, {vocab}) for this model, found "
                 f"{int(self.ids.min())}..{int(self.ids.max())}"
