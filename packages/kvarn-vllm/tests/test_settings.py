@@ -87,3 +87,33 @@ def test_unknown_kvarn_keys_are_refused_not_ignored():
 def test_pool_dtype_without_a_format_is_refused():
     with pytest.raises(s.SettingsError, match="kvarn_pool_dtype is set but no kvarn format"):
         s.resolve(cfg(extra={s.POOL_DTYPE_KEY: "fp8"}))
+
+
+def test_additional_config_any_mapping_is_read():
+    from types import MappingProxyType
+
+    extra = MappingProxyType({s.FORMAT_KEY: "kvarn_k4v2_g64"})
+    got = s.resolve(
+        NS(
+            additional_config=extra,
+            cache_config=NS(cache_dtype="auto"),
+            model_config=NS(dtype="torch.float16"),
+        )
+    )
+    assert got is not None and got.format_name == "kvarn_k4v2_g64"
+
+
+def test_additional_config_object_with_kvarn_attributes_is_refused():
+    conf = NS(
+        additional_config=NS(kvarn_kv_cache_dtype="kvarn_k4v2_g64"),
+        cache_config=NS(cache_dtype="auto"),
+        model_config=NS(dtype="torch.float16"),
+    )
+    with pytest.raises(s.SettingsError, match="not a dict"):
+        s.resolve(conf)
+    other = NS(
+        additional_config=NS(some_plugin=1),
+        cache_config=NS(cache_dtype="auto"),
+        model_config=NS(dtype="torch.float16"),
+    )
+    assert s.resolve(other) is None

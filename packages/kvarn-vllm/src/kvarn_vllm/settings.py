@@ -24,6 +24,7 @@ time it is needed and kept in this module (``customize_spec`` sees only the spec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,8 +81,21 @@ class Settings:
 
 
 def _additional(vllm_config: Any) -> dict:
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    return extra if isinstance(extra, dict) else {}
+    """``additional_config`` as a dict: any mapping is read; another object (vLLM allows a
+    hashable object for other plugins) is read as no kvarn keys, unless it carries
+    ``kvarn_*`` attributes, which would otherwise be ignored silently."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if extra is None:
+        return {}
+    if isinstance(extra, Mapping):
+        return dict(extra)
+    named = sorted(a for a in dir(extra) if a.startswith("kvarn_"))
+    if named:
+        raise SettingsError(
+            f"additional_config is a {type(extra).__name__}, not a dict, and has kvarn "
+            f"attribute {named[0]!r}: give kvarn settings as a JSON dict"
+        )
+    return {}
 
 
 def default_pool_dtype(model_dtype_name: str) -> str:
