@@ -284,6 +284,46 @@ def test_flush_window_search(gen, request, fmt):
 
 _FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
 kd = importlib.import_module("kvarn_ops.kernels.decode")
+_PLAN_MOD = importlib.import_module("kvarn_ops.kernels.flush_plan")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dim", "hkv", "pool_dtype"),
+    [
+        ("kvarn_k4v2_g64", 128, 8, torch.bfloat16),
+        ("kvarn_k2v2_g64", 128, 8, torch.float8_e4m3fn),
+        ("kvarn_k4v4_g64", 128, 4, torch.float16),
+    ],
+)
+def test_flush_planned(gen, request, fmt, dim, hkv, pool_dtype):
+    """The bulk flush takes the planned path on this GPU (the Gluon plan of
+    ``flush_rows.py``, then the Triton finish): against the reference with the bounds of
+    :func:`_check_flush`, with and without sink rows (the marked blocks through the single
+    pass), and the single pass (``FORCE_PLAN="off"``) the same way, on the same blocks."""
+    layout = kf.dense_layout(fmt, dim)
+    g = layout.block_size
+    n, pool_blocks, num_blocks = 400, 420, 480
+    pools = _flush_pool(gen, layout, hkv, pool_blocks, pool_dtype)
+    assert _PLAN_MOD.plan_engine(pools[0], g, dim) == "gluon", "the plan must be Gluon here"
+    src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    rows = _sink_rows(gen, n, g)
+    for tag, sink in (("", None), ("sink_", rows)):
+        want = poison_(
+            torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
+        )
+        reference.flush(*pools, src, dst, want, layout, sink_rows=sink)
+        sink_tiles = None if sink is None else (rows >= 0).repeat_interleave(hkv)
+        for engine in ("gluon", "off"):
+            _PLAN_MOD.FORCE_PLAN = engine
+            _FLUSH_MOD.FORCE_SINK_SPLIT = None if sink is None else True
+            try:
+                got = poison_(torch.empty_like(want))
+                kernels.flush(*pools, src, dst, got, layout, sink_rows=sink)
+            finally:
+                _PLAN_MOD.FORCE_PLAN = None
+                _FLUSH_MOD.FORCE_SINK_SPLIT = None
+            _check_flush(request, got, want, src, dst, layout, pools, f"{tag}{engine}_", sink_tiles)
 
 
 @pytest.mark.parametrize(("fmt", "dim", "hkv"), FLUSH_CASES)

@@ -67,14 +67,14 @@ from kvarn_ops.kernels._common import (
     apply_log_scales,
     check_device,
     fp16_balance_shift,
-    frexp_exponent,
     launch_or_op,
     pack_codes_store,
     pack_geometry,
     pow2,
     round_half_even,
 )
-from kvarn_ops.kernels.flush_math import normalize_tile, unbiased_clip_search
+from kvarn_ops.kernels.flush_math import finish_planned, normalize_tile, unbiased_clip_search
+from kvarn_ops.kernels.flush_plan import launch_plan, load_prescaled, plan_engine, plan_stride
 from kvarn_ops.kernels.flush_sink import apply_sink, sink_override
 from kvarn_ops.kernels.flush_sink_key import pin_search
 from kvarn_ops.kernels.flush_sync import fence
@@ -141,6 +141,7 @@ def _flush_tile(
     sink_row,
     SINK: tl.constexpr,
     PIN: tl.constexpr,
+    PLANNED: tl.constexpr,
 ):
     """Quantize one tile ``X [R, C]`` (K: R = D channels, C = G tokens; V: R = G tokens,
     C = D) into its record fields: codes ``[R, C]``, row-side scale and zero point ``[R]``,
@@ -155,43 +156,24 @@ def _flush_tile(
     With ``SINK`` (V tiles), row ``sink_row`` (-1: none) is the attention-sink token, kept
     almost exact (``flush_sink.py``, reference ``reference/sink.py``). With ``PIN`` (2-bit K
     tiles), column ``sink_row`` is the sink token, whose key every channel's grid passes
-    through (``flush_sink_key.py``, reference ``reference/sink_key.py``)."""
+    through (``flush_sink_key.py``, reference ``reference/sink_key.py``).
+
+    With ``PLANNED`` (one program per tile, no sink steps) the tile's normalization and
+    clipping search were done by the planned flush's first pass (``flush_plan.py``), whose
+    plan is at ``scr_ptr``: this program applies it, takes the winner's codes and refit, and
+    packs."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
-    if FP8 and not TOKENS_ON_ROWS:
-        # K from an fp8 pool: 8 channels per thread, as for 16-bit pools. The compiler's
-        # choice for one-byte elements (16 per thread) gives each thread 16 channel rows, and
-        # every row's per-candidate arithmetic of the clipping search is repeated per thread
-        # (offline, sm_90a: 2,570 -> 1,652 instructions per candidate). V keeps it: 16
-        # channels per thread leave 4 token rows per thread (1,162 per candidate).
-        r = tl.max_contiguous(r, 8)
-    if TOKENS_ON_ROWS:
-        tok = r[:, None]
-        dim = c[None, :]
-    else:
-        tok = c[None, :]
-        dim = r[:, None]
-    row = (src * G + tok) * H + head
-    x = tl.load(pool_ptr + row * D + dim).to(tl.float32)
-    if FP8:
-        x = x * tl.load(scale_ptr + row)
-
-    # Step 1: a token holding any NaN/Inf becomes zeros.
-    finite = ((x == x) & (tl.abs(x) < float("inf"))).to(tl.int32)
-    if TOKENS_ON_ROWS:
-        x = tl.where((tl.min(finite, axis=1) > 0)[:, None], x, 0.0)
-    else:
-        x = tl.where((tl.min(finite, axis=0) > 0)[None, :], x, 0.0)
-
-    # Step 2: prescale by 2**-e, e = floor(log2(max|x|)) (0 for an all-zero tile).
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    e = tl.where(amax > 0.0, frexp_exponent(amax) - 1, 0)
-    scale = pow2(-e)
-
+    # Steps 1-2: load (non-finite tokens zeroed) and prescale.
+    xs, e = load_prescaled(pool_ptr, scale_ptr, src, head, R, C, TOKENS_ON_ROWS, G, H, D, FP8)
     # Step 3: alternate column / row division by the spread; keep the best-balanced iterate
-    # (flush_math.py).
-    best_lr, best_lc = normalize_tile(x * scale, R, C, ITERS, STD_FLOOR)
-    balanced = apply_log_scales(x * scale, best_lr, best_lc)
+    # (flush_math.py), or the planned one (flush_plan.py).
+    if PLANNED:
+        best_lr = tl.load(scr_ptr + r)
+        best_lc = tl.load(scr_ptr + R + c)
+    else:
+        best_lr, best_lc = normalize_tile(xs, R, C, ITERS, STD_FLOOR)
+    balanced = apply_log_scales(xs, best_lr, best_lc)
     if SINK:
         balanced, best_lc, sink_codes, sink_step, sink_lo, sink_row = apply_sink(
             balanced, best_lc, sink_row, (1 << BITS) - 1, R, C
@@ -200,6 +182,17 @@ def _flush_tile(
     if PARTS == 1:
         if PIN:
             codes, step, lo = _round_rows_pinned(balanced, best_lc, sink_row, BITS, R, C, ROUNDING)
+        elif PLANNED and ROUNDING != 0:
+            # the planned winner's codes and refit (flush_plan.py)
+            codes, step, lo = finish_planned(
+                balanced,
+                best_lc,
+                tl.load(scr_ptr + R + C + r),
+                tl.load(scr_ptr + 2 * R + C + r),
+                (1 << BITS) - 1,
+                R,
+            )
+            codes = codes.to(tl.int32)
         else:
             codes, step, lo = _round_rows(balanced, best_lc, BITS, R, C, ROUNDING)
         if SINK:
@@ -407,6 +400,7 @@ def _flush_kernel(
     SINK: tl.constexpr,
     PIN: tl.constexpr,
     MARKED: tl.constexpr = 0,
+    PLANNED: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -469,6 +463,7 @@ def _flush_kernel(
                 sink_col,
                 False,
                 PIN,
+                PLANNED,
             )
         else:
             # V tile [G, D]: rows = tokens (row_scale/zero_point), columns = channels.
@@ -511,6 +506,7 @@ def _flush_kernel(
                 sink_row,
                 SINK,
                 False,
+                PLANNED,
             )
 
 
@@ -726,7 +722,34 @@ def _launch(
         modes = ((1, False, False), (2, True, pin))
     else:
         modes = ((0, True, pin),)
+    sink_arg = src_pool_blocks if sink_rows is None else sink_rows
+    # The bulk launches without sink steps may take the planned flush (flush_plan.py).
+    engine = plan_engine(exact_k, g, d) if parts == 1 else None
+    consts = record_constants(layout)
     for marked, sink, pin_k in modes:
+        planned = engine is not None and not sink and not pin_k
+        scr, scr_stride = scratch, stride
+        if planned:
+            scr_stride = plan_stride(g, d)
+            scr = torch.empty(tiles * scr_stride, dtype=torch.float32, device=dev)
+            launch_plan(
+                engine,
+                exact_k,
+                exact_v,
+                ks,
+                vs,
+                src_pool_blocks,
+                sink_arg,
+                scr,
+                k_bits=consts["K_BITS"],
+                v_bits=consts["V_BITS"],
+                k_round=k_round,
+                v_round=v_round,
+                pattern_id=PATTERN_ID.value,
+                iters=iters,
+                std_floor=std_floor,
+                marked=marked,
+            )
         _flush_kernel[(n, hkv, 2 * parts)](
             exact_k,
             exact_v,
@@ -735,9 +758,9 @@ def _launch(
             src_pool_blocks,
             dst_blocks,
             packed,
-            scratch,
+            scr,
             counters.view(torch.int32),
-            src_pool_blocks if sink_rows is None else sink_rows,
+            sink_arg,
             p,
             packed.shape[0],
             G=g,
@@ -750,12 +773,13 @@ def _launch(
             V_ROUNDING=v_round,
             PARTS=parts,
             ASM=not INTERPRET,
-            SCRATCH=stride,
+            SCRATCH=scr_stride,
             SINK=sink,
             PIN=pin_k,
             MARKED=marked,
+            PLANNED=planned,
             num_warps=warps_for(d, g, parts),
-            **record_constants(layout),
+            **consts,
         )
 
 

@@ -93,7 +93,13 @@ _PAT_LO = _by_levels(lambda p: float(p.lo), 0.0)
 _PAT_HI = _by_levels(lambda p: float(p.hi), 0.0)
 _PAT_UNIT = _by_levels(lambda p: 1.0 / p.denom, 0.0)
 
-__all__ = ["normalize_split", "normalize_tile", "unbiased_clip_search"]
+__all__ = [
+    "clip_search_plan",
+    "finish_planned",
+    "normalize_split",
+    "normalize_tile",
+    "unbiased_clip_search",
+]
 
 
 @triton.jit
@@ -322,14 +328,7 @@ def unbiased_clip_search(
     rng = hi0 - lo0
     lv = tl.full([R], LEVELS, tl.float32)
     step0 = tl.div_rn(rng, lv)
-    # Column weights exp(2 * lc) relative to the largest.
-    w1 = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))
-    w = w1[None, :]
-    sw = tl.zeros([R], tl.float32) + tl.sum(w1, axis=0)
-    mb = tl.div_rn(tl.sum(w * b, axis=1), sw)
-    db = b - mb[:, None]
-    vb = tl.div_rn(tl.sum(w * (db * db), axis=1), sw)
-    rsw = tl.div_rn(1.0, tl.sum(w1, axis=0))  # a scalar: one register, not one per row
+    w, mb, db, vb, rsw = _weighted_moments(b, lc, R)
     mid = 0.5 * (hi0 + lo0)
     half = 0.5 * rng
 
@@ -345,11 +344,66 @@ def unbiased_clip_search(
         code_z, code_s, refit = _window_loop(
             b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
         )
+    return _finish(b, w, mb, vb, rsw, code_z, code_s, refit, LEVELS)
+
+
+@triton.jit
+def _weighted_moments(b, lc, R: tl.constexpr):
+    """The search's column weights ``exp(2 * (lc - max lc))`` ``[1, C]``, each row's weighted
+    mean ``mb``, deviations ``db``, weighted variance ``vb`` and the tile's ``1 / sum w``."""
+    w1 = tl.exp(2.0 * (lc - tl.max(lc, axis=0)))
+    w = w1[None, :]
+    sw = tl.zeros([R], tl.float32) + tl.sum(w1, axis=0)
+    mb = tl.div_rn(tl.sum(w * b, axis=1), sw)
+    db = b - mb[:, None]
+    vb = tl.div_rn(tl.sum(w * (db * db), axis=1), sw)
+    rsw = tl.div_rn(1.0, tl.sum(w1, axis=0))  # a scalar: one register, not one per row
+    return w, mb, db, vb, rsw
+
+
+@triton.jit
+def _finish(b, w, mb, vb, rsw, code_z, code_s, refit, LEVELS: tl.constexpr):
+    """The winner's codes from its clipping range ``(code_z, code_s)`` and, where ``refit``,
+    its unbiased refit (else the range itself: min/max)."""
     codes = clip_codes(b, code_z, code_s, LEVELS)
     step, lo = _refit(codes, w, b, mb, vb, code_s, code_z, rsw)
     step = tl.where(refit, step, code_s)
     lo = tl.where(refit, lo, code_z)
     return codes, step, lo
+
+
+@triton.jit
+def clip_search_plan(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, PATTERN: tl.constexpr = False):
+    """The winner of :func:`unbiased_clip_search` as a plan: each row's clipping range ``(z,
+    s)``, ``s`` negated where the winner is min/max (no refit); :func:`finish_planned` turns
+    it into the same codes and step. The planned flush (``flush_plan.py``) stores it."""
+    lo0 = tl.min(b, axis=1)
+    hi0 = tl.max(b, axis=1)
+    rng = hi0 - lo0
+    step0 = tl.div_rn(rng, tl.full([R], LEVELS, tl.float32))
+    w, mb, db, vb, rsw = _weighted_moments(b, lc, R)
+    c0 = clip_codes(b, lo0, step0, LEVELS)
+    err = b - (c0 * step0[:, None] + lo0[:, None])
+    best_e = tl.where(rng > 0.0, tl.sum(err * err * w, axis=1), -1.0)
+    mid = 0.5 * (hi0 + lo0)
+    half = 0.5 * rng
+    if PATTERN and _PAT_N[LEVELS] > 0:
+        code_z, code_s, refit = _pattern_loop(
+            b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
+        )
+    else:
+        code_z, code_s, refit = _window_loop(
+            b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
+        )
+    return code_z, tl.where(refit, code_s, -code_s)
+
+
+@triton.jit
+def finish_planned(b, lc, code_z, signed_s, LEVELS: tl.constexpr, R: tl.constexpr):
+    """:func:`unbiased_clip_search`'s codes and ``(step, lo)`` from a plan of
+    :func:`clip_search_plan` (or its Gluon twin): the winner's codes and refit only."""
+    w, mb, db, vb, rsw = _weighted_moments(b, lc, R)
+    return _finish(b, w, mb, vb, rsw, code_z, tl.abs(signed_s), signed_s > 0.0, LEVELS)
 
 
 @triton.jit

@@ -1,0 +1,288 @@
+"""The planned flush (``kernels/flush_plan.py``): plan, then finish, against the single pass.
+
+Under the interpreter the plan is the Triton twin (``flush_plan._plan_kernel``): the same
+functions in the same order as the single pass, so the records must be identical byte for
+byte, in every rounding mode, pool type and geometry, with special tiles and with the sink
+launch split (the unmarked blocks planned, the marked ones single pass). That the finish
+really reads the plan is checked by corrupting it. The Gluon plan (``flush_rows.py``) is
+compiled for sm_90a and sm_120a here and checked against the reference on a GPU
+(``gpu/test_dense_parity.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kvarn_formats as kf  # noqa: E402
+from conftest import realistic_kv  # noqa: E402
+from kvarn_ops import reference as ref  # noqa: E402
+from kvarn_ops.kernels import flush  # noqa: E402
+
+FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
+PLAN_MOD = importlib.import_module("kvarn_ops.kernels.flush_plan")
+FP8 = torch.float8_e4m3fn
+POISON = 0xAB
+
+CONFIGS = {
+    "default": ref.DEFAULT_CONFIG,
+    "window": ref.NormalizeConfig(rounding="unbiased_clip"),
+    "mixed": ref.NormalizeConfig(rounding="rtn", rounding_v="unbiased_clip"),
+    "rtn": ref.NormalizeConfig(rounding="rtn"),
+}
+
+CASES = [
+    # (config, format, D, pool dtype, Hkv, N blocks flushed, P pool blocks, packed blocks)
+    ("default", "kvarn_k4v2_g64", 128, torch.bfloat16, 2, 2, 3, 4),
+    ("default", "kvarn_k2v2_g64", 128, FP8, 1, 2, 2, 3),
+    ("default", "kvarn_k4v4_g64", 64, torch.float16, 2, 1, 2, 2),
+    ("window", "kvarn_k2v4_g64", 128, torch.bfloat16, 1, 2, 3, 3),
+    ("mixed", "kvarn_k3v5_g32", 64, FP8, 2, 2, 2, 3),
+    ("rtn", "kvarn_k8v2_g32", 128, torch.float16, 1, 2, 2, 3),
+]
+
+
+@pytest.fixture
+def force():
+    def set_(plan=None, split=None):
+        PLAN_MOD.FORCE_PLAN = plan
+        FLUSH_MOD.FORCE_SINK_SPLIT = split
+
+    yield set_
+    PLAN_MOD.FORCE_PLAN = None
+    FLUSH_MOD.FORCE_SINK_SPLIT = None
+    FLUSH_MOD.FORCE_PARTS = None
+
+
+def _pool(gen, p, g, hkv, d, dtype):
+    ek = torch.empty(p, g, hkv, d, dtype=dtype)
+    ev = torch.empty_like(ek)
+    ks = torch.empty(p, g, hkv) if dtype == FP8 else None
+    vs = torch.empty(p, g, hkv) if dtype == FP8 else None
+    k = realistic_kv(gen, p * g, hkv, d)
+    v = realistic_kv(gen, p * g, hkv, d)
+    ref.store(k, v, torch.arange(p * g), ek, ev, ks, vs)
+    return ek, ev, ks, vs
+
+
+def _both(force, args, lay, config, sink_rows=None, split=None):
+    """Records of the planned and of the single-pass flush of the same blocks."""
+    out = []
+    for plan in ("triton", "off"):
+        force(plan, split)
+        packed = torch.full_like(args[-1], POISON)
+        flush(*args[:-1], packed, lay, sink_rows, config=config)
+        out.append(packed)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-{str(c[3])[6:]}")
+def test_planned_flush_equals_single_pass(case, gen, force):
+    name, fmt, d, pdt, hkv, n, p, nb = case
+    lay = kf.dense_layout(fmt, d)
+    ek, ev, ks, vs = _pool(gen, p, lay.block_size, hkv, d, pdt)
+    src = torch.randperm(p, generator=gen)[:n].to(torch.int32)
+    dst = torch.randperm(nb, generator=gen)[:n].to(torch.int32)
+    packed = torch.empty(nb, hkv, lay.record_bytes, dtype=torch.uint8)
+    planned, single = _both(force, (ek, ev, ks, vs, src, dst, packed), lay, CONFIGS[name])
+    written = torch.zeros(nb, dtype=torch.bool)
+    written[dst.long()] = True
+    assert bool((planned[~written] == POISON).all()), "a record outside dst_blocks was written"
+    assert bool((planned[written] != POISON).any())
+    assert torch.equal(planned, single)
+
+
+def test_planned_flush_special_tiles(gen, force):
+    """Zero, constant, outlier, non-finite and 24-decade tiles: the single pass's bytes."""
+    lay = kf.dense_layout("kvarn_k2v2_g64", 128)
+    x = realistic_kv(gen, 1, 64, 4, 128)
+    x[..., 0, :] = 0.0
+    x[0, :, 1, 5] = 3.0
+    x[0, 3, 2, 9] = 1.0e4
+    x[0, 11, 3, 2] = float("nan")
+    x[0, 20, 3, 7] = float("inf")
+    x[..., 3, :] *= torch.logspace(-12, 12, 128)
+    ek, ev = x.to(torch.float16), x.flip(1).to(torch.float16)
+    src = torch.zeros(1, dtype=torch.int32)
+    packed = torch.empty(1, 4, lay.record_bytes, dtype=torch.uint8)
+    planned, single = _both(force, (ek, ev, None, None, src, src, packed), lay, ref.DEFAULT_CONFIG)
+    assert torch.equal(planned, single)
+
+
+def test_planned_flush_with_sink_rows_split(gen, force):
+    """Sink rows with the launch split: the unmarked blocks planned, the marked ones through
+    the single pass's sink steps; every record as the single pass writes it."""
+    lay = kf.dense_layout("kvarn_k2v2_g64", 128)
+    ek, ev, ks, vs = _pool(gen, 4, 64, 2, 128, torch.bfloat16)
+    src = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    dst = torch.tensor([1, 3, 0, 2], dtype=torch.int32)
+    sink = torch.tensor([-1, 0, -1, -1], dtype=torch.int32)
+    packed = torch.empty(4, 2, lay.record_bytes, dtype=torch.uint8)
+    args = (ek, ev, ks, vs, src, dst, packed)
+    planned, single = _both(force, args, lay, ref.DEFAULT_CONFIG, sink, split=True)
+    assert torch.equal(planned, single)
+    # and the split itself is the unsplit single pass's result
+    force("off", False)
+    whole = torch.full_like(packed, POISON)
+    flush(ek, ev, ks, vs, src, dst, whole, lay, sink, config=ref.DEFAULT_CONFIG)
+    assert torch.equal(planned, whole)
+
+
+def test_finish_reads_the_plan(gen, force, monkeypatch):
+    """A plan whose search result is replaced by min/max for every row changes the codes; one
+    whose log scales are shifted changes the scale fields: the finish uses what it is given."""
+    lay = kf.dense_layout("kvarn_k4v2_g64", 128)
+    ek, ev, ks, vs = _pool(gen, 1, 64, 1, 128, torch.bfloat16)
+    src = torch.zeros(1, dtype=torch.int32)
+    packed = torch.empty(1, 1, lay.record_bytes, dtype=torch.uint8)
+    base, _ = _both(force, (ek, ev, ks, vs, src, src, packed), lay, ref.DEFAULT_CONFIG)
+    real = PLAN_MOD.launch_plan
+    stride = PLAN_MOD.plan_stride(64, 128)
+
+    def minmax_plan(*args, **kw):
+        real(*args, **kw)
+        plan = args[7].view(-1, stride)
+        r, c = 128, 64  # the K tile: its rows' (z, s) become min/max
+        plan[0, r + c : 3 * r + c] = 0.0  # z = 0, s = -0: min/max, from (0, 0)
+
+    monkeypatch.setattr(FLUSH_MOD, "launch_plan", minmax_plan)
+    force("triton")
+    got = torch.full_like(packed, POISON)
+    flush(ek, ev, ks, vs, src, src, got, lay, config=ref.DEFAULT_CONFIG)
+    codes = lay.field("k_codes")
+    assert not torch.equal(
+        got[0, 0, codes.offset : codes.end], base[0, 0, codes.offset : codes.end]
+    )
+    vc = lay.field("v_codes")
+    assert torch.equal(got[0, 0, vc.offset : vc.end], base[0, 0, vc.offset : vc.end])
+
+
+def test_plan_engine_choice(force):
+    x = torch.zeros(1, 64, 1, 128)
+    assert PLAN_MOD.plan_engine(x, 64, 128) is None  # a CPU tensor: the single pass
+    force("triton")
+    assert PLAN_MOD.plan_engine(x, 64, 128) == "triton"
+    force("off")
+    assert PLAN_MOD.plan_engine(x, 64, 128) is None
+
+
+def test_plan_engine_rejects_an_unknown_engine(gen):
+    ek, ev, ks, vs = _pool(gen, 1, 64, 1, 128, torch.bfloat16)
+    src = torch.zeros(1, dtype=torch.int32)
+    plan = torch.empty(2 * PLAN_MOD.plan_stride(64, 128))
+    with pytest.raises(ValueError, match="engine"):
+        PLAN_MOD.launch_plan(
+            "cuda",
+            ek,
+            ev,
+            ek,
+            ev,
+            src,
+            src,
+            plan,
+            k_bits=4,
+            v_bits=2,
+            k_round=2,
+            v_round=2,
+            pattern_id=2,
+            iters=2,
+            std_floor=1e-3,
+            marked=0,
+        )
+
+
+# ---------------------------------------------------------------- the Gluon plan, offline
+
+
+def _rows():
+    mod = importlib.import_module("kvarn_ops.kernels._common").gluon_modules("flush_rows")
+    assert mod is not None, "this Triton has no Gluon: the GPU plan cannot be built"
+    return mod[0]
+
+
+@pytest.mark.parametrize(
+    ("shape", "want"),
+    [
+        ((128, 64), (1, 2, 4)),  # K tile, d128 g64
+        ((64, 128), (2, 1, 4)),  # V tile
+        ((64, 64), (1, 1, 2)),
+        ((256, 64), (1, 4, 8)),
+        ((64, 256), (4, 1, 8)),
+        ((128, 128), (2, 2, 8)),
+        ((64, 32), None),  # g32: no row-per-thread layout, the single pass
+        ((32, 64), None),
+    ],
+)
+def test_plan_geometry(shape, want):
+    assert _rows().geometry(*shape) == want
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from cubin_info import cubin_resources
+from kvarn_ops.kernels import flush_plan, flush_rows as rows
+
+res = []
+for arch, r, c, which, bits, pattern, fp8 in json.loads(sys.argv[1]):
+    k = rows.plan_kernel
+    g, d = (r, c) if which == 1 else (c, r)
+    consts = dict(
+        G=g, H=8, D=d, R=r, C=c, TOKENS_ON_ROWS=which == 1, WHICH=which, FP8=fp8,
+        LEVELS=(1 << bits) - 1, SEARCH=True, PATTERN=pattern, ITERS=2, STD_FLOOR=1e-3,
+        STRIDE=flush_plan.plan_stride(g, d), MARKED=1, **rows.plan_consts(r, c),
+    )
+    types = dict(pool_ptr="*fp8e4nv" if fp8 else "*bf16", scale_ptr="*fp32", src_ptr="*i32",
+                 sink_ptr="*i32", plan_ptr="*fp32", num_pool_blocks="i32")
+    sig = {n: "constexpr" if n in consts else types[n] for n in k.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if "_ptr" in n}
+    src = GluonASTSource(fn=k, signature=sig, constexprs=consts, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                        options=dict(num_warps=consts["WARPS"]))
+    regs, frame = cubin_resources(ck.asm["cubin"])
+    ptx = ck.asm["ptx"]
+    res.append(dict(regs=regs, frame=frame, which=which, div=ptx.count("div.rn.f32"),
+                    ld=ptx.count("ld.global"), st=ptx.count("st.global")))
+print(json.dumps(res))
+"""
+
+PLAN_BUILDS = [
+    # (arch, R, C, K 0 / V 1, bits, pattern search, fp8 pool)
+    (90, 128, 64, 0, 4, False, False),  # k4v2's K tile, window
+    (90, 64, 128, 1, 2, True, True),  # its V tile, pattern, fp8 pool
+    (120, 128, 64, 0, 2, True, False),  # k2v2's K tile
+    (120, 64, 128, 1, 4, False, False),  # k4v4's V tile
+]
+
+
+@pytest.mark.slow
+def test_gluon_plan_compiles_offline():
+    """The Gluon plan builds for sm_90a and sm_120a (in a process with the interpreter off:
+    Gluon does not run under it), within the register file and a spill frame of what was
+    measured (K 104-128 B, V 392-480 B with triton 3.6), with the reference's IEEE quotients
+    and its loads and stores."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    here = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(PLAN_BUILDS)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for got in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert got["regs"] <= 255, got
+        assert got["frame"] <= (160 if got["which"] == 0 else 512), got
+        assert got["div"] > 0 and got["ld"] > 0 and got["st"] > 0, got
