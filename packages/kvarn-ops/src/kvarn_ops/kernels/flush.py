@@ -47,6 +47,10 @@ the measured times and profiles). The compiler's layout gives every thread
 (two IEEE divisions among it, five before the means took the tile's ``1 / sum(w)``) is
 repeated that often; a layout with whole rows per thread is
 not expressible in Triton. The candidate loop is not unrolled (unrolled, it spilled more).
+
+Bulk launches (one program per tile, no sink steps) on a CUDA GPU run in two passes instead
+(``flush_plan.py``): a Gluon kernel with that layout normalizes and searches every tile and
+stores the plan, then this kernel (``PLANNED``) applies it and packs.
 """
 
 from __future__ import annotations
