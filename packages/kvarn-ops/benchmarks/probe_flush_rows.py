@@ -55,7 +55,7 @@ def _rows_kernel(
     c = gl.arange(0, C, layout=gl.SliceLayout(0, L))
     b = gl.load(b_ptr + t * R * C + gl.expand_dims(r, 1) * C + gl.expand_dims(c, 0))
     lc = gl.load(lc_ptr + t * C + c)
-    code_z, code_s = search_plan(b, lc, R, LEVELS, False)
+    code_z, code_s, _, _ = search_plan(b, lc, R, LEVELS, False)
     gl.store(out_ptr + t * 2 * R + r, code_s)
     gl.store(out_ptr + t * 2 * R + R + r, code_z)
 

@@ -138,8 +138,8 @@ def test_planned_flush_with_sink_rows_split(gen, force):
 
 
 def test_finish_reads_the_plan(gen, force, monkeypatch):
-    """A plan whose search result is replaced by min/max for every row changes the codes; one
-    whose log scales are shifted changes the scale fields: the finish uses what it is given."""
+    """A plan whose K rows' clipping ranges are zeroed changes the K codes and nothing of V:
+    the finish rounds on the planned ranges."""
     lay = kf.dense_layout("kvarn_k4v2_g64", 128)
     ek, ev, ks, vs = _pool(gen, 1, 64, 1, 128, torch.bfloat16)
     src = torch.zeros(1, dtype=torch.int32)
@@ -152,7 +152,7 @@ def test_finish_reads_the_plan(gen, force, monkeypatch):
         real(*args, **kw)
         plan = args[7].view(-1, stride)
         r, c = 128, 64  # the K tile: its rows' (z, s) become min/max
-        plan[0, r + c : 3 * r + c] = 0.0  # z = 0, s = -0: min/max, from (0, 0)
+        plan[0, r + c : 3 * r + c] = 0.0  # z = 0, s = -0: every code 0
 
     monkeypatch.setattr(FLUSH_MOD, "launch_plan", minmax_plan)
     force("triton")

@@ -187,16 +187,15 @@ def _flush_tile(
         if PIN:
             codes, step, lo = _round_rows_pinned(balanced, best_lc, sink_row, BITS, R, C, ROUNDING)
         elif PLANNED and ROUNDING != 0:
-            # the planned winner's codes and refit (flush_plan.py)
-            codes, step, lo = finish_planned(
+            # the planned winner's codes, step and zero point (flush_plan.py)
+            codes = finish_planned(
                 balanced,
-                best_lc,
                 tl.load(scr_ptr + R + C + r),
                 tl.load(scr_ptr + 2 * R + C + r),
                 (1 << BITS) - 1,
-                R,
-            )
-            codes = codes.to(tl.int32)
+            ).to(tl.int32)
+            step = tl.load(scr_ptr + 3 * R + C + r)
+            lo = tl.load(scr_ptr + 4 * R + C + r)
         else:
             codes, step, lo = _round_rows(balanced, best_lc, BITS, R, C, ROUNDING)
         if SINK:

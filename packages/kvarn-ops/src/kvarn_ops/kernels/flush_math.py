@@ -375,8 +375,9 @@ def _finish(b, w, mb, vb, rsw, code_z, code_s, refit, LEVELS: tl.constexpr):
 @triton.jit
 def clip_search_plan(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, PATTERN: tl.constexpr = False):
     """The winner of :func:`unbiased_clip_search` as a plan: each row's clipping range ``(z,
-    s)``, ``s`` negated where the winner is min/max (no refit); :func:`finish_planned` turns
-    it into the same codes and step. The planned flush (``flush_plan.py``) stores it."""
+    s)``, ``s`` negated where the winner is min/max (no refit), and the ``(step, lo)`` the
+    search returns; :func:`finish_planned` gives its codes. The planned flush
+    (``flush_plan.py``) stores it."""
     lo0 = tl.min(b, axis=1)
     hi0 = tl.max(b, axis=1)
     rng = hi0 - lo0
@@ -395,15 +396,16 @@ def clip_search_plan(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, PATTERN: tl.c
         code_z, code_s, refit = _window_loop(
             b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
         )
-    return code_z, tl.where(refit, code_s, -code_s)
+    _, step, lo = _finish(b, w, mb, vb, rsw, code_z, code_s, refit, LEVELS)
+    return code_z, tl.where(refit, code_s, -code_s), step, lo
 
 
 @triton.jit
-def finish_planned(b, lc, code_z, signed_s, LEVELS: tl.constexpr, R: tl.constexpr):
-    """:func:`unbiased_clip_search`'s codes and ``(step, lo)`` from a plan of
-    :func:`clip_search_plan` (or its Gluon twin): the winner's codes and refit only."""
-    w, mb, db, vb, rsw = _weighted_moments(b, lc, R)
-    return _finish(b, w, mb, vb, rsw, code_z, tl.abs(signed_s), signed_s > 0.0, LEVELS)
+def finish_planned(b, code_z, signed_s, LEVELS: tl.constexpr):
+    """:func:`unbiased_clip_search`'s codes from a plan of :func:`clip_search_plan` (or its
+    Gluon twin): the winner's clipping range rounds the tile (its step and zero point are in
+    the plan)."""
+    return clip_codes(b, code_z, tl.abs(signed_s), LEVELS)
 
 
 @triton.jit

@@ -5,14 +5,16 @@ most of its arithmetic, and in one Triton kernel they share the tile's registers
 thread) with the packing, at a layout Triton chooses. The planned flush splits them:
 
 1. the **plan** (:func:`launch_plan`): per tile, load, prescale, normalize and search, and
-   store the result, the log scales ``lr [R]``, ``lc [C]`` and each row's winning clipping
-   range ``(z, s)`` (``s`` negated where min/max won: no refit), ``plan_stride`` fp32 per
-   tile. On a CUDA GPU it is the Gluon kernel of ``flush_rows.py`` (a row per thread, one
-   launch per tile kind); under the interpreter (and for tests) :func:`_plan_kernel`, the
-   same steps from the single-pass flush's own Triton functions (``flush_math``);
+   store the result, the log scales ``lr [R]``, ``lc [C]``, each row's winning clipping
+   range ``(z, s)`` (``s`` negated where min/max won: no refit) and the step and zero point
+   it leads to, ``plan_stride`` fp32 per tile. On a CUDA GPU it is the Gluon kernel of
+   ``flush_rows.py`` (a row per thread, one launch per tile kind); under the interpreter (and
+   for tests) :func:`_plan_kernel`, the same steps from the single-pass flush's own Triton
+   functions (``flush_math``);
 2. the **finish**: the flush kernel with ``PLANNED``, which reloads the tile, applies the
-   planned scales, takes the winner's codes and refit (``flush_math.finish_planned``), folds,
-   rebalances and packs, as the single pass does after its search.
+   planned scales, rounds it on the winner's range (``flush_math.finish_planned``), folds the
+   planned step and zero point, rebalances and packs, as the single pass does after its
+   search.
 
 With the Triton plan the two passes give the single pass's records byte for byte (the same
 functions in the same order; ``tests/test_flush_plan.py``); with the Gluon plan they differ
@@ -39,9 +41,10 @@ FORCE_PLAN: str | None = None
 
 
 def plan_stride(group: int, head_dim: int) -> int:
-    """fp32 values of one tile's plan: ``lr [R]``, ``lc [C]``, ``z [R]``, ``s [R]`` of the
-    larger of the K (``R = D``, ``C = G``) and V (``R = G``, ``C = D``) tiles."""
-    return max(3 * head_dim + group, 3 * group + head_dim)
+    """fp32 values of one tile's plan: ``lr [R]``, ``lc [C]``, ``z [R]``, ``s [R]``, ``step
+    [R]``, ``lo [R]`` of the larger of the K (``R = D``, ``C = G``) and V (``R = G``, ``C =
+    D``) tiles."""
+    return max(5 * head_dim + group, 5 * group + head_dim)
 
 
 def plan_engine(exact_k: torch.Tensor, group: int, head_dim: int) -> str | None:
@@ -137,9 +140,11 @@ def _plan_tile(
     tl.store(base + R + tl.arange(0, C), lc)
     if SEARCH:
         b = (xs * tl.exp(-lr)[:, None]) * tl.exp(-lc)[None, :]
-        z, s = clip_search_plan(b, lc, LEVELS, R, PATTERN)
+        z, s, step, lo = clip_search_plan(b, lc, LEVELS, R, PATTERN)
         tl.store(base + R + C + r, z)
         tl.store(base + 2 * R + C + r, s)
+        tl.store(base + 3 * R + C + r, step)
+        tl.store(base + 4 * R + C + r, lo)
 
 
 @triton.jit

@@ -2,9 +2,10 @@
 
 The first of a planned flush's two passes (``flush_plan.py``) on a CUDA GPU: one program per
 tile, which loads the tile, prescales and normalizes it and runs the clipping search, then
-stores the plan: the log scales ``lr [R]``, ``lc [C]`` and each row's winning clipping range
-``(z, s)`` (``s`` negated for min/max). The second pass (the Triton flush with ``PLANNED``)
-turns the plan into the record: codes, refit, fold, fp16 rebalance, bit-pack.
+stores the plan: the log scales ``lr [R]``, ``lc [C]``, each row's winning clipping range
+``(z, s)`` (``s`` negated for min/max) and its step and zero point after the refit. The
+second pass (the Triton flush with ``PLANNED``) turns the plan into the record: codes, fold,
+fp16 rebalance, bit-pack.
 
 Why Gluon: Triton chooses the flush tile's register layout itself, and for a ``[128, 64]``
 fp32 tile at 4 warps it spreads each row over 8-16 threads, so every per-row sum of the search
@@ -166,7 +167,8 @@ def _pattern_range(k, mid, half, LEVELS: gl.constexpr):
 @gluon.jit
 def search_plan(b, lc, R: gl.constexpr, LEVELS: gl.constexpr, PATTERN: gl.constexpr):
     """``flush_math.clip_search_plan`` of the balanced tile ``b`` (a row per thread) with log
-    column scales ``lc`` (slice of b's layout): each row's ``(z, signed s)``."""
+    column scales ``lc`` (slice of b's layout): each row's winning clipping range ``(z, signed
+    s)`` and its ``(step, lo)`` after the refit."""
     LR: gl.constexpr = gl.SliceLayout(1, b.type.layout)
     w1 = gl.exp(2.0 * (lc - gl.max(lc, axis=0)))
     w = gl.expand_dims(w1, 0)
@@ -220,7 +222,17 @@ def search_plan(b, lc, R: gl.constexpr, LEVELS: gl.constexpr, PATTERN: gl.conste
             best_e = gl.where(better, e, best_e)
             code_z = gl.where(better, z, code_z)
             signed = gl.where(better, s, signed)
-    return code_z, signed
+    # The winner's codes and, where it is not min/max, its unbiased refit
+    # (``flush_math._finish``): the finish then only rounds.
+    s_abs = gl.abs(signed)
+    q = codes_of(b, code_z, inverse(s_abs), LEVELS)
+    mq = gl.sum(w * q, axis=1) * rsw
+    cov = gl.sum((w * (q - gl.expand_dims(mq, 1))) * db, axis=1) * rsw
+    ok = cov > 0.0
+    s_u = gl.where(ok, gl.div_rn(vb, gl.where(ok, cov, 1.0)), s_abs)
+    z_u = gl.where(ok, mb - s_u * mq, code_z)
+    refit = signed > 0.0
+    return code_z, signed, gl.where(refit, s_u, s_abs), gl.where(refit, z_u, code_z)
 
 
 @gluon.jit
@@ -265,8 +277,8 @@ def plan_kernel(
 ):
     """The plan of tile ``(program_id(0), program_id(1), WHICH)`` of a flush: K tiles (WHICH
     0, ``[D, G]``, tokens on columns) or V tiles (1, ``[G, D]``, tokens on rows). Plan layout
-    (``flush_plan.plan_stride``): ``lr [R]``, ``lc [C]``, ``z [R]``, signed ``s [R]`` (fp32; the
-    last two only with ``SEARCH``)."""
+    (``flush_plan.plan_stride``): ``lr [R]``, ``lc [C]``, ``z [R]``, signed ``s [R]``, ``step
+    [R]``, ``lo [R]`` (fp32; the last four only with ``SEARCH``)."""
     L: gl.constexpr = gl.BlockedLayout([1, C // TPR], [32 // TPR, TPR], [WARPS, 1], [1, 0])
     LT: gl.constexpr = gl.BlockedLayout([R // TPC, 1], [TPC, 32 // TPC], [1, WARPS], [0, 1])
     FLOOR2: gl.constexpr = STD_FLOOR * STD_FLOOR
@@ -316,9 +328,11 @@ def plan_kernel(
         if SEARCH:
             lcp = gl.convert_layout(lc, gl.SliceLayout(0, L))
             b = (xp * gl.expand_dims(gl.exp(-lr), 1)) * gl.expand_dims(gl.exp(-lcp), 0)
-            z, s = search_plan(b, lcp, R, LEVELS, PATTERN)
+            z, s, step, lo = search_plan(b, lcp, R, LEVELS, PATTERN)
             gl.store(base + R + C + rr, z)
             gl.store(base + 2 * R + C + rr, s)
+            gl.store(base + 3 * R + C + rr, step)
+            gl.store(base + 4 * R + C + rr, lo)
 
 
 def geometry(r: int, c: int) -> tuple[int, int, int] | None:
