@@ -101,6 +101,25 @@ def test_planned_flush_equals_single_pass(case, gen, force):
     assert torch.equal(planned, single)
 
 
+@pytest.mark.parametrize("cap", [4, 8, 10**6])
+def test_planned_flush_in_chunks(gen, force, monkeypatch, cap):
+    """A bulk flush of more tiles than ``PLAN_TILES_MAX`` runs in chunks (here of 1, 2 and all
+    5 blocks at 2 KV heads): every record as the single pass writes it, with the sink launch
+    split."""
+    monkeypatch.setattr(FLUSH_MOD, "PLAN_TILES_MAX", cap)
+    lay = kf.dense_layout("kvarn_k4v2_g64", 64)
+    ek, ev, ks, vs = _pool(gen, 6, 64, 2, 64, torch.bfloat16)
+    src = torch.tensor([5, 0, 3, 1, 4], dtype=torch.int32)
+    dst = torch.tensor([1, 6, 0, 2, 4], dtype=torch.int32)
+    sink = torch.tensor([-1, 0, -1, -1, -1], dtype=torch.int32)
+    packed = torch.empty(7, 2, lay.record_bytes, dtype=torch.uint8)
+    args = (ek, ev, ks, vs, src, dst, packed)
+    planned, single = _both(force, args, lay, ref.DEFAULT_CONFIG)
+    assert torch.equal(planned, single)
+    planned, single = _both(force, args, lay, ref.DEFAULT_CONFIG, sink, split=True)
+    assert torch.equal(planned, single)
+
+
 def test_planned_flush_special_tiles(gen, force):
     """Zero, constant, outlier, non-finite and 24-decade tiles: the single pass's bytes."""
     lay = kf.dense_layout("kvarn_k2v2_g64", 128)

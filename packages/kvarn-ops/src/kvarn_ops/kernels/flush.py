@@ -626,6 +626,13 @@ def sink_split(tiles: int, parts: int, sms: int) -> bool:
     return parts == 1 and sms > 0 and tiles >= SINK_SPLIT_TILES_PER_SM * sms
 
 
+#: Most tiles one launch of the planned flush takes (``flush_plan.py``): its plan buffer,
+#: ``tiles * plan_stride(G, D)`` fp32, is allocated per launch (46 MB at D 128, G 64), and a
+#: bulk flush of more tiles runs in chunks of this many (16,384 tiles are 62 waves of the
+#: finish at two programs per SM on 132 SMs).
+PLAN_TILES_MAX = 16384
+
+
 ROUNDING_IDS = {"rtn": 0, "unbiased_clip": 1}
 """Rounding modes of ``NormalizeConfig`` the kernel implements, and their ``ROUNDING`` ids;
 ``"unbiased_clip"`` with ``clip_search="pattern"`` is :data:`PATTERN_ID` (:func:`rounding_id`)."""
@@ -726,64 +733,70 @@ def _launch(
     else:
         modes = ((0, True, pin),)
     sink_arg = src_pool_blocks if sink_rows is None else sink_rows
-    # The bulk launches without sink steps may take the planned flush (flush_plan.py).
+    # The bulk launches without sink steps may take the planned flush (flush_plan.py), in
+    # chunks of at most PLAN_TILES_MAX tiles (its plan buffer is transient memory).
     engine = plan_engine(exact_k, g, d) if parts == 1 else None
     consts = record_constants(layout)
     for marked, sink, pin_k in modes:
         planned = engine is not None and not sink and not pin_k
-        scr, scr_stride = scratch, stride
-        if planned:
-            scr_stride = plan_stride(g, d)
-            scr = torch.empty(tiles * scr_stride, dtype=torch.float32, device=dev)
-            launch_plan(
-                engine,
+        step = max(1, PLAN_TILES_MAX // (2 * hkv)) if planned else n
+        for lo in range(0, n, step):
+            blocks = slice(lo, min(n, lo + step))
+            nc = blocks.stop - blocks.start
+            src_c, dst_c, sink_c = (t[blocks] for t in (src_pool_blocks, dst_blocks, sink_arg))
+            scr, scr_stride = scratch, stride
+            if planned:
+                scr_stride = plan_stride(g, d)
+                scr = torch.empty(nc * hkv * 2 * scr_stride, dtype=torch.float32, device=dev)
+                launch_plan(
+                    engine,
+                    exact_k,
+                    exact_v,
+                    ks,
+                    vs,
+                    src_c,
+                    sink_c,
+                    scr,
+                    k_bits=consts["K_BITS"],
+                    v_bits=consts["V_BITS"],
+                    k_round=k_round,
+                    v_round=v_round,
+                    pattern_id=PATTERN_ID.value,
+                    iters=iters,
+                    std_floor=std_floor,
+                    marked=marked,
+                )
+            _flush_kernel[(nc, hkv, 2 * parts)](
                 exact_k,
                 exact_v,
                 ks,
                 vs,
-                src_pool_blocks,
-                sink_arg,
+                src_c,
+                dst_c,
+                packed,
                 scr,
-                k_bits=consts["K_BITS"],
-                v_bits=consts["V_BITS"],
-                k_round=k_round,
-                v_round=v_round,
-                pattern_id=PATTERN_ID.value,
-                iters=iters,
-                std_floor=std_floor,
-                marked=marked,
+                counters.view(torch.int32),
+                sink_c,
+                p,
+                packed.shape[0],
+                G=g,
+                H=hkv,
+                D=d,
+                FP8=fp8,
+                ITERS=iters,
+                STD_FLOOR=std_floor,
+                K_ROUNDING=k_round,
+                V_ROUNDING=v_round,
+                PARTS=parts,
+                ASM=not INTERPRET,
+                SCRATCH=scr_stride,
+                SINK=sink,
+                PIN=pin_k,
+                MARKED=marked,
+                PLANNED=planned,
+                num_warps=warps_for(d, g, parts),
+                **consts,
             )
-        _flush_kernel[(n, hkv, 2 * parts)](
-            exact_k,
-            exact_v,
-            ks,
-            vs,
-            src_pool_blocks,
-            dst_blocks,
-            packed,
-            scr,
-            counters.view(torch.int32),
-            sink_arg,
-            p,
-            packed.shape[0],
-            G=g,
-            H=hkv,
-            D=d,
-            FP8=fp8,
-            ITERS=iters,
-            STD_FLOOR=std_floor,
-            K_ROUNDING=k_round,
-            V_ROUNDING=v_round,
-            PARTS=parts,
-            ASM=not INTERPRET,
-            SCRATCH=scr_stride,
-            SINK=sink,
-            PIN=pin_k,
-            MARKED=marked,
-            PLANNED=planned,
-            num_warps=warps_for(d, g, parts),
-            **consts,
-        )
 
 
 @torch.library.custom_op("kvarn::flush", mutates_args=("packed",))
