@@ -26,6 +26,8 @@ flush of a few blocks is latency bound and splits its tiles over programs instea
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +35,14 @@ import triton.language as tl
 from kvarn_ops.kernels._common import cuda_feature, frexp_exponent, gluon_modules, pow2
 from kvarn_ops.kernels.flush_math import clip_search_plan, normalize_tile
 
-__all__ = ["FORCE_PLAN", "launch_plan", "load_prescaled", "plan_engine", "plan_stride"]
+__all__ = [
+    "FORCE_PLAN",
+    "launch_plan",
+    "load_prescaled",
+    "plan_engine",
+    "plan_stride",
+    "plan_warps",
+]
 
 #: The plan's engine for the next bulk launch: None = :func:`plan_engine` decides; tests set
 #: "triton", "gluon" or "off".
@@ -47,11 +56,22 @@ def plan_stride(group: int, head_dim: int) -> int:
     return max(5 * head_dim + group, 5 * group + head_dim)
 
 
+def plan_warps() -> int | None:
+    """Warps per program of the Gluon plan from ``KVARN_FLUSH_PLAN_WARPS`` (a tuning knob:
+    1, 2, 4, 8 or 16), or None for ``flush_rows.geometry``'s default (a row per thread)."""
+    value = os.environ.get("KVARN_FLUSH_PLAN_WARPS", "")
+    if not value:
+        return None
+    if value not in ("1", "2", "4", "8", "16"):
+        raise ValueError(f"KVARN_FLUSH_PLAN_WARPS: must be 1, 2, 4, 8 or 16, got {value!r}")
+    return int(value)
+
+
 def plan_engine(exact_k: torch.Tensor, group: int, head_dim: int) -> str | None:
     """Which plan a bulk flush on ``exact_k``'s device takes: ``"gluon"`` on a CUDA GPU of
     compute capability 8.0 or newer where this Triton has Gluon and both tile shapes have a
-    row-per-thread layout (``flush_rows.geometry``), unless ``KVARN_FLUSH_PLAN=0``; else None
-    (the single pass). :data:`FORCE_PLAN` overrides ("off": None)."""
+    layout at :func:`plan_warps` (``flush_rows.geometry``), unless ``KVARN_FLUSH_PLAN=0``;
+    else None (the single pass). :data:`FORCE_PLAN` overrides ("off": None)."""
     if FORCE_PLAN is not None:
         return None if FORCE_PLAN == "off" else FORCE_PLAN
     if not cuda_feature(exact_k, "KVARN_FLUSH_PLAN", (8, 0)):
@@ -60,7 +80,11 @@ def plan_engine(exact_k: torch.Tensor, group: int, head_dim: int) -> str | None:
     if mods is None:
         return None
     (rows,) = mods
-    if rows.geometry(head_dim, group) is None or rows.geometry(group, head_dim) is None:
+    warps = plan_warps()
+    if (
+        rows.geometry(head_dim, group, warps) is None
+        or rows.geometry(group, head_dim, warps) is None
+    ):
         return None
     return "gluon"
 
@@ -284,7 +308,7 @@ def launch_plan(
         (0, exact_k, ks, d, g, k_bits, k_round),
         (1, exact_v, vs, g, d, v_bits, v_round),
     ):
-        consts = rows.plan_consts(r, c)
+        consts = rows.plan_consts(r, c, plan_warps())
         if consts is None:
             raise ValueError(f"exact_k: no row-per-thread layout for a {r} x {c} tile")
         rows.plan_kernel[(n, hkv)](

@@ -335,23 +335,30 @@ def plan_kernel(
             gl.store(base + 4 * R + C + rr, lo)
 
 
-def geometry(r: int, c: int) -> tuple[int, int, int] | None:
-    """``(threads per row, threads per column, warps)`` of the plan of an ``[r, c]`` tile: a
-    row per thread up to 64 columns, a column per thread up to 64 rows; None where the tile
-    does not fill whole warps both ways (the single-pass flush serves it)."""
-    tpr = max(1, c // 64)
-    tpc = max(1, r // 64)
-    if r * tpr % 32:
+def geometry(r: int, c: int, warps: int | None = None) -> tuple[int, int, int] | None:
+    """``(threads per row, threads per column, warps)`` of the plan of an ``[r, c]`` tile:
+    by default a row per thread up to 64 columns (``warps = r * max(1, c / 64) / 32``);
+    ``warps`` asks for another count, whose rows and columns are then split over more
+    threads. None where the tile does not fill whole warps both ways (the single-pass flush
+    serves it)."""
+    if warps is None:
+        if (r * max(1, c // 64)) % 32:
+            return None
+        warps = r * max(1, c // 64) // 32
+    if warps < 1 or warps > 16 or warps & (warps - 1):
         return None
-    warps = r * tpr // 32
-    if warps < 1 or warps > 16 or (32 // tpc) * warps != c or 32 % tpr or 32 % tpc:
+    threads = 32 * warps
+    if threads % r or threads % c:
+        return None
+    tpr, tpc = threads // r, threads // c
+    if tpr > 32 or tpc > 32 or c % tpr or r % tpc:
         return None
     return tpr, tpc, warps
 
 
-def plan_consts(r: int, c: int) -> dict | None:
+def plan_consts(r: int, c: int, warps: int | None = None) -> dict | None:
     """``TPR``, ``TPC``, ``WARPS`` of :func:`plan_kernel` for ``[r, c]`` tiles, or None."""
-    g = geometry(r, c)
+    g = geometry(r, c, warps)
     if g is None:
         return None
     tpr, tpc, warps = g
