@@ -301,12 +301,14 @@ PLAN_BUILDS = [
     (120, 64, 128, 1, 4, False, False, None),  # k4v4's V tile
     (90, 128, 64, 0, 4, False, False, 8),  # 8 warps: rows and columns over more threads
     (90, 64, 128, 1, 2, True, False, 8),
+    (80, 128, 64, 0, 4, False, False, None),  # Ampere: plan_engine takes compute capability 8.0+
+    (80, 64, 128, 1, 2, True, False, None),
 ]
 
 
 @pytest.mark.slow
 def test_gluon_plan_compiles_offline():
-    """The Gluon plan builds for sm_90a and sm_120a (in a process with the interpreter off:
+    """The Gluon plan builds for sm_80, sm_90a and sm_120a (in a process with the interpreter off:
     Gluon does not run under it), within the register file and a spill frame of what was
     measured (K 104-128 B, V 392-480 B with triton 3.6; none at 8 warps, 185-189 registers),
     with the reference's IEEE quotients and its loads and stores."""
