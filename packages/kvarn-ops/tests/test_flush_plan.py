@@ -27,11 +27,11 @@ import kvarn_formats as kf  # noqa: E402
 from conftest import realistic_kv  # noqa: E402
 from kvarn_ops import reference as ref  # noqa: E402
 from kvarn_ops.kernels import flush  # noqa: E402
+from test_flush import POISON, _fill_pool  # noqa: E402
 
 FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
 PLAN_MOD = importlib.import_module("kvarn_ops.kernels.flush_plan")
 FP8 = torch.float8_e4m3fn
-POISON = 0xAB
 
 CONFIGS = {
     "default": ref.DEFAULT_CONFIG,
@@ -63,17 +63,6 @@ def force():
     FLUSH_MOD.FORCE_PARTS = None
 
 
-def _pool(gen, p, g, hkv, d, dtype):
-    ek = torch.empty(p, g, hkv, d, dtype=dtype)
-    ev = torch.empty_like(ek)
-    ks = torch.empty(p, g, hkv) if dtype == FP8 else None
-    vs = torch.empty(p, g, hkv) if dtype == FP8 else None
-    k = realistic_kv(gen, p * g, hkv, d)
-    v = realistic_kv(gen, p * g, hkv, d)
-    ref.store(k, v, torch.arange(p * g), ek, ev, ks, vs)
-    return ek, ev, ks, vs
-
-
 def _both(force, args, lay, config, sink_rows=None, split=None):
     """Records of the planned and of the single-pass flush of the same blocks."""
     out = []
@@ -89,7 +78,7 @@ def _both(force, args, lay, config, sink_rows=None, split=None):
 def test_planned_flush_equals_single_pass(case, gen, force):
     name, fmt, d, pdt, hkv, n, p, nb = case
     lay = kf.dense_layout(fmt, d)
-    ek, ev, ks, vs = _pool(gen, p, lay.block_size, hkv, d, pdt)
+    ek, ev, ks, vs = _fill_pool(gen, p, lay.block_size, hkv, d, pdt)
     src = torch.randperm(p, generator=gen)[:n].to(torch.int32)
     dst = torch.randperm(nb, generator=gen)[:n].to(torch.int32)
     packed = torch.empty(nb, hkv, lay.record_bytes, dtype=torch.uint8)
@@ -108,7 +97,7 @@ def test_planned_flush_in_chunks(gen, force, monkeypatch, cap):
     split."""
     monkeypatch.setattr(FLUSH_MOD, "PLAN_TILES_MAX", cap)
     lay = kf.dense_layout("kvarn_k4v2_g64", 64)
-    ek, ev, ks, vs = _pool(gen, 6, 64, 2, 64, torch.bfloat16)
+    ek, ev, ks, vs = _fill_pool(gen, 6, 64, 2, 64, torch.bfloat16)
     src = torch.tensor([5, 0, 3, 1, 4], dtype=torch.int32)
     dst = torch.tensor([1, 6, 0, 2, 4], dtype=torch.int32)
     sink = torch.tensor([-1, 0, -1, -1, -1], dtype=torch.int32)
@@ -141,7 +130,7 @@ def test_planned_flush_with_sink_rows_split(gen, force):
     """Sink rows with the launch split: the unmarked blocks planned, the marked ones through
     the single pass's sink steps; every record as the single pass writes it."""
     lay = kf.dense_layout("kvarn_k2v2_g64", 128)
-    ek, ev, ks, vs = _pool(gen, 4, 64, 2, 128, torch.bfloat16)
+    ek, ev, ks, vs = _fill_pool(gen, 4, 64, 2, 128, torch.bfloat16)
     src = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
     dst = torch.tensor([1, 3, 0, 2], dtype=torch.int32)
     sink = torch.tensor([-1, 0, -1, -1], dtype=torch.int32)
@@ -160,7 +149,7 @@ def test_finish_reads_the_plan(gen, force, monkeypatch):
     """A plan whose K rows' clipping ranges are zeroed changes the K codes and nothing of V:
     the finish rounds on the planned ranges."""
     lay = kf.dense_layout("kvarn_k4v2_g64", 128)
-    ek, ev, ks, vs = _pool(gen, 1, 64, 1, 128, torch.bfloat16)
+    ek, ev, ks, vs = _fill_pool(gen, 1, 64, 1, 128, torch.bfloat16)
     src = torch.zeros(1, dtype=torch.int32)
     packed = torch.empty(1, 1, lay.record_bytes, dtype=torch.uint8)
     base, _ = _both(force, (ek, ev, ks, vs, src, src, packed), lay, ref.DEFAULT_CONFIG)
@@ -195,7 +184,7 @@ def test_plan_engine_choice(force):
 
 
 def test_plan_engine_rejects_an_unknown_engine(gen):
-    ek, ev, ks, vs = _pool(gen, 1, 64, 1, 128, torch.bfloat16)
+    ek, ev, ks, vs = _fill_pool(gen, 1, 64, 1, 128, torch.bfloat16)
     src = torch.zeros(1, dtype=torch.int32)
     plan = torch.empty(2 * PLAN_MOD.plan_stride(64, 128))
     with pytest.raises(ValueError, match="engine"):

@@ -323,6 +323,14 @@ def unbiased_clip_search(
     each row's best ``k`` (-1: min/max) and its step's centre instead, the candidate's ``k`` per
     row from the tables above (no per-row table: ``k / denom`` is exact).
     """
+    w, mb, vb, rsw, code_z, code_s, refit = _search(b, lc, LEVELS, R, PATTERN)
+    return _finish(b, w, mb, vb, rsw, code_z, code_s, refit, LEVELS)
+
+
+@triton.jit
+def _search(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, PATTERN: tl.constexpr):
+    """The search of :func:`unbiased_clip_search` up to its winner: the weights and moments
+    the refit needs, and each row's winning clipping range and whether it is refit."""
     lo0 = tl.min(b, axis=1)
     hi0 = tl.max(b, axis=1)
     rng = hi0 - lo0
@@ -344,7 +352,7 @@ def unbiased_clip_search(
         code_z, code_s, refit = _window_loop(
             b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
         )
-    return _finish(b, w, mb, vb, rsw, code_z, code_s, refit, LEVELS)
+    return w, mb, vb, rsw, code_z, code_s, refit
 
 
 @triton.jit
@@ -378,24 +386,7 @@ def clip_search_plan(b, lc, LEVELS: tl.constexpr, R: tl.constexpr, PATTERN: tl.c
     s)``, ``s`` negated where the winner is min/max (no refit), and the ``(step, lo)`` the
     search returns; :func:`finish_planned` gives its codes. The planned flush
     (``flush_plan.py``) stores it."""
-    lo0 = tl.min(b, axis=1)
-    hi0 = tl.max(b, axis=1)
-    rng = hi0 - lo0
-    step0 = tl.div_rn(rng, tl.full([R], LEVELS, tl.float32))
-    w, mb, db, vb, rsw = _weighted_moments(b, lc, R)
-    c0 = clip_codes(b, lo0, step0, LEVELS)
-    err = b - (c0 * step0[:, None] + lo0[:, None])
-    best_e = tl.where(rng > 0.0, tl.sum(err * err * w, axis=1), -1.0)
-    mid = 0.5 * (hi0 + lo0)
-    half = 0.5 * rng
-    if PATTERN and _PAT_N[LEVELS] > 0:
-        code_z, code_s, refit = _pattern_loop(
-            b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
-        )
-    else:
-        code_z, code_s, refit = _window_loop(
-            b, w, mb, vb, rsw, mid, half, lo0, step0, best_e, LEVELS
-        )
+    w, mb, vb, rsw, code_z, code_s, refit = _search(b, lc, LEVELS, R, PATTERN)
     _, step, lo = _finish(b, w, mb, vb, rsw, code_z, code_s, refit, LEVELS)
     return code_z, tl.where(refit, code_s, -code_s), step, lo
 
