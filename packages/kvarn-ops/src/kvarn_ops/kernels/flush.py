@@ -164,8 +164,8 @@ def _flush_tile(
 
     With ``PLANNED`` (one program per tile, no sink steps) the tile's normalization and
     clipping search were done by the planned flush's first pass (``flush_plan.py``), whose
-    plan is at ``scr_ptr``: this program applies it, takes the winner's codes and refit, and
-    packs."""
+    plan is at ``scr_ptr``: this program applies its log scales, rounds the tile on each row's
+    planned clipping range, folds the planned step and zero point, and packs."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
     # Steps 1-2: load (non-finite tokens zeroed) and prescale.
@@ -628,8 +628,8 @@ def sink_split(tiles: int, parts: int, sms: int) -> bool:
 
 #: Most tiles one launch of the planned flush takes (``flush_plan.py``): its plan buffer,
 #: ``tiles * plan_stride(G, D)`` fp32, is allocated per launch (46 MB at D 128, G 64), and a
-#: bulk flush of more tiles runs in chunks of this many (16,384 tiles are 62 waves of the
-#: finish at two programs per SM on 132 SMs).
+#: bulk flush of more tiles runs in chunks of this many (H100, 4,096 blocks x 8 KV heads in
+#: four chunks: 2.2-2.3% slower than one chunk of 184 MB, BENCHMARKS.md "2026-12-06").
 PLAN_TILES_MAX = 16384
 
 
