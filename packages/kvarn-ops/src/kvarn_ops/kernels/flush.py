@@ -745,7 +745,7 @@ def _launch(
             nc = blocks.stop - blocks.start
             src_c, dst_c, sink_c = (t[blocks] for t in (src_pool_blocks, dst_blocks, sink_arg))
             scr, scr_stride = scratch, stride
-            if planned:
+            if planned and engine is not None:
                 scr_stride = plan_stride(g, d)
                 scr = torch.empty(nc * hkv * 2 * scr_stride, dtype=torch.float32, device=dev)
                 launch_plan(
