@@ -201,10 +201,11 @@ def bench_flush(
     moved = 2 * blocks * g * hkv * (d * e + s) + 8 * blocks + blocks * hkv * lay.record_bytes
     bf16_in = 2 * blocks * g * hkv * d * 2
     plan = importlib.import_module("kvarn_ops.kernels.flush_plan")
+    consts = importlib.import_module("kvarn_ops.kernels.flush").record_constants(lay)
     return dict(
         op="flush",
         # the unmarked blocks' launch (a launch of few blocks splits its tiles instead)
-        plan_engine=plan.plan_engine(ek, g, d) or "single pass",
+        plan_engine=plan.plan_engine(ek, g, d, consts) or "single pass",
         shape=f"{fmt} N={blocks} Hkv={hkv} D={d} pool {str(pool_dtype)[6:]} iters={config.iters}"
         + (f" sink_rows={sink:g}" if sink >= 0 else ""),
         ms=ms,

@@ -296,14 +296,18 @@ _PLAN_MOD = importlib.import_module("kvarn_ops.kernels.flush_plan")
     ],
 )
 def test_flush_planned(gen, request, fmt, dim, hkv, pool_dtype):
-    """The bulk flush takes the planned path on this GPU (the Gluon plan of
-    ``flush_rows.py``, then the Triton finish): against the reference with the bounds of
-    :func:`_check_flush`, with and without sink rows (the marked blocks through the single
-    pass), and the single pass (``FORCE_PLAN="off"``) the same way, on the same blocks."""
+    """The bulk flush takes the one-pass Gluon flush on this GPU (``flush_onepass.py``):
+    against the reference with the bounds of :func:`_check_flush`, with and without sink rows
+    (the marked blocks through the single pass); the two passes (``FORCE_PLAN="gluon"``: the
+    Gluon plan, then the Triton finish) and the single pass (``"off"``) the same way, on the
+    same blocks; and the one pass equal to the two passes byte for byte (the same arithmetic
+    on the same plan)."""
     layout = kf.dense_layout(fmt, dim)
     g = layout.block_size
     n, pool_blocks, num_blocks = 400, 420, 480
     pools = _flush_pool(gen, layout, hkv, pool_blocks, pool_dtype)
+    consts = _FLUSH_MOD.record_constants(layout)
+    assert _PLAN_MOD.plan_engine(pools[0], g, dim, consts) == "fused", "must be one pass here"
     assert _PLAN_MOD.plan_engine(pools[0], g, dim) == "gluon", "the plan must be Gluon here"
     src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
     dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
@@ -314,16 +318,93 @@ def test_flush_planned(gen, request, fmt, dim, hkv, pool_dtype):
         )
         reference.flush(*pools, src, dst, want, layout, sink_rows=sink)
         sink_tiles = None if sink is None else (rows >= 0).repeat_interleave(hkv)
-        for engine in ("gluon", "off"):
-            _PLAN_MOD.FORCE_PLAN = engine
-            _FLUSH_MOD.FORCE_SINK_SPLIT = None if sink is None else True
-            try:
-                got = poison_(torch.empty_like(want))
-                kernels.flush(*pools, src, dst, got, layout, sink_rows=sink)
-            finally:
-                _PLAN_MOD.FORCE_PLAN = None
-                _FLUSH_MOD.FORCE_SINK_SPLIT = None
-            _check_flush(request, got, want, src, dst, layout, pools, f"{tag}{engine}_", sink_tiles)
+        got = {}
+        for engine in ("fused", "gluon", "off"):
+            got[engine] = _flush_with(engine, pools, src, dst, want, layout, sink=sink)
+            _check_flush(
+                request, got[engine], want, src, dst, layout, pools, f"{tag}{engine}_", sink_tiles
+            )
+        assert torch.equal(got["fused"], got["gluon"]), f"{tag}: one pass != two passes"
+
+
+def _flush_with(engine, pools, src, dst, like, layout, sink=None, config=None):
+    """``kernels.flush`` into a poisoned copy of ``like`` with the plan engine forced (and, with
+    sink rows, the launch split into unmarked and marked blocks)."""
+    _PLAN_MOD.FORCE_PLAN = engine
+    _FLUSH_MOD.FORCE_SINK_SPLIT = None if sink is None else True
+    try:
+        got = poison_(torch.empty_like(like))
+        extra = {} if config is None else {"config": config}
+        kernels.flush(*pools, src, dst, got, layout, sink_rows=sink, **extra)
+    finally:
+        _PLAN_MOD.FORCE_PLAN = None
+        _FLUSH_MOD.FORCE_SINK_SPLIT = None
+    return got
+
+
+@pytest.mark.parametrize(
+    ("fmt", "rounding", "pool_dtype"),
+    [
+        ("kvarn_k4v2_g64", "rtn", torch.bfloat16),
+        ("kvarn_k2v4_g64", "mixed", torch.float8_e4m3fn),
+        ("kvarn_k8v8_g64", "default", torch.float16),
+        ("kvarn_k4v2_g128", "default", torch.bfloat16),
+    ],
+)
+def test_flush_onepass_equals_two_passes(gen, request, fmt, rounding, pool_dtype):
+    """The one pass against the two passes, byte for byte, in the other rounding modes (min/max
+    RTN on both sides, or on K only), at 8-bit codes and at 128-token tiles (d128), with
+    invalid source and destination indices left unwritten; and against the reference."""
+    config = {
+        "rtn": reference.NormalizeConfig(rounding="rtn"),
+        "mixed": reference.NormalizeConfig(rounding="rtn", rounding_v="unbiased_clip"),
+        "default": reference.DEFAULT_CONFIG,
+    }[rounding]
+    layout = kf.dense_layout(fmt, 128)
+    g = layout.block_size
+    hkv, n, pool_blocks, num_blocks = 4, 300, 320, 360
+    pools = _flush_pool(gen, layout, hkv, pool_blocks, pool_dtype)
+    consts = _FLUSH_MOD.record_constants(layout)
+    assert _PLAN_MOD.plan_engine(pools[0], g, 128, consts) == "fused"
+    src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
+    want = poison_(
+        torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
+    )
+    reference.flush(*pools, src, dst, want, layout, config=config)
+    one = _flush_with("fused", pools, src, dst, want, layout, config=config)
+    two = _flush_with("gluon", pools, src, dst, want, layout, config=config)
+    assert torch.equal(one, two), "one pass != two passes"
+    _check_flush(request, one, want, src, dst, layout, pools, "fused_")
+    # indices out of range write nothing (the launcher refuses them; the kernel checks too)
+    bad_src, bad_dst = src.clone(), dst.clone()
+    bad_src[::7] = pool_blocks + 3
+    bad_dst[1::7] = -1
+    got = poison_(torch.empty_like(want))
+    keep = got.clone()
+    _PLAN_MOD.FORCE_PLAN = "fused"
+    try:
+        _FLUSH_MOD._launch(
+            *pools,
+            bad_src,
+            bad_dst,
+            got,
+            fmt,
+            config.iters,
+            config.std_floor,
+            *_FLUSH_MOD.check_config(config),
+            clip_search=config.clip_search,
+        )
+    finally:
+        _PLAN_MOD.FORCE_PLAN = None
+    valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
+    valid[::7] = False
+    valid[1::7] = False
+    written = dst[valid].long()
+    assert torch.equal(got[written], one[written]), "valid blocks changed"
+    untouched = torch.ones(num_blocks, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.equal(got[untouched], keep[untouched]), "an invalid index was written"
 
 
 @pytest.mark.parametrize(("fmt", "dim", "hkv"), FLUSH_CASES)

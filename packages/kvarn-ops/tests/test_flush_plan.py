@@ -181,6 +181,25 @@ def test_plan_engine_choice(force):
     assert PLAN_MOD.plan_engine(x, 64, 128) == "triton"
     force("off")
     assert PLAN_MOD.plan_engine(x, 64, 128) is None
+    force("fused")
+    assert PLAN_MOD.plan_engine(x, 64, 128) == "fused"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dim", "want"),
+    [
+        ("kvarn_k4v2_g64", 128, True),
+        ("kvarn_k2v2_g64", 64, True),
+        ("kvarn_k4v4_g128", 256, True),
+        ("kvarn_k8v8_g64", 128, True),
+        ("kvarn_k5v5_g64", 128, False),  # 5-bit codes cross 32-bit words
+        ("kvarn_k3v6_g64", 128, False),
+        ("kvarn_k4v5_g64", 128, False),
+    ],
+)
+def test_onepass_supported(fmt, dim, want):
+    consts = FLUSH_MOD.record_constants(kf.dense_layout(fmt, dim))
+    assert PLAN_MOD.onepass_supported(consts) is want
 
 
 def test_plan_engine_rejects_an_unknown_engine(gen):
@@ -315,3 +334,79 @@ def test_gluon_plan_compiles_offline():
         assert got["regs"] <= 255, got
         assert got["frame"] <= (0 if got["warps"] else 160 if got["which"] == 0 else 512), got
         assert got["div"] > 0 and got["ld"] > 0 and got["st"] > 0, got
+
+
+_COMPILE_ONEPASS = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from cubin_info import cubin_resources
+import kvarn_formats as kf
+from kvarn_ops.kernels import flush_onepass as one, flush_rows as rows
+from kvarn_ops.kernels.flush import record_constants
+
+res = []
+for arch, fmt, dim, which, search, pattern, fp8 in json.loads(sys.argv[1]):
+    lay = kf.dense_layout(fmt, dim)
+    rc = record_constants(lay)
+    g = lay.block_size
+    r, c = (dim, g) if which == 0 else (g, dim)
+    names = ("K", "KC", "KS", "KZ", "KR") if which == 0 else ("V", "VC", "VR", "VZ", "VS")
+    side, codes, rs, rz, cs = names
+    consts = dict(
+        G=g, H=8, D=dim, R=r, C=c, TOKENS_ON_ROWS=which == 1, FP8=fp8, BITS=rc[side + "_BITS"],
+        SEARCH=search, PATTERN=pattern, ITERS=2, STD_FLOOR=1e-3, MARKED=1,
+        RECORD_BYTES=rc["RECORD_BYTES"], CODES_OFF=rc[codes + "_OFF"],
+        ROW_SCALE_OFF=rc[rs + "_OFF"], ROW_ZP_OFF=rc[rz + "_OFF"], COL_SCALE_OFF=rc[cs + "_OFF"],
+        **rows.plan_consts(r, c),
+    )
+    k = one.flush_kernel
+    types = dict(pool_ptr="*fp8e4nv" if fp8 else "*bf16", scale_ptr="*fp32", src_ptr="*i32",
+                 dst_ptr="*i32", sink_ptr="*i32", packed_ptr="*u8", num_pool_blocks="i32",
+                 num_blocks="i32")
+    sig = {n: "constexpr" if n in consts else types[n] for n in k.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if "_ptr" in n}
+    src = GluonASTSource(fn=k, signature=sig, constexprs=consts, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                        options=dict(num_warps=consts["WARPS"]))
+    regs, frame = cubin_resources(ck.asm["cubin"])
+    ptx = ck.asm["ptx"]
+    res.append(dict(regs=regs, frame=frame, which=which, fmt=fmt, arch=arch,
+                    div=ptx.count("div.rn.f32"), st32=ptx.count("st.global.b32"),
+                    st16=ptx.count("st.global.b16"), ld=ptx.count("ld.global")))
+print(json.dumps(res))
+"""
+
+ONEPASS_BUILDS = [
+    # (arch, format, head_dim, K 0 / V 1, search, pattern search, fp8 pool)
+    (90, "kvarn_k4v2_g64", 128, 0, True, False, False),  # the bench's format: K, window
+    (90, "kvarn_k4v2_g64", 128, 1, True, True, False),  # its V tile, pattern
+    (90, "kvarn_k2v2_g64", 128, 0, True, True, True),  # 2-bit K, fp8 pool
+    (120, "kvarn_k4v4_g64", 128, 1, True, False, False),
+    (120, "kvarn_k4v2_g64", 64, 0, False, False, False),  # min/max RTN, d64 (2 warps)
+    (80, "kvarn_k8v8_g128", 128, 1, True, False, False),  # 8-bit codes, 8 warps, Ampere
+]
+
+
+@pytest.mark.slow
+def test_gluon_onepass_compiles_offline():
+    """The one-pass flush builds for sm_80, sm_90a and sm_120a within the register file and a
+    spill frame of what was measured (K 184 B, V 464 B at d128 with triton 3.6, sm_90a),
+    packs its codes in 32-bit word stores (a thread's words: ``R * C * BITS / 32`` in all, over
+    the program's threads) and stores its three fp16 fields."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    here = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_ONEPASS, json.dumps(ONEPASS_BUILDS)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for got in json.loads(proc.stdout.strip().splitlines()[-1]):
+        print(got)
+        assert got["regs"] <= 255, got
+        assert got["frame"] <= (256 if got["which"] == 0 else 640), got
+        assert got["div"] > 0 and got["ld"] > 0 and got["st32"] > 0 and got["st16"] >= 3, got

@@ -78,7 +78,13 @@ from kvarn_ops.kernels._common import (
     round_half_even,
 )
 from kvarn_ops.kernels.flush_math import finish_planned, normalize_tile, unbiased_clip_search
-from kvarn_ops.kernels.flush_plan import launch_plan, load_prescaled, plan_engine, plan_stride
+from kvarn_ops.kernels.flush_plan import (
+    launch_onepass,
+    launch_plan,
+    load_prescaled,
+    plan_engine,
+    plan_stride,
+)
 from kvarn_ops.kernels.flush_sink import apply_sink, sink_override
 from kvarn_ops.kernels.flush_sink_key import pin_search
 from kvarn_ops.kernels.flush_sync import fence
@@ -735,10 +741,30 @@ def _launch(
     sink_arg = src_pool_blocks if sink_rows is None else sink_rows
     # The bulk launches without sink steps may take the planned flush (flush_plan.py), in
     # chunks of at most PLAN_TILES_MAX tiles (its plan buffer is transient memory).
-    engine = plan_engine(exact_k, g, d) if parts == 1 else None
     consts = record_constants(layout)
+    engine = plan_engine(exact_k, g, d, consts) if parts == 1 else None
     for marked, sink, pin_k in modes:
         planned = engine is not None and not sink and not pin_k
+        if planned and engine == "fused":
+            # one pass (flush_onepass.py): no plan buffer, no chunks
+            launch_onepass(
+                exact_k,
+                exact_v,
+                ks,
+                vs,
+                src_pool_blocks,
+                dst_blocks,
+                sink_arg,
+                packed,
+                consts,
+                k_round=k_round,
+                v_round=v_round,
+                pattern_id=PATTERN_ID.value,
+                iters=iters,
+                std_floor=std_floor,
+                marked=marked,
+            )
+            continue
         step = max(1, PLAN_TILES_MAX // (2 * hkv)) if planned else n
         for lo in range(0, n, step):
             blocks = slice(lo, min(n, lo + step))

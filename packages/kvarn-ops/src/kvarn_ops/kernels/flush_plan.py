@@ -22,6 +22,11 @@ only where a sum's order flips a near tie, as the single pass on another GPU wou
 bulk launches take it (one program per tile, no sink steps in the launch): a decode step's
 flush of a few blocks is latency bound and splits its tiles over programs instead
 (``flush.parts_for``), and the marked launch of a flush with sink rows keeps the single pass.
+
+On a CUDA GPU the default is one pass (engine ``"fused"``, ``flush_onepass.py``): the Gluon
+program that planned a tile goes on to round, fold and pack it, so there is no plan buffer
+and no second read of the tile; the records are the two passes' byte for byte.
+``KVARN_FLUSH_FUSED=0`` keeps the two passes (engine ``"gluon"``).
 """
 
 from __future__ import annotations
@@ -37,15 +42,17 @@ from kvarn_ops.kernels.flush_math import clip_search_plan, normalize_tile
 
 __all__ = [
     "FORCE_PLAN",
+    "launch_onepass",
     "launch_plan",
     "load_prescaled",
+    "onepass_supported",
     "plan_engine",
     "plan_stride",
     "plan_warps",
 ]
 
 #: The plan's engine for the next bulk launch: None = :func:`plan_engine` decides; tests set
-#: "triton", "gluon" or "off".
+#: "triton", "gluon", "fused" or "off".
 FORCE_PLAN: str | None = None
 
 
@@ -67,11 +74,27 @@ def plan_warps() -> int | None:
     return int(value)
 
 
-def plan_engine(exact_k: torch.Tensor, group: int, head_dim: int) -> str | None:
-    """Which plan a bulk flush on ``exact_k``'s device takes: ``"gluon"`` on a CUDA GPU of
-    compute capability 8.0 or newer where this Triton has Gluon and both tile shapes have a
-    layout at :func:`plan_warps` (``flush_rows.geometry``), unless ``KVARN_FLUSH_PLAN=0``;
-    else None (the single pass). :data:`FORCE_PLAN` overrides ("off": None)."""
+def onepass_supported(consts: dict) -> bool:
+    """Whether ``flush_onepass.flush_kernel`` can write the records of a format whose
+    ``flush.record_constants`` are ``consts``: 2-, 4- or 8-bit codes on both sides (whole
+    codes per 32-bit word) at 4-byte aligned code fields, and no padding between fields."""
+    return (
+        all(consts[f"{p}_BITS"] in (2, 4, 8) and consts[f"{p}C_OFF"] % 4 == 0 for p in "KV")
+        and consts["RECORD_BYTES"] % 4 == 0
+        and not any(v for k, v in consts.items() if k.endswith("_PAD"))
+    )
+
+
+def plan_engine(
+    exact_k: torch.Tensor, group: int, head_dim: int, consts: dict | None = None
+) -> str | None:
+    """Which plan a bulk flush on ``exact_k``'s device takes. On a CUDA GPU of compute
+    capability 8.0 or newer where this Triton has Gluon and both tile shapes have a layout at
+    :func:`plan_warps` (``flush_rows.geometry``), unless ``KVARN_FLUSH_PLAN=0``: ``"fused"``
+    (one pass, ``flush_onepass.py``) where the format's record constants ``consts`` are given,
+    :func:`onepass_supported` and ``KVARN_FLUSH_FUSED`` is not ``0``; else ``"gluon"`` (the
+    plan, then the Triton finish). None elsewhere (the single pass). :data:`FORCE_PLAN`
+    overrides ("off": None)."""
     if FORCE_PLAN is not None:
         return None if FORCE_PLAN == "off" else FORCE_PLAN
     if not cuda_feature(exact_k, "KVARN_FLUSH_PLAN", (8, 0)):
@@ -86,6 +109,14 @@ def plan_engine(exact_k: torch.Tensor, group: int, head_dim: int) -> str | None:
         or rows.geometry(group, head_dim, warps) is None
     ):
         return None
+    fused = os.environ.get("KVARN_FLUSH_FUSED", "1") != "0"
+    if (
+        fused
+        and consts is not None
+        and onepass_supported(consts)
+        and gluon_modules("flush_onepass") is not None
+    ):
+        return "fused"
     return "gluon"
 
 
@@ -332,4 +363,71 @@ def launch_plan(
             num_warps=consts["WARPS"],
             **consts,
             **common,
+        )
+
+
+def launch_onepass(
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    src_pool_blocks: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    sink: torch.Tensor,
+    packed: torch.Tensor,
+    consts: dict,
+    *,
+    k_round: int,
+    v_round: int,
+    pattern_id: int,
+    iters: int,
+    std_floor: float,
+    marked: int,
+) -> None:
+    """A bulk flush in one pass (``flush_onepass.flush_kernel``): one launch per tile kind,
+    one program per tile. ``consts``: ``flush.record_constants`` of the format."""
+    mods = gluon_modules("flush_onepass", "flush_rows")
+    if mods is None:
+        raise NotImplementedError("engine: this Triton has no Gluon (flush_onepass)")
+    one, rows = mods
+    n = src_pool_blocks.shape[0]
+    p, g, hkv, d = exact_k.shape
+    fp8 = exact_k.dtype == torch.float8_e4m3fn
+    for which, pool, scale, r, c, rnd, fields in (
+        (0, exact_k, ks, d, g, k_round, ("K", "KC", "KS", "KZ", "KR")),
+        (1, exact_v, vs, g, d, v_round, ("V", "VC", "VR", "VZ", "VS")),
+    ):
+        side, codes, row_scale, row_zp, col_scale = fields
+        geo = rows.plan_consts(r, c, plan_warps())
+        if geo is None:
+            raise ValueError(f"exact_k: no row-per-thread layout for a {r} x {c} tile")
+        one.flush_kernel[(n, hkv)](
+            pool,
+            scale,
+            src_pool_blocks,
+            dst_blocks,
+            sink,
+            packed,
+            p,
+            packed.shape[0],
+            G=g,
+            H=hkv,
+            D=d,
+            R=r,
+            C=c,
+            TOKENS_ON_ROWS=which == 1,
+            FP8=fp8,
+            BITS=consts[f"{side}_BITS"],
+            SEARCH=rnd != 0,
+            PATTERN=rnd == pattern_id,
+            ITERS=iters,
+            STD_FLOOR=std_floor,
+            MARKED=marked,
+            RECORD_BYTES=consts["RECORD_BYTES"],
+            CODES_OFF=consts[f"{codes}_OFF"],
+            ROW_SCALE_OFF=consts[f"{row_scale}_OFF"],
+            ROW_ZP_OFF=consts[f"{row_zp}_OFF"],
+            COL_SCALE_OFF=consts[f"{col_scale}_OFF"],
+            num_warps=geo["WARPS"],
+            **geo,
         )

@@ -249,6 +249,55 @@ def _pow2(n):
 
 
 @gluon.jit
+def load_tile(
+    pool_ptr,
+    scale_ptr,
+    src,
+    head,
+    G: gl.constexpr,
+    H: gl.constexpr,
+    D: gl.constexpr,
+    R: gl.constexpr,
+    C: gl.constexpr,
+    TOKENS_ON_ROWS: gl.constexpr,
+    FP8: gl.constexpr,
+    L: gl.constexpr,
+    LT: gl.constexpr,
+):
+    """Steps 1-2 of tile ``(src, head)`` (``flush_plan.load_prescaled``): the tile with its
+    non-finite tokens zeroed, times ``2**-e``, held twice (``xp`` a row per thread in layout
+    L, ``xt`` a column per thread in LT), and the prescale exponent ``e``."""
+    if TOKENS_ON_ROWS:
+        # V: rows are tokens (contiguous channels along a row: a row per thread loads them)
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, L))
+        c = gl.arange(0, C, layout=gl.SliceLayout(0, L))
+        row = (src * G + r) * H + head
+        xp = gl.load(pool_ptr + gl.expand_dims(row * D, 1) + gl.expand_dims(c, 0))
+        xp = xp.to(gl.float32)
+        if FP8:
+            xp = xp * gl.expand_dims(gl.load(scale_ptr + row), 1)
+        fin = ((xp == xp) & (gl.abs(xp) < float("inf"))).to(gl.int32)
+        xp = gl.where(gl.expand_dims(gl.min(fin, axis=1) > 0, 1), xp, 0.0)
+        xt = gl.convert_layout(xp, LT)
+    else:
+        # K: columns are tokens (contiguous channels down a column: a column per thread)
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, LT))
+        c = gl.arange(0, C, layout=gl.SliceLayout(0, LT))
+        row = (src * G + c) * H + head
+        xt = gl.load(pool_ptr + gl.expand_dims(row * D, 0) + gl.expand_dims(r, 1))
+        xt = xt.to(gl.float32)
+        if FP8:
+            xt = xt * gl.expand_dims(gl.load(scale_ptr + row), 0)
+        fin = ((xt == xt) & (gl.abs(xt) < float("inf"))).to(gl.int32)
+        xt = gl.where(gl.expand_dims(gl.min(fin, axis=0) > 0, 0), xt, 0.0)
+        xp = gl.convert_layout(xt, L)
+    amax = gl.max(gl.max(gl.abs(xp), axis=1), axis=0)
+    e = gl.where(amax > 0.0, _frexp_exponent(amax) - 1, 0)
+    scale = _pow2(-e)
+    return xp * scale, xt * scale, e
+
+
+@gluon.jit
 def plan_kernel(
     pool_ptr,
     scale_ptr,
@@ -289,35 +338,9 @@ def plan_kernel(
     if MARKED == 1:
         ok = ok & (gl.load(sink_ptr + i) < 0)
     if ok:
-        if TOKENS_ON_ROWS:
-            # V: rows are tokens (contiguous channels along a row: a row per thread loads them)
-            r = gl.arange(0, R, layout=gl.SliceLayout(1, L))
-            c = gl.arange(0, C, layout=gl.SliceLayout(0, L))
-            row = (src * G + r) * H + head
-            xp = gl.load(pool_ptr + gl.expand_dims(row * D, 1) + gl.expand_dims(c, 0))
-            xp = xp.to(gl.float32)
-            if FP8:
-                xp = xp * gl.expand_dims(gl.load(scale_ptr + row), 1)
-            fin = ((xp == xp) & (gl.abs(xp) < float("inf"))).to(gl.int32)
-            xp = gl.where(gl.expand_dims(gl.min(fin, axis=1) > 0, 1), xp, 0.0)
-            xt = gl.convert_layout(xp, LT)
-        else:
-            # K: columns are tokens (contiguous channels down a column: a column per thread)
-            r = gl.arange(0, R, layout=gl.SliceLayout(1, LT))
-            c = gl.arange(0, C, layout=gl.SliceLayout(0, LT))
-            row = (src * G + c) * H + head
-            xt = gl.load(pool_ptr + gl.expand_dims(row * D, 0) + gl.expand_dims(r, 1))
-            xt = xt.to(gl.float32)
-            if FP8:
-                xt = xt * gl.expand_dims(gl.load(scale_ptr + row), 0)
-            fin = ((xt == xt) & (gl.abs(xt) < float("inf"))).to(gl.int32)
-            xt = gl.where(gl.expand_dims(gl.min(fin, axis=0) > 0, 0), xt, 0.0)
-            xp = gl.convert_layout(xt, L)
-        amax = gl.max(gl.max(gl.abs(xp), axis=1), axis=0)
-        e = gl.where(amax > 0.0, _frexp_exponent(amax) - 1, 0)
-        scale = _pow2(-e)
-        xp = xp * scale
-        xt = xt * scale
+        xp, xt, e = load_tile(
+            pool_ptr, scale_ptr, src, head, G, H, D, R, C, TOKENS_ON_ROWS, FP8, L, LT
+        )
         lr, lc = normalize(xp, xt, R, C, ITERS, FLOOR2)
         tile = (i * H + head) * 2 + WHICH
         base = plan_ptr + tile.to(gl.int64) * STRIDE
