@@ -300,8 +300,7 @@ def test_flush_planned(gen, request, fmt, dim, hkv, pool_dtype):
     against the reference with the bounds of :func:`_check_flush`, with and without sink rows
     (the marked blocks through the single pass); the two passes (``FORCE_PLAN="gluon"``: the
     Gluon plan, then the Triton finish) and the single pass (``"off"``) the same way, on the
-    same blocks; and the one pass equal to the two passes byte for byte (the same arithmetic
-    on the same plan)."""
+    same blocks; and the one pass against the two passes (:func:`_same_as_two_passes`)."""
     layout = kf.dense_layout(fmt, dim)
     g = layout.block_size
     n, pool_blocks, num_blocks = 400, 420, 480
@@ -324,7 +323,23 @@ def test_flush_planned(gen, request, fmt, dim, hkv, pool_dtype):
             _check_flush(
                 request, got[engine], want, src, dst, layout, pools, f"{tag}{engine}_", sink_tiles
             )
-        assert torch.equal(got["fused"], got["gluon"]), f"{tag}: one pass != two passes"
+        _same_as_two_passes(request, got["fused"], got["gluon"], src, dst, layout, pools, tag)
+
+
+def _same_as_two_passes(request, one, two, src, dst, layout, pools, tag=""):
+    """The one pass against the two passes. Both run the same Gluon normalization and search
+    (``flush_rows.py``), but compiled into different kernels, where the compiler may contract
+    another product and sum into one fused multiply-add, so a near tie of the clipping search
+    can fall the other way: held to :func:`_check_flush`'s bounds with the two passes as the
+    yardstick; the bytes that differ are recorded per field."""
+    rows = dst.long()
+    n = rows.numel()
+    a = reference.records.record_fields(one[rows].view(n * one.shape[1], -1), layout)
+    b = reference.records.record_fields(two[rows].view(n * two.shape[1], -1), layout)
+    for name in a:
+        diff = (a[name] != b[name]).sum().item()
+        request.node.user_properties.append((f"{tag}onepass_vs_twopass_{name}_differ", diff))
+    _check_flush(request, one, two, src, dst, layout, pools, f"{tag}one_vs_two_")
 
 
 def _flush_with(engine, pools, src, dst, like, layout, sink=None, config=None):
@@ -352,9 +367,9 @@ def _flush_with(engine, pools, src, dst, like, layout, sink=None, config=None):
     ],
 )
 def test_flush_onepass_equals_two_passes(gen, request, fmt, rounding, pool_dtype):
-    """The one pass against the two passes, byte for byte, in the other rounding modes (min/max
-    RTN on both sides, or on K only), at 8-bit codes and at 128-token tiles (d128), with
-    invalid source and destination indices left unwritten; and against the reference."""
+    """The one pass against the reference and the two passes in the other rounding modes
+    (min/max RTN on both sides, or on K only), at 8-bit codes and at 128-token tiles (d128),
+    with invalid source and destination indices left unwritten."""
     config = {
         "rtn": reference.NormalizeConfig(rounding="rtn"),
         "mixed": reference.NormalizeConfig(rounding="rtn", rounding_v="unbiased_clip"),
@@ -371,11 +386,17 @@ def test_flush_onepass_equals_two_passes(gen, request, fmt, rounding, pool_dtype
     want = poison_(
         torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
     )
-    reference.flush(*pools, src, dst, want, layout, config=config)
+    ek, ev, ks, vs = pools
+    kt, vt = (
+        reference.cache.read_pool_blocks(pool, sc, src).permute(0, 2, 1, 3).reshape(-1, g, 128)
+        for pool, sc in ((ek, ks), (ev, vs))
+    )
+    rec = reference.encode_records(kt.contiguous(), vt.contiguous(), layout, config=config)
+    want[dst.long()] = rec.view(n, hkv, -1)
     one = _flush_with("fused", pools, src, dst, want, layout, config=config)
     two = _flush_with("gluon", pools, src, dst, want, layout, config=config)
-    assert torch.equal(one, two), "one pass != two passes"
     _check_flush(request, one, want, src, dst, layout, pools, "fused_")
+    _same_as_two_passes(request, one, two, src, dst, layout, pools)
     # indices out of range write nothing (the launcher refuses them; the kernel checks too)
     bad_src, bad_dst = src.clone(), dst.clone()
     bad_src[::7] = pool_blocks + 3
