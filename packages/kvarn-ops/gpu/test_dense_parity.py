@@ -203,6 +203,7 @@ def _check_flush(request, got, want, src, dst, layout, pools, tag="", sink_tiles
     wf = reference.records.record_fields(want[dst.long()].view(n * hkv, -1), layout)
     for name in ("k_codes", "v_codes"):
         same = (gf[name] == wf[name]).double().mean().item()
+        request.node.user_properties.append((f"{tag}{name}_identical", same))
         assert same >= 0.999, f"{tag}{name}: only {same:.5f} of codes identical"
         # A code moves by 1 where a rounding tie moved; by more only where the scales the
         # kernel chose (exp/log in other last bits, see below) put it across two steps: rare
