@@ -47,7 +47,6 @@ __all__ = ["geometry", "plan_consts"]
 
 _RATIOS = gl.constexpr(tuple(float(r) for r in CLIP_RATIOS))
 _MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2**23: the fp32 add rounds to an integer, ties to even
-_RUN = gl.constexpr(8)  # terms per partial of :func:`tree`
 
 
 @gluon.jit
@@ -76,37 +75,11 @@ def inverse(s):
 
 
 @gluon.jit
-def tree(x, AXIS: gl.constexpr, OP: gl.constexpr):
-    """Sum (OP 0), minimum (1) or maximum (2) of every line of the 2-D ``x`` along AXIS, in
-    two levels: runs of 8 terms first, then those partials. Each thread holds most of a line
-    (a row per thread), and a reduction within a thread is one chain of dependent adds; eight
-    chains of 8 and one of ``n / 8`` leave the scheduler independent work. The result is in
-    ``SliceLayout(AXIS, x's layout)``."""
-    R: gl.constexpr = x.shape[0]
-    C: gl.constexpr = x.shape[1]
-    if AXIS == 1:
-        y = gl.reshape(x, [R, C // _RUN, _RUN])
-        inner: gl.constexpr = 2
-        outer: gl.constexpr = 1
-    else:
-        y = gl.reshape(x, [R // _RUN, _RUN, C])
-        inner: gl.constexpr = 1
-        outer: gl.constexpr = 0
-    if OP == 0:
-        y = gl.sum(gl.sum(y, axis=inner), axis=outer)
-    elif OP == 1:
-        y = gl.min(gl.min(y, axis=inner), axis=outer)
-    else:
-        y = gl.max(gl.max(y, axis=inner), axis=outer)
-    return gl.convert_layout(y, gl.SliceLayout(AXIS, x.type.layout), assert_trivial=True)
-
-
-@gluon.jit
 def moments(u, AXIS: gl.constexpr, N: gl.constexpr):
     """Population variance (two-pass) and mean square of every line of ``u`` along AXIS."""
-    mean = tree(u, AXIS, 0) / N
+    mean = gl.sum(u, axis=AXIS) / N
     dev = u - gl.expand_dims(mean, AXIS)
-    var = tree(dev * dev, AXIS, 0) / N
+    var = gl.sum(dev * dev, axis=AXIS) / N
     return var, var + mean * mean
 
 
@@ -167,13 +140,13 @@ def candidate_error(b, z, s, w, mb, db, vb, rsw, LEVELS: gl.constexpr):
     """Each row's weighted error of the candidate with clipped range ``(z, s)`` after its
     unbiased refit (``flush_math._candidate_error``)."""
     q = codes_of(b, z, inverse(s), LEVELS)
-    mq = tree(w * q, 1, 0) * rsw
-    cov = tree((w * (q - gl.expand_dims(mq, 1))) * db, 1, 0) * rsw
+    mq = gl.sum(w * q, axis=1) * rsw
+    cov = gl.sum((w * (q - gl.expand_dims(mq, 1))) * db, axis=1) * rsw
     ok = cov > 0.0
     s_u = gl.where(ok, gl.div_rn(vb, gl.where(ok, cov, 1.0)), s)
     z_u = gl.where(ok, mb - s_u * mq, z)
     e = b - (q * gl.expand_dims(s_u, 1) + gl.expand_dims(z_u, 1))
-    return tree(e * e * w, 1, 0)
+    return gl.sum(e * e * w, axis=1)
 
 
 @gluon.jit
@@ -199,22 +172,22 @@ def search_plan(b, lc, R: gl.constexpr, LEVELS: gl.constexpr, PATTERN: gl.conste
     LR: gl.constexpr = gl.SliceLayout(1, b.type.layout)
     w1 = gl.exp(2.0 * (lc - gl.max(lc, axis=0)))
     w = gl.expand_dims(w1, 0)
-    lo0 = tree(b, 1, 1)
-    hi0 = tree(b, 1, 2)
+    lo0 = gl.min(b, axis=1)
+    hi0 = gl.max(b, axis=1)
     rng = hi0 - lo0
     step0 = gl.div_rn(rng, gl.full([R], LEVELS, gl.float32, LR))
     swt = gl.sum(w1, axis=0)
     sw = gl.zeros([R], gl.float32, LR) + swt
-    mb = gl.div_rn(tree(w * b, 1, 0), sw)
+    mb = gl.div_rn(gl.sum(w * b, axis=1), sw)
     db = b - gl.expand_dims(mb, 1)
-    vb = gl.div_rn(tree(w * (db * db), 1, 0), sw)
+    vb = gl.div_rn(gl.sum(w * (db * db), axis=1), sw)
     rsw = gl.div_rn(1.0, swt)
     mid = 0.5 * (hi0 + lo0)
     half = 0.5 * rng
     err = b - (
         codes_of(b, lo0, inverse(step0), LEVELS) * gl.expand_dims(step0, 1) + gl.expand_dims(lo0, 1)
     )
-    best_e = gl.where(rng > 0.0, tree(err * err * w, 1, 0), -1.0)
+    best_e = gl.where(rng > 0.0, gl.sum(err * err * w, axis=1), -1.0)
     if PATTERN and _PAT_N[LEVELS] > 0:
         n: gl.constexpr = _PAT_N[LEVELS]
         lo_k: gl.constexpr = _PAT_LO[LEVELS]
@@ -253,8 +226,8 @@ def search_plan(b, lc, R: gl.constexpr, LEVELS: gl.constexpr, PATTERN: gl.conste
     # (``flush_math._finish``): the finish then only rounds.
     s_abs = gl.abs(signed)
     q = codes_of(b, code_z, inverse(s_abs), LEVELS)
-    mq = tree(w * q, 1, 0) * rsw
-    cov = tree((w * (q - gl.expand_dims(mq, 1))) * db, 1, 0) * rsw
+    mq = gl.sum(w * q, axis=1) * rsw
+    cov = gl.sum((w * (q - gl.expand_dims(mq, 1))) * db, axis=1) * rsw
     ok = cov > 0.0
     s_u = gl.where(ok, gl.div_rn(vb, gl.where(ok, cov, 1.0)), s_abs)
     z_u = gl.where(ok, mb - s_u * mq, code_z)
