@@ -50,7 +50,10 @@ OPS = {
     "materialize_mma": ("mma_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128"),
     # the Triton kernel's launch for the exact tails beside it
     "materialize_tails": ("_materialize_kernel", "k4v2 g64, B=16, ~8K, Hkv 8, D 128: tails"),
-    "flush": ("_flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool"),
+    "flush": ("_flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool, single pass"),
+    # the bulk flush's one-pass Gluon kernel (flush_onepass.py): its K launch, then its V one
+    "flush_onepass_k": ("flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool: K tiles"),
+    "flush_onepass_v": ("flush_kernel", "k4v2 g64, N=512, Hkv 8, D 128, bf16 pool: V tiles"),
     # a decode step's flush: one block, its tiles split over programs (flush.parts_for), and
     # the same with one program per tile
     "flush_step": ("_flush_kernel", "k4v2 g64, N=1, Hkv 8, D 128, bf16 pool, split tiles"),
@@ -67,6 +70,10 @@ OPS = {
     "mla_wgmma64_b32": ("mla_wgmma64_kernel", "k4, B=32, 128 heads, 8K, default splits"),
     "mla_stage": ("_mla_gather_kernel", "k4, 65,536 random tokens"),
 }
+
+#: launches of the op's kernel skipped before the one profiled (default 1: the first may carry
+#: the JIT compile's first-touch effects); the one-pass flush launches K, then V tiles
+SKIP = {"flush_onepass_k": 2, "flush_onepass_v": 1}
 
 SECTIONS = [
     "SpeedOfLight",
@@ -142,6 +149,10 @@ def run(op: str) -> None:
             os.environ["KVARN_MATERIALIZE_MMA"] = "0"
         bench_kernels.bench_materialize("kvarn_k4v2_g64", 128, 8, 16, 8192, torch.bfloat16)
     elif op == "flush":
+        importlib.import_module("kvarn_ops.kernels.flush_plan").FORCE_PLAN = "off"
+        bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 512, torch.bfloat16)
+    elif op.startswith("flush_onepass"):
+        importlib.import_module("kvarn_ops.kernels.flush_plan").FORCE_PLAN = "fused"
         bench_kernels.bench_flush("kvarn_k4v2_g64", 128, 8, 512, torch.bfloat16)
     elif op in ("flush_step", "flush_step_p1"):
         if op == "flush_step_p1":
@@ -244,7 +255,7 @@ def profile(out: Path, ops: list[str], deep: bool = False) -> int:
         kernel, what = OPS[op]
         rep = out / f"ncu_{op}"
         cmd = ["ncu", "--clock-control", "none", "-f", "-o", str(rep), "-k", f"regex:{kernel}"]
-        cmd += ["--launch-skip", "1", "--launch-count", "1"]
+        cmd += ["--launch-skip", str(SKIP.get(op, 1)), "--launch-count", "1"]
         for sec in SECTIONS + (DEEP_SECTIONS if deep else []):
             cmd += ["--section", sec]
         cmd += [sys.executable, str(Path(__file__).resolve()), "run", op]

@@ -48,9 +48,10 @@ the measured times and profiles). The compiler's layout gives every thread
 repeated that often; a layout with whole rows per thread is
 not expressible in Triton. The candidate loop is not unrolled (unrolled, it spilled more).
 
-Bulk launches (one program per tile, no sink steps) on a CUDA GPU run in two passes instead
-(``flush_plan.py``): a Gluon kernel with that layout normalizes and searches every tile and
-stores the plan, then this kernel (``PLANNED``) applies it and packs.
+Bulk launches (one program per tile, no sink steps) on a CUDA GPU take a Gluon kernel with
+that layout instead: by default one pass (``flush_onepass.py``: normalize, search, round,
+fold, pack in one program), or with ``KVARN_FLUSH_FUSED=0`` two passes (``flush_plan.py``: the
+Gluon kernel stores each tile's plan, then this kernel, ``PLANNED``, applies it and packs).
 """
 
 from __future__ import annotations
@@ -632,7 +633,8 @@ def sink_split(tiles: int, parts: int, sms: int) -> bool:
     return parts == 1 and sms > 0 and tiles >= SINK_SPLIT_TILES_PER_SM * sms
 
 
-#: Most tiles one launch of the planned flush takes (``flush_plan.py``): its plan buffer,
+#: Most tiles one launch of the two-pass planned flush takes (``flush_plan.py``; the one pass
+#: has no plan buffer and no chunks): its plan buffer,
 #: ``tiles * plan_stride(G, D)`` fp32, is allocated per launch (46 MB at D 128, G 64), and a
 #: bulk flush of more tiles runs in chunks of this many (H100, 4,096 blocks x 8 KV heads in
 #: four chunks: 2.2-2.3% slower than one chunk of 184 MB, BENCHMARKS.md "2026-12-06").
