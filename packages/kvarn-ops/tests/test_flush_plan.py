@@ -392,7 +392,7 @@ ONEPASS_BUILDS = [
 @pytest.mark.slow
 def test_gluon_onepass_compiles_offline():
     """The one-pass flush builds for sm_80, sm_90a and sm_120a within the register file and a
-    spill frame of what was measured (K 184 B, V 464 B at d128 with triton 3.6, sm_90a),
+    spill frame of what was measured (K 192 B, V 496 B at d128 with triton 3.6, sm_90a),
     packs its codes in 32-bit word stores (a thread's words: ``R * C * BITS / 32`` in all, over
     the program's threads) and stores its three fp16 fields."""
     env = dict(os.environ, TRITON_INTERPRET="0")
