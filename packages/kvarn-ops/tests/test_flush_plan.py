@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -225,6 +226,78 @@ def test_plan_engine_rejects_an_unknown_engine(gen):
             std_floor=1e-3,
             marked=0,
         )
+
+
+class _Recorder:
+    """Stands in for a Gluon kernel: ``k[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "config", "marked"),
+    [
+        ("kvarn_k4v2_g64", ref.DEFAULT_CONFIG, False),
+        (
+            "kvarn_k2v4_g64",
+            ref.NormalizeConfig(rounding="rtn", rounding_v="unbiased_clip", sink_token=True),
+            True,
+        ),
+    ],
+)
+def test_onepass_launches_name_each_field(gen, force, monkeypatch, fmt, config, marked):
+    """The one pass's launcher (Gluon does not run here, so its kernel is replaced by a
+    recorder): one launch per tile kind over ``(N, Hkv)``, each with the tile's shape, code
+    width, rounding and the offsets of its record fields as the format names them (K: rows
+    are channels, so the row side is ``k_col_scale`` / ``k_zero_point`` and the column side
+    ``k_row_scale``; V: rows are tokens), the unmarked blocks only where sink rows split the
+    launch, and nothing else launched for those blocks."""
+    lay = kf.dense_layout(fmt, 64)
+    n, hkv = 3, 2
+    ek, ev, ks, vs = _fill_pool(gen, 4, lay.block_size, hkv, 64, torch.bfloat16)
+    one = types.SimpleNamespace(flush_kernel=_Recorder())
+    rows = importlib.import_module("kvarn_ops.kernels.flush_rows")
+    real = PLAN_MOD.gluon_modules
+
+    def fake(*names):
+        return (one, rows) if names == ("flush_onepass", "flush_rows") else real(*names)
+
+    monkeypatch.setattr(PLAN_MOD, "gluon_modules", fake)
+    force("fused", True if marked else None)
+    src = torch.tensor([2, 0, 3], dtype=torch.int32)
+    dst = torch.tensor([1, 4, 2], dtype=torch.int32)
+    packed = torch.full((5, hkv, lay.record_bytes), POISON, dtype=torch.uint8)
+    sink = torch.tensor([0, -1, -1], dtype=torch.int32) if marked else None
+    flush(ek, ev, ks, vs, src, dst, packed, lay, config=config, sink_rows=sink)
+    launches = one.flush_kernel.launches
+    assert [grid for grid, _, _ in launches] == [(n, hkv), (n, hkv)]
+    k_round, v_round = FLUSH_MOD.check_config(config)
+    g, d = lay.block_size, 64
+    for (_, args, kw), side, (r, c), rnd in zip(
+        launches, "kv", ((d, g), (g, d)), (k_round, v_round), strict=True
+    ):
+        pool, scale, s_, d_, sink_arg, out = args[:6]
+        assert pool is (ek if side == "k" else ev) and out is packed
+        assert torch.equal(s_, src) and torch.equal(d_, dst)
+        assert (kw["R"], kw["C"], kw["TOKENS_ON_ROWS"]) == (r, c, side == "v")
+        assert kw["BITS"] == lay.field(f"{side}_codes").bits
+        assert kw["SEARCH"] == (rnd != "rtn") and kw["MARKED"] == (1 if marked else 0)
+        if marked:
+            assert torch.equal(sink_arg, sink)
+        row_side = ("col_scale", "zero_point") if side == "k" else ("row_scale", "zero_point")
+        col_side = "row_scale" if side == "k" else "col_scale"
+        assert kw["CODES_OFF"] == lay.field(f"{side}_codes").offset
+        assert kw["ROW_SCALE_OFF"] == lay.field(f"{side}_{row_side[0]}").offset
+        assert kw["ROW_ZP_OFF"] == lay.field(f"{side}_{row_side[1]}").offset
+        assert kw["COL_SCALE_OFF"] == lay.field(f"{side}_{col_side}").offset
+        assert kw["RECORD_BYTES"] == lay.record_bytes
+    # the fused launches write nothing here; only a marked block's single pass may
+    written = (packed != POISON).flatten(1).any(1)
+    assert written.tolist() == [False, marked, False, False, False]
 
 
 # ---------------------------------------------------------------- the Gluon plan, offline
