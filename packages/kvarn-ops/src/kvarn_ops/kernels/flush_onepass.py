@@ -12,19 +12,21 @@ from there:
   thread shifts them into whole 32-bit words and stores those (:func:`pack_store`);
 - steps 5-6: the row's folded scale and zero point ``exp(lr) * (step, lo)``, the column
   scales ``exp(lc)``, the power of two moved between the sides so every fp16 field is normal
-  where possible (``_common.fp16_balance_shift``), saturating fp16 stores, and the zero
-  padding after each field (the reference writer's bytes).
+  where possible (``_common.fp16_balance_shift``), saturating fp16 stores.
 
-The arithmetic is the finish's, operation for operation (the same tile values, the same
-rounding, the same scale formulas), so with the same plan the records are the two-pass
-flush's byte for byte; ``gpu/test_dense_parity.py::test_flush_planned`` checks exactly that
-on the GPU, besides the reference's bounds. No plan buffer: a bulk flush of any size is one
-launch per tile kind.
+The finish's arithmetic, operation for operation (the same tile values, the same rounding,
+the same scale formulas), on the same Gluon plan: the records are the two-pass flush's but
+where the compiler contracted another multiply and add into one fused multiply-add in one of
+the two kernels and a near tie of the search fell the other way (measured on an H100: 1-2
+codes of 26 million at d128; ``gpu/test_dense_parity.py`` holds the two to the flush's bounds,
+and each to the reference's). No plan buffer: a bulk flush of any size is one launch per tile
+kind.
 
 Scope: what ``flush_rows.geometry`` lays out a row per thread, with 2-, 4- or 8-bit codes on
 both sides and fields that follow each other without padding (every such format so far;
-others take the two passes, ``flush_plan.onepass_supported``). Gluon does not run under the Triton
-interpreter; a CPU test compiles this module for sm_80, sm_90a and sm_120a.
+others take the two passes, ``flush_plan.onepass_supported``). Gluon does not run under the
+Triton interpreter: on the CPU a test compiles this module for sm_80, sm_90a and sm_120a, and
+another checks the launcher's arguments against the record layout.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ flush of a few blocks is latency bound and splits its tiles over programs instea
 
 On a CUDA GPU the default is one pass (engine ``"fused"``, ``flush_onepass.py``): the Gluon
 program that planned a tile goes on to round, fold and pack it, so there is no plan buffer
-and no second read of the tile; the records are the two passes' byte for byte.
+and no second read of the tile; the records are the two passes' but where a near tie of the
+search falls the other way in one of the two compiled kernels.
 ``KVARN_FLUSH_FUSED=0`` keeps the two passes (engine ``"gluon"``).
 """
 

@@ -19,8 +19,11 @@ BENCHMARKS.md "2026-12-06"): the search 5.0 -> 1.15 ms (4-bit K tiles, window) a
 ms (2-bit V tiles, 14-ratio window), the normalization 2.0 -> 1.1 ms and 2.5 -> 1.1 ms.
 
 Same candidates, formulas and order of operations as ``flush_math`` (``normalize_tile``,
-``clip_search_plan``) but for the order of each sum's terms: codes agree with the reference's
-as the Triton flush's do (checked on the GPU by ``gpu/test_dense_parity.py``). Gluon does not
+``clip_search_plan``) but for the order of each sum's terms and, in the search's candidates,
+a fused multiply-add for the code argument and the refit's covariance as ``sum(w * (b - mb) *
+q)`` (11 operations per value and candidate instead of 14; BENCHMARKS.md "2026-12-06, later"):
+codes agree with the reference's as the Triton flush's do (checked on the GPU by
+``gpu/test_dense_parity.py``). Gluon does not
 run under the Triton interpreter; a CPU test compiles this module for sm_90a and sm_120a, and
 the Triton twin of the plan (``flush_plan._plan_kernel``) is what the interpreter runs.
 """
