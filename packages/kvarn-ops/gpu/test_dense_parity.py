@@ -264,7 +264,7 @@ def test_flush_window_search(gen, request, fmt):
 
     config = replace(reference.DEFAULT_CONFIG, clip_search="window")
     layout = kf.dense_layout(fmt, 128)
-    n, pool_blocks, num_blocks, hkv, g = 200, 220, 260, 4, layout.block_size
+    n, pool_blocks, num_blocks, hkv = 200, 220, 260, 4
     pools = _flush_pool(gen, layout, hkv, pool_blocks, torch.bfloat16)
     src = torch.randperm(pool_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
     dst = torch.randperm(num_blocks, generator=gen, device=DEVICE)[:n].to(torch.int32)
@@ -273,14 +273,21 @@ def test_flush_window_search(gen, request, fmt):
     )
     want = got.clone()
     kernels.flush(*pools, src, dst, got, layout, config=config)
+    _reference_flush(pools, src, dst, want, layout, config)
+    _check_flush(request, got, want, src, dst, layout, pools)
+
+
+def _reference_flush(pools, src, dst, want, layout, config):
+    """``reference.flush`` under ``config`` (which it does not take): the records of the pool
+    blocks ``src`` encoded by the reference into ``want[dst]``."""
     ek, ev, ks, vs = pools
+    g, d = layout.block_size, layout.head_dim
     kt, vt = (
-        reference.cache.read_pool_blocks(pool, sc, src).permute(0, 2, 1, 3).reshape(-1, g, 128)
+        reference.cache.read_pool_blocks(pool, sc, src).permute(0, 2, 1, 3).reshape(-1, g, d)
         for pool, sc in ((ek, ks), (ev, vs))
     )
     rec = reference.encode_records(kt.contiguous(), vt.contiguous(), layout, config=config)
-    want[dst.long()] = rec.view(n, hkv, -1)
-    _check_flush(request, got, want, src, dst, layout, pools)
+    want[dst.long()] = rec.view(src.shape[0], ek.shape[2], -1)
 
 
 _FLUSH_MOD = importlib.import_module("kvarn_ops.kernels.flush")
@@ -387,13 +394,7 @@ def test_flush_onepass_equals_two_passes(gen, request, fmt, rounding, pool_dtype
     want = poison_(
         torch.empty(num_blocks, hkv, layout.record_bytes, dtype=torch.uint8, device=DEVICE)
     )
-    ek, ev, ks, vs = pools
-    kt, vt = (
-        reference.cache.read_pool_blocks(pool, sc, src).permute(0, 2, 1, 3).reshape(-1, g, 128)
-        for pool, sc in ((ek, ks), (ev, vs))
-    )
-    rec = reference.encode_records(kt.contiguous(), vt.contiguous(), layout, config=config)
-    want[dst.long()] = rec.view(n, hkv, -1)
+    _reference_flush(pools, src, dst, want, layout, config)
     one = _flush_with("fused", pools, src, dst, want, layout, config=config)
     two = _flush_with("gluon", pools, src, dst, want, layout, config=config)
     _check_flush(request, one, want, src, dst, layout, pools, "fused_")

@@ -300,6 +300,31 @@ def test_onepass_launches_name_each_field(gen, force, monkeypatch, fmt, config, 
     assert written.tolist() == [False, marked, False, False, False]
 
 
+def test_gluon_plan_launches_each_tile_kind(gen, monkeypatch):
+    """The two passes' Gluon plan launcher (its kernel replaced by a recorder): a K launch
+    (``[D, G]`` tiles) and a V launch (``[G, D]``), each with its code width and search."""
+    rows = importlib.import_module("kvarn_ops.kernels.flush_rows")
+    fake = types.SimpleNamespace(plan_consts=rows.plan_consts, plan_kernel=_Recorder())
+    monkeypatch.setattr(PLAN_MOD, "gluon_modules", lambda *names: (fake,))
+    ek, ev, ks, vs = _fill_pool(gen, 2, 64, 2, 128, torch.bfloat16)
+    src = torch.tensor([1, 0], dtype=torch.int32)
+    plan = torch.empty(2 * 2 * 2 * PLAN_MOD.plan_stride(64, 128))
+    PLAN_MOD.launch_plan(
+        "gluon", ek, ev, ek, ev, src, src, plan, k_bits=4, v_bits=2, k_round=0, v_round=2,
+        pattern_id=2, iters=2, std_floor=1e-3, marked=0,
+    )  # fmt: skip
+    keys = ("R", "C", "WHICH", "LEVELS", "SEARCH")
+    launches = fake.plan_kernel.launches
+    got = [
+        (grid, args[0] is pool, {k: kw[k] for k in keys})
+        for (grid, args, kw), pool in zip(launches, (ek, ev), strict=True)
+    ]
+    assert got == [
+        ((2, 2), True, dict(R=128, C=64, WHICH=0, LEVELS=15, SEARCH=False)),
+        ((2, 2), True, dict(R=64, C=128, WHICH=1, LEVELS=3, SEARCH=True)),
+    ]
+
+
 # ---------------------------------------------------------------- the Gluon plan, offline
 
 
@@ -374,6 +399,20 @@ for arch, r, c, which, bits, pattern, fp8, warps in json.loads(sys.argv[1]):
 print(json.dumps(res))
 """
 
+
+def _compile_offline(script: str, builds: list) -> list[dict]:
+    """Run a compile script over ``builds`` in a process with the interpreter off (Gluon does
+    not run under it); its last line of output, a JSON list, one entry per build."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    here = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(builds)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 PLAN_BUILDS = [
     # (arch, R, C, K 0 / V 1, bits, pattern search, fp8 pool, warps: None = a row per thread)
     (90, 128, 64, 0, 4, False, False, None),  # k4v2's K tile, window
@@ -393,17 +432,7 @@ def test_gluon_plan_compiles_offline():
     Gluon does not run under it), within the register file and a spill frame of what was
     measured (K 104-128 B, V 392-480 B with triton 3.6; none at 8 warps, 185-189 registers),
     with the reference's IEEE quotients and its loads and stores."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    here = str(Path(__file__).resolve().parent)
-    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(PLAN_BUILDS)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for got in json.loads(proc.stdout.strip().splitlines()[-1]):
+    for got in _compile_offline(_COMPILE, PLAN_BUILDS):
         assert got["regs"] <= 255, got
         assert got["frame"] <= (0 if got["warps"] else 160 if got["which"] == 0 else 512), got
         assert got["div"] > 0 and got["ld"] > 0 and got["st"] > 0, got
@@ -468,18 +497,7 @@ def test_gluon_onepass_compiles_offline():
     spill frame of what was measured (K 192 B, V 496 B at d128 with triton 3.6, sm_90a),
     packs its codes in 32-bit word stores (a thread's words: ``R * C * BITS / 32`` in all, over
     the program's threads) and stores its three fp16 fields."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    here = str(Path(__file__).resolve().parent)
-    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_ONEPASS, json.dumps(ONEPASS_BUILDS)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for got in json.loads(proc.stdout.strip().splitlines()[-1]):
-        print(got)
+    for got in _compile_offline(_COMPILE_ONEPASS, ONEPASS_BUILDS):
         assert got["regs"] <= 255, got
         assert got["frame"] <= (256 if got["which"] == 0 else 640), got
         assert got["div"] > 0 and got["ld"] > 0 and got["st32"] > 0 and got["st16"] >= 3, got

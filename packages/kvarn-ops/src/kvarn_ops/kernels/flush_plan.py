@@ -280,6 +280,17 @@ def _plan_kernel(
             )
 
 
+def _tile_kinds(rows, exact_k, exact_v, ks, vs):
+    """``(which, pool, scale, R, C, layout constants)`` of the K tiles (``[D, G]``) and the V
+    tiles (``[G, D]``) for the Gluon kernels of ``flush_rows`` (``rows``)."""
+    _, g, _, d = exact_k.shape
+    for which, pool, scale, r, c in ((0, exact_k, ks, d, g), (1, exact_v, vs, g, d)):
+        consts = rows.plan_consts(r, c, plan_warps())
+        if consts is None:
+            raise ValueError(f"exact_k: no row-per-thread layout for a {r} x {c} tile")
+        yield which, pool, scale, r, c, consts
+
+
 def launch_plan(
     engine: str,
     exact_k: torch.Tensor,
@@ -336,13 +347,10 @@ def launch_plan(
     if mods is None:
         raise NotImplementedError("engine: this Triton has no Gluon (flush_rows)")
     (rows,) = mods
-    for which, pool, scale, r, c, bits, rnd in (
-        (0, exact_k, ks, d, g, k_bits, k_round),
-        (1, exact_v, vs, g, d, v_bits, v_round),
+    kinds = _tile_kinds(rows, exact_k, exact_v, ks, vs)
+    for (which, pool, scale, r, c, consts), bits, rnd in zip(
+        kinds, (k_bits, v_bits), (k_round, v_round), strict=True
     ):
-        consts = rows.plan_consts(r, c, plan_warps())
-        if consts is None:
-            raise ValueError(f"exact_k: no row-per-thread layout for a {r} x {c} tile")
         rows.plan_kernel[(n, hkv)](
             pool,
             scale,
@@ -394,14 +402,12 @@ def launch_onepass(
     n = src_pool_blocks.shape[0]
     p, g, hkv, d = exact_k.shape
     fp8 = exact_k.dtype == torch.float8_e4m3fn
-    for which, pool, scale, r, c, rnd, fields in (
-        (0, exact_k, ks, d, g, k_round, ("K", "KC", "KS", "KZ", "KR")),
-        (1, exact_v, vs, g, d, v_round, ("V", "VC", "VR", "VZ", "VS")),
+    # each kind's record fields: codes, row side (scale, zero point), column side (scale)
+    fields = (("K", "KC", "KS", "KZ", "KR"), ("V", "VC", "VR", "VZ", "VS"))
+    for (which, pool, scale, r, c, geo), names, rnd in zip(
+        _tile_kinds(rows, exact_k, exact_v, ks, vs), fields, (k_round, v_round), strict=True
     ):
-        side, codes, row_scale, row_zp, col_scale = fields
-        geo = rows.plan_consts(r, c, plan_warps())
-        if geo is None:
-            raise ValueError(f"exact_k: no row-per-thread layout for a {r} x {c} tile")
+        side, codes, row_scale, row_zp, col_scale = names
         one.flush_kernel[(n, hkv)](
             pool,
             scale,
