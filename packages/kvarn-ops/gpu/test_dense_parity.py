@@ -871,6 +871,15 @@ def test_decode_cuda_graph_replay(gen, d):
         ("kvarn_k4v4_g64", 0, [64, 127, 4096, 3, 0], torch.bfloat16, torch.bfloat16),
         ("kvarn_k4v2_g128", 1, [128, 1000, 129, 7], torch.float16, torch.float8_e4m3fn),
         ("kvarn_k4v4_g128", 5, [256, 2000, 1], torch.bfloat16, torch.float16),
+        # 2-bit K through the Gluon kernel (a word of 16 tokens, bytes picked per lane)
+        ("kvarn_k2v2_g64", 0, [64, 127, 4096, 3, 0], torch.bfloat16, torch.bfloat16),
+        ("kvarn_k2v4_g128", 1, [128, 1000, 129, 7], torch.float16, torch.float8_e4m3fn),
+        ("kvarn_k2v2_g128", 5, [256, 2000, 1], torch.bfloat16, torch.float16),
+        # head_dim 64 through the Gluon kernel as head pairs (3 KV heads: one program of one)
+        ("kvarn_k4v2_g64", 2, [64, 127, 4096, 3, 0], torch.bfloat16, torch.bfloat16),
+        ("kvarn_k4v4_g128", 7, [128, 1000, 129, 7], torch.float16, torch.float8_e4m3fn),
+        ("kvarn_k2v2_g64", 7, [2049, 63, 640], torch.bfloat16, torch.float16),
+        ("kvarn_k2v4_g128", 2, [300, 128], torch.bfloat16, torch.bfloat16),
     ],
 )
 def test_materialize(gen, fmt, geo, lens, out_dtype, pool_dtype):
@@ -898,15 +907,21 @@ def test_materialize(gen, fmt, geo, lens, out_dtype, pool_dtype):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "pool_dtype"),
-    [("kvarn_k4v2_g64", torch.bfloat16), ("kvarn_k4v4_g128", torch.float8_e4m3fn)],
+    ("fmt", "pool_dtype", "geo"),
+    [
+        ("kvarn_k4v2_g64", torch.bfloat16, 0),
+        ("kvarn_k4v4_g128", torch.float8_e4m3fn, 0),
+        ("kvarn_k2v2_g64", torch.bfloat16, 0),
+        ("kvarn_k4v2_g64", torch.bfloat16, 2),  # head pairs, one program of one head
+        ("kvarn_k2v4_g128", torch.float16, 7),
+    ],
 )
-def test_materialize_signed_scales(gen, fmt, pool_dtype):
+def test_materialize_signed_scales(gen, fmt, pool_dtype, geo):
     """Column scales and zero points of both signs over 2^-20 .. 2^4 (fp16 subnormals and
     exact zeros included): both kernels fold the column scales into sign-flipped operands
     (the Gluon kernel by xor-ing sign bits), which the quantizer's positive scales alone would
     not exercise."""
-    _, hkv, d = DECODE_GEOMETRIES[0]
+    _, hkv, d = DECODE_GEOMETRIES[geo]
     lens = [700, 64, 3000, 5]
     cache = build_cache(gen, fmt, d, hkv, lens, pool_dtype)
     lay = kf.dense_layout(fmt, d)

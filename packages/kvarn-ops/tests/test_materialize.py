@@ -237,3 +237,55 @@ def test_tails_only_launch_writes_only_the_tails(fmt, seq_lens, make_cache, monk
     for out in (k_out, v_out):
         assert not bool(out[written].isnan().any()), "a tail row was not written"
         assert bool(out[~written].isnan().all()), "a full-block row was written by the tail launch"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "d", "hkv"),
+    [
+        ("kvarn_k4v2_g64", 128, 2),
+        ("kvarn_k2v2_g64", 128, 2),
+        ("kvarn_k2v4_g128", 128, 3),
+        ("kvarn_k4v2_g64", 64, 3),  # head pairs: two programs, the second of one head
+        ("kvarn_k2v2_g128", 64, 8),
+    ],
+)
+def test_gluon_launch_names_the_code_widths(fmt, d, hkv):
+    """The Gluon full-block kernel reads 2-bit K codes (16-bit runs) unlike 4-bit ones and
+    takes head_dim 64 as head pairs: its launcher passes both code widths, the pair flag and
+    the grid of 64-token halves and heads (the kernel replaced by a recorder; a dropped ``KB``
+    would read 2-bit codes as 4-bit ones on the GPU, a dropped ``PAIR`` 64-channel records as
+    128-channel ones)."""
+    mod = importlib.import_module("kvarn_ops.kernels.materialize")
+    seen = {}
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            seen["grid"] = grid
+            return lambda *args, **kw: seen.update(args=args, kw=kw)
+
+    fake = type("Mod", (), {"mma_materialize_kernel": _Recorder()})()
+    lay = kf.dense_layout(fmt, d)
+    packed = torch.zeros(5, hkv, lay.record_bytes, dtype=torch.uint8)
+    bt = torch.zeros(3, 4, dtype=torch.int32)
+    out = torch.zeros(10, hkv, d, dtype=torch.bfloat16)
+    seq = torch.zeros(3, dtype=torch.int32)
+    mod._launch_mma(fake, packed, bt, seq, seq, out, out, lay)
+    fmt_bits = kf.parse_format(fmt)
+    assert seen["kw"]["KB"] == fmt_bits.k_bits and seen["kw"]["VB"] == fmt_bits.v_bits
+    assert seen["kw"]["G"] == lay.block_size and seen["kw"]["REC"] == lay.record_bytes
+    assert seen["kw"]["PAIR"] == (d == 64)
+    heads = (hkv + 1) // 2 if d == 64 else hkv
+    assert seen["grid"] == (3 * 4 * (lay.block_size // 64), heads, 2)
+    assert seen["kw"]["KC_OFF"] == lay.field("k_codes").offset
+    assert seen["args"][-1] == hkv  # H: the kernel pairs heads 2 j and 2 j + 1 < H
+
+
+def test_gluon_materialize_scope():
+    """Which geometries the Gluon kernel takes: 2- or 4-bit K, 2- or 4-bit V, 64- or
+    128-token records, head_dim 128 or 64 (pairs); everything else the Triton kernel."""
+    from kvarn_ops.kernels import materialize_mma
+
+    ok = materialize_mma.mma_materialize_supported
+    assert ok(4, 2, 64, 128) and ok(2, 2, 64, 128) and ok(2, 4, 128, 64) and ok(4, 4, 128, 64)
+    assert not ok(3, 2, 64, 128) and not ok(8, 8, 64, 128) and not ok(4, 3, 64, 128)
+    assert not ok(4, 2, 32, 128) and not ok(4, 2, 64, 256) and not ok(2, 2, 64, 512)

@@ -496,8 +496,8 @@ MMA_MAXNREG: int | None = None
 
 
 def _use_mma_kernel(layout, packed: torch.Tensor) -> bool:
-    """Full blocks of 4-bit K, 2/4-bit V, G 64/128, D 128 on sm_80+ take the Gluon kernel
-    (``materialize_mma.py``); ``KVARN_MATERIALIZE_MMA=0`` turns it off."""
+    """Full blocks of 2/4-bit K, 2/4-bit V, G 64/128, D 128 (and D 64 as head pairs) on sm_80+
+    take the Gluon kernel (``materialize_mma.py``); ``KVARN_MATERIALIZE_MMA=0`` turns it off."""
     if not cuda_feature(packed, "KVARN_MATERIALIZE_MMA", (8, 0)) or _mma_module() is None:
         return False
     kb = layout.field("k_codes").bits
@@ -515,7 +515,9 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
     b, max_blocks = block_table.shape
     hkv = packed.shape[1]
     offs = record_offsets(layout)
-    mod.mma_materialize_kernel[(b * max_blocks * (layout.block_size // 64), hkv, 2)](
+    pair = layout.head_dim == 64  # two KV heads a program
+    heads = -(-hkv // 2) if pair else hkv
+    mod.mma_materialize_kernel[(b * max_blocks * (layout.block_size // 64), heads, 2)](
         packed.view(torch.float16),
         packed.view(torch.int32),
         block_table,
@@ -530,6 +532,8 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
         G=layout.block_size,
         REC=layout.record_bytes,
         VB=offs["V_BITS"],
+        KB=offs["K_BITS"],
+        PAIR=pair,
         **{k: v for k, v in offs.items() if k.endswith("_OFF")},
         num_warps=1,
         **({} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}),

@@ -28,7 +28,10 @@ nt << 6``; ``S_in`` = bits {0, 3, 4, 6}. Token ``t = 8 g + 2 mt + r8`` of a 64-t
 row ``g + 8 r8`` of m-tile ``mt``: lane ``g`` holds tokens ``8 g .. 8 g + 7``, so for K (a word
 holds 8 consecutive tokens of one channel) each lane reads word ``g`` of its channels and one
 ``prmt`` of two channels' words gives both nibbles of a byte as two operand registers
-(tokens ``8 g + 2 mt`` and ``+ 1``). For V a lane reads the words of its channels in its token
+(tokens ``8 g + 2 mt`` and ``+ 1``); at 2 bits lane ``g`` loads the 16-bit run of those
+8 tokens (the record's codes at 2 bits are runs of 16 bits per 8 tokens) and byte ``mt // 2``
+of it holds the m-tile's two tokens in fields ``2 (mt % 2)`` and ``+ 1`` (the same
+instructions). For V a lane reads the words of its channels in its token
 rows, and one ``prmt`` (a byte copied to both halves) plus one ``lop3`` gives an operand
 register of two adjacent channels. Codes are exact fp16: a field masked into the mantissa
 of a power of two whose last place weighs 1 at that field (1024.0 for bits 0-1 or 0-3, 256.0 at
@@ -42,8 +45,17 @@ registers). Epilogue:
 the output dtype. Products of fp16 codes and fp16 scales are exact and summed in fp32, the
 transform adds in fp32: the reference's result up to fp32 summation order.
 
-Scope: full blocks of 4-bit K and 2/4-bit V, G 64 or 128, head_dim 128, one warp per (64-token
-half of a block, KV head, K or V): a 128-token record is two programs. The exact tail (the
+Head pairs (head_dim 64): ``P_128 = [[P_64, P_64], [P_64, -P_64]]`` over input channel bit 6,
+so with the channels of KV heads ``h`` and ``h + 1`` as input channels 0-63 and 64-127, the
+first n-tile's products whose B operands keep only head ``h``'s rows (the other head's column
+scales zeroed) are exactly ``x_h P_64``, and likewise for ``h + 1``: the A operands (the codes
+of both heads) are unpacked once and feed both heads' products, with no mixing of their values
+(zeros, not a butterfly of sums). Each head's row scales, zero points and vectors are its own;
+the output rows are 64 channels; an odd head count leaves the last program one head.
+
+Scope: full blocks of 2/4-bit K and 2/4-bit V, G 64 or 128, head_dim 128 or 64, one warp per
+(64-token half of a block, KV head or head pair, K or V): a 128-token record is two programs.
+The exact tail (the
 newest partial block of a request) is left to the Triton kernel (``materialize.py``, tails
 only). Gluon does not run under the Triton interpreter: the CPU tests compile this kernel for
 sm_90a and sm_120a and check its instruction mix, ``gpu/parity.py`` compares it with the
@@ -69,9 +81,18 @@ from kvarn_ops.kernels.decode_mma import (
     _stack8,
 )
 
-__all__ = ["MMA_MATERIALIZE_D", "mma_materialize_kernel", "mma_materialize_supported"]
+__all__ = [
+    "MMA_MATERIALIZE_D",
+    "MMA_MATERIALIZE_DIMS",
+    "mma_materialize_kernel",
+    "mma_materialize_supported",
+]
 
 MMA_MATERIALIZE_D = 128
+MMA_MATERIALIZE_DIMS = (64, 128)
+"""Head dims the kernel serves: 128, and 64 as head pairs (two KV heads' channels as the two
+halves of one 128-channel input, each head's output from the B operand rows of its own
+channels: see :func:`_head_only`)."""
 
 # K words [channel i, word w] of a 64-token half: lane 4 g + c holds word g of the 32 channels
 # whose bits 4 and 6 are c0, c1
@@ -140,10 +161,10 @@ _INV_SQRT_D: gl.constexpr = gl.constexpr(0.08838834764831845)  # fp32(1 / sqrt(1
 def mma_materialize_supported(k_bits: int, v_bits: int, block_size: int, head_dim: int) -> bool:
     """Whether a geometry takes this kernel (on a GPU with mma.sync, i.e. sm_80 and newer)."""
     return (
-        k_bits == 4
+        k_bits in (2, 4)
         and v_bits in (2, 4)
         and block_size in (64, 128)
-        and head_dim == MMA_MATERIALIZE_D
+        and head_dim in MMA_MATERIALIZE_DIMS
     )
 
 
@@ -159,6 +180,37 @@ def _k_nibbles(ka, kb, BYTE: gl.constexpr):
         "lop3.b32 x, t, 983055, 1677747200, 0xea; "  # & 0x000F000F | 0x64006400
         "lop3.b32 y, t, 15728880, 1409307648, 0xea; "  # & 0x00F000F0 | 0x54005400
         "mov.b32 o, 1677747200; sub.f16x2 $0, x, o; mov.b32 o, 1409307648; sub.f16x2 $1, y, o; }",
+        "=r,=r,r,r",
+        [_joined(ka, kb)],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _k_crumbs(ka, kb, BYTE: gl.constexpr, HIGH: gl.constexpr):
+    """2-bit K: byte ``BYTE`` of the 16-bit code runs ``ka`` (channel i, low halves) and
+    ``kb`` (channel i + 1, high halves) as two operand registers of exact fp16 codes: fields 0
+    and 1 of the byte (``HIGH`` false; tokens ``4 BYTE`` and ``+ 1`` of the run) or fields 2
+    and 3. One ``prmt``, then per register one ``lop3`` into the mantissa of the power of two
+    whose last place weighs 1 at the field (1024.0 at bits 0-1, 256.0 at 2-3, 64.0 at 4-5, 16.0
+    at 6-7) and one ``sub.f16x2``: the 4-bit path's cost."""
+    SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
+    if HIGH:
+        MX: gl.constexpr = 0x00300030
+        BX: gl.constexpr = 0x54005400
+        MY: gl.constexpr = 0x00C000C0
+        BY: gl.constexpr = 0x4C004C00
+    else:
+        MX: gl.constexpr = 0x00030003
+        BX: gl.constexpr = 0x64006400
+        MY: gl.constexpr = 0x000C000C
+        BY: gl.constexpr = 0x5C005C00
+    return gl.inline_asm_elementwise(
+        f"{{ .reg .b32 t, x, y, o; prmt.b32 t, $2, $3, {SEL}; "
+        f"lop3.b32 x, t, {MX}, {BX}, 0xea; lop3.b32 y, t, {MY}, {BY}, 0xea; "
+        f"mov.b32 o, {BX}; sub.f16x2 $0, x, o; mov.b32 o, {BY}; sub.f16x2 $1, y, o; }}",
         "=r,=r,r,r",
         [_joined(ka, kb)],
         dtype=(gl.float16, gl.float16),
@@ -260,9 +312,15 @@ def _as_opa(x):
 
 
 @gluon.jit
-def _k_codes(ka, kb, MT: gl.constexpr):
-    """A operands of m-tile ``MT`` from the K channel pairs ``ka``, ``kb`` [64 pairs, 8 words]."""
-    lo, hi = _k_nibbles(ka, kb, MT)  # [p, w, e]: tokens 8 w + 2 MT (lo), + 1 (hi)
+def _k_codes(ka, kb, MT: gl.constexpr, KB: gl.constexpr = 4):
+    """A operands of m-tile ``MT`` from the K channel pairs ``ka``, ``kb`` [64 pairs, 8]: at
+    4 bits lane word ``w`` is the half's word ``w`` (tokens ``8 w ..``); at 2 bits its 16-bit
+    run ``w`` (the same tokens), whose byte ``MT // 2`` holds tokens ``8 w + 2 MT`` and ``+ 1``
+    of this m-tile in fields ``2 (MT % 2)`` and ``+ 1``."""
+    if KB == 2:
+        lo, hi = _k_crumbs(ka, kb, MT // 2, MT % 2 == 1)
+    else:
+        lo, hi = _k_nibbles(ka, kb, MT)  # [p, w, e]: tokens 8 w + 2 MT (lo), + 1 (hi)
     x = gl.join(lo, hi)  # [p, w, e, r8]
     # p = o0 | o1 << 1 | h << 2 | c0 << 3 | o2 << 4 | c1 << 5
     x = gl.reshape(x, [2, 2, 2, 2, 2, 2, 8, 2, 2])  # c1 o2 c0 h o1 o0 w e r8
@@ -298,22 +356,52 @@ def _pair_index(kp, O: gl.constexpr):
 
 
 @gluon.jit
-def _pairs_b(r32, OFF: gl.constexpr, O: gl.constexpr):
+def _pair_word(p, PAIR: gl.constexpr, RW: gl.constexpr, dh):
+    """Word offset of channel pair ``p`` in a per-channel fp16 field: with ``PAIR`` pairs 32 ..
+    63 are the first 32 of the next head's record (``RW`` words on; ``dh`` 0 for the odd head
+    out, which reads its own record twice)."""
+    if PAIR:
+        w = (p >> 5) * (dh * RW) + (p & 31)
+    else:
+        w = p
+    return w
+
+
+@gluon.jit
+def _pairs_b(r32, OFF: gl.constexpr, O: gl.constexpr, PAIR: gl.constexpr = False,
+             RW: gl.constexpr = 0, dh=0):  # fmt: skip
     """int32 channel pairs of group ``O`` at field offset ``OFF`` (bytes) as [kp, n] in
     ``_BP`` (the same pair for every column n)."""
     kp = gl.arange(0, 8, layout=gl.SliceLayout(1, _BP))
     p = _pair_index(kp, O)
-    w = gl.load(r32 + OFF // 4 + p)
+    w = gl.load(r32 + OFF // 4 + _pair_word(p, PAIR, RW, dh))
     return gl.full([8, 8], 0, gl.int32, _BP) + w[:, None]
 
 
 @gluon.jit
-def _pairs_a(r32, OFF: gl.constexpr, O: gl.constexpr):
+def _pairs_a(r32, OFF: gl.constexpr, O: gl.constexpr, PAIR: gl.constexpr = False,
+             RW: gl.constexpr = 0, dh=0):  # fmt: skip
     """As :func:`_pairs_b`, as [row, kp] in ``_AP`` (the same pair for every row)."""
     kp = gl.arange(0, 8, layout=gl.SliceLayout(0, _AP))
     p = _pair_index(kp, O)
-    w = gl.load(r32 + OFF // 4 + p)
+    w = gl.load(r32 + OFF // 4 + _pair_word(p, PAIR, RW, dh))
     return gl.full([16, 8], 0, gl.int32, _AP) + w[None, :]
+
+
+@gluon.jit
+def _head_only(w, HEAD: gl.constexpr, KP_AXIS: gl.constexpr):
+    """Channel pairs ``w`` ([kp, n] in ``_BP`` or [row, kp] in ``_AP``) with the other head's
+    zeroed: with head pairs input channel bit 6 (``c1``, bit 1 of ``kp``) is the head, and
+    ``P_128 = [[P_64, P_64], [P_64, -P_64]]``, so a product whose B operand (or zero-point row)
+    keeps only head ``HEAD``'s rows is that head's ``x P_64`` in the first n-tile's columns:
+    exact, no mixing of the two heads' values."""
+    kp = gl.arange(0, 8, layout=gl.SliceLayout(1 - KP_AXIS, w.type.layout))
+    keep = ((kp >> 1) & 1) == HEAD
+    if KP_AXIS == 0:
+        r = gl.where(keep[:, None], w, 0)
+    else:
+        r = gl.where(keep[None, :], w, 0)
+    return r
 
 
 @gluon.jit
@@ -382,7 +470,8 @@ def _row_vec(y):
 @gluon.jit
 def _store_tile(y0, y1, y2, y3, y4, y5, y6, y7, out_ptr, orow, ok, NT: gl.constexpr):
     """Store eight transformed [16, 8] results (already scaled) of n-tile ``NT``: column
-    ``n = 2 cc + e'`` of group ``o'`` is channel ``64 NT + e' + 2 o0' + 4 o1' + 8 cc + 32 o2'``."""
+    ``n = 2 cc + e'`` of group ``o'`` is channel ``64 NT + e' + 2 o0' + 4 o1' + 8 cc + 32 o2'``
+    of the row (head pairs: ``NT`` 0, each head's own rows)."""
     x = _stack8(y0, y1, y2, y3, y4, y5, y6, y7)  # [row, n, o'] with o' = o0 | o1 << 1 | o2 << 2
     x = gl.reshape(x, [16, 4, 2, 2, 2, 2])  # row cc e' o2 o1 o0
     x = gl.reshape(gl.permute(x, [0, 3, 1, 4, 5, 2]), [16, 64])
@@ -392,14 +481,14 @@ def _store_tile(y0, y1, y2, y3, y4, y5, y6, y7, out_ptr, orow, ok, NT: gl.conste
 
 
 @gluon.jit
-def _out_rows(start, total_rows, H, head, MT: gl.constexpr):
+def _out_rows(start, total_rows, H, head, MT: gl.constexpr, D: gl.constexpr = 128):
     """Element offsets of the rows (and their validity) of m-tile ``MT``, in ``_OUT``'s rows and
     in ``_ROWS`` (row g + 8 r8 is token 8 g + 2 MT + r8 of the half)."""
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, _OUT))
     row = start + (r & 7) * 8 + 2 * MT + (r >> 3)
     ok = (row >= 0) & (row < total_rows)
     row = gl.where(ok, row, 0)
-    return (row * H + head) * 128, ok
+    return (row * H + head) * D, ok
 
 
 # a lane's 8 tokens of a 64-token half ([g, token 8 g + j]): one 16-byte load per field
@@ -433,8 +522,11 @@ def _tok4(r16, OFF: gl.constexpr, t0, scale):
 
 
 @gluon.jit
-def _v_words(r32, CODES_OFF: gl.constexpr, t0, MT: gl.constexpr, BITS: gl.constexpr):
-    """The V code words of m-tile ``MT`` of the half from token ``t0``: [16 rows, 16 or 8]."""
+def _v_words(r32, CODES_OFF: gl.constexpr, t0, MT: gl.constexpr, BITS: gl.constexpr,
+             PAIR: gl.constexpr = False, RW: gl.constexpr = 0, dh=0):  # fmt: skip
+    """The V code words of m-tile ``MT`` of the half from token ``t0``: [16 rows, 16 or 8]
+    (word ``wd`` holds channels ``wd * 32 / BITS ..``; with ``PAIR`` its top bit is the
+    head)."""
     if BITS == 4:
         r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW4))
         wd = gl.arange(0, 16, layout=gl.SliceLayout(0, _VW4))
@@ -442,7 +534,12 @@ def _v_words(r32, CODES_OFF: gl.constexpr, t0, MT: gl.constexpr, BITS: gl.conste
         r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW2))
         wd = gl.arange(0, 8, layout=gl.SliceLayout(0, _VW2))
     t = t0 + (r & 7) * 8 + 2 * MT + (r >> 3)
-    return gl.load(r32 + CODES_OFF // 4 + t[:, None] * (4 * BITS) + wd[None, :])
+    if PAIR:
+        WT: gl.constexpr = 2 * BITS  # words a token at 64 channels
+        col = (wd // WT) * (dh * RW) + (wd % WT)
+        return gl.load(r32 + CODES_OFF // 4 + t[:, None] * WT + col[None, :])
+    else:
+        return gl.load(r32 + CODES_OFF // 4 + t[:, None] * (4 * BITS) + wd[None, :])
 
 
 @gluon.jit
@@ -464,17 +561,18 @@ def _epilogue(y, vec, srow, zrow, IS_K: gl.constexpr):
 @gluon.jit
 def _ntile(
     a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, mask, vsm,
-    srow, zrow, out_ptr, orow, ok, IS_K: gl.constexpr, NT: gl.constexpr,
+    srow, zrow, out_ptr, orow, ok, IS_K: gl.constexpr, NT: gl.constexpr, VI: gl.constexpr,
 ):  # fmt: skip
     """n-tile ``NT`` of an m-tile: B operands ``diag(s_col) P_in`` built from the scale pairs
     ``s_o`` and the n-tile's sign mask (one ``xor`` per register), the eight products, the
-    transform, the epilogue with the tile's vectors (``vsm``, shared memory), the stores."""
+    transform, the epilogue with the tile's vectors ``VI`` (``vsm``, shared memory), the
+    stores."""
     y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
         a0, a1, a2, a3, a4, a5, a6, a7,
         _as_opb(s0, mask), _as_opb(s1, mask), _as_opb(s2, mask), _as_opb(s3, mask),
         _as_opb(s4, mask), _as_opb(s5, mask), _as_opb(s6, mask), _as_opb(s7, mask),
     )  # fmt: skip
-    v0, v1, v2, v3, v4, v5, v6, v7 = _load_vecs(vsm, NT)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load_vecs(vsm, VI)
     _store_tile(
         _epilogue(y0, v0, srow, zrow, IS_K),
         _epilogue(y1, v1, srow, zrow, IS_K),
@@ -517,11 +615,28 @@ def _load_vecs(vsm, NT: gl.constexpr):
 
 
 @gluon.jit
-def _k_words(r32, CODES_OFF: gl.constexpr, G: gl.constexpr, half):
-    """K words of a 64-token half as channel pairs (ka: even channel, kb: odd) [64, 8]."""
+def _k_words(r32, r16, CODES_OFF: gl.constexpr, G: gl.constexpr, half, KB: gl.constexpr = 4,
+             PAIR: gl.constexpr = False, REC: gl.constexpr = 0, dh=0):  # fmt: skip
+    """K codes of a 64-token half as channel pairs (ka: even channel, kb: odd) [64, 8]: lane
+    entry ``w`` holds tokens ``8 w .. 8 w + 7`` of the half, a 32-bit word at 4 bits, a 16-bit
+    run (zero-extended) at 2 bits. With ``PAIR`` channels 64 .. 127 are the next head's."""
     ci = gl.arange(0, 128, layout=gl.SliceLayout(1, _KW))
     wi = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
-    kw = gl.load(r32 + CODES_OFF // 4 + ci[:, None] * (G // 8) + (8 * half + wi)[None, :])
+    if KB == 2:
+        hpc: gl.constexpr = G // 8  # 16-bit runs a channel
+        if PAIR:
+            cw = (ci >> 6) * (dh * (REC // 2)) + (ci & 63) * hpc
+        else:
+            cw = ci * hpc
+        h16 = gl.load(r16 + CODES_OFF // 2 + cw[:, None] + (8 * half + wi)[None, :])
+        kw = h16.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    else:
+        wpc: gl.constexpr = G // 8  # words a channel
+        if PAIR:
+            cw = (ci >> 6) * (dh * (REC // 4)) + (ci & 63) * wpc
+        else:
+            cw = ci * wpc
+        kw = gl.load(r32 + CODES_OFF // 4 + cw[:, None] + (8 * half + wi)[None, :])
     return gl.split(gl.permute(gl.reshape(kw, [64, 2, 8]), [0, 2, 1]))
 
 
@@ -540,78 +655,127 @@ def _pick4(MT: gl.constexpr, x0, x1, x2, x3):
 
 
 @gluon.jit
-def _tile(
-    r32, r16, out_ptr, start, half, total_rows, H, head,
-    IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
-    COL_OFF: gl.constexpr, ZP_OFF: gl.constexpr, ROW_OFF: gl.constexpr,
-):  # fmt: skip
-    """Dequantize the 64-token half ``half`` of one record's K or V tile, rotate it back,
-    store it (rows from ``start``)."""
-    m0 = _sign_mask(0)
-    m1 = _sign_mask(1)
-    s0 = _pairs_b(r32, COL_OFF, 0)
-    s1 = _pairs_b(r32, COL_OFF, 1)
-    s2 = _pairs_b(r32, COL_OFF, 2)
-    s3 = _pairs_b(r32, COL_OFF, 3)
-    s4 = _pairs_b(r32, COL_OFF, 4)
-    s5 = _pairs_b(r32, COL_OFF, 5)
-    s6 = _pairs_b(r32, COL_OFF, 6)
-    s7 = _pairs_b(r32, COL_OFF, 7)
-    # every load is issued before the first store (the compiler does not move loads across
-    # stores through another pointer) and before the per-tile vectors are computed
-    t0 = 64 * half
-    sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, _INV_SQRT_D)
+def _vectors(vsm, VI: gl.constexpr, r32, IS_K: gl.constexpr, m0, s0, s1, s2, s3, s4, s5, s6, s7,
+             ZP_OFF: gl.constexpr, PAIR: gl.constexpr, RW: gl.constexpr, dh,
+             HEAD: gl.constexpr):  # fmt: skip
+    """The per-tile vectors into ``vsm[VI]`` (``m0``: the sign mask of the n-tile, ``s_o``: the
+    column-scale pairs, already restricted to head ``HEAD`` with ``PAIR``): K ``zp^T P`` (the
+    zero points, every row alike, times the signs), V ``s_col^T P`` (a ones row times
+    ``diag(s_col) P_in``), transformed."""
     if IS_K:
-        ka, kb = _k_words(r32, CODES_OFF, G, half)
-    else:
-        zr0, zr1, zr2, zr3 = _tok4(r16, ZP_OFF, t0, _INV_SQRT_D)
-        vw0 = _v_words(r32, CODES_OFF, t0, 0, BITS)
-        vw1 = _v_words(r32, CODES_OFF, t0, 1, BITS)
-        vw2 = _v_words(r32, CODES_OFF, t0, 2, BITS)
-        vw3 = _v_words(r32, CODES_OFF, t0, 3, BITS)
-    # per-tile vectors by column, [n-tile * 8 + o', 8 columns] fp32 in shared memory
-    vsm = gl.allocate_shared_memory(gl.float32, [2, 8, 8], _VSM)
-    if IS_K:
-        # zp^T P: the zero points (every row alike) times the signs
-        one = gl.full([8, 8], 0x3C003C00, gl.int32, _BP)
-        g0 = _as_opb(one, m0)
-        g1 = _as_opb(one, m1)
+        g0 = _as_opb(gl.full([8, 8], 0x3C003C00, gl.int32, _BP), m0)
         zm = gl.full([16, 8], 0, gl.int32, _AP)
-        z0 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 0), zm)
-        z1 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 1), zm)
-        z2 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 2), zm)
-        z3 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 3), zm)
-        z4 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 4), zm)
-        z5 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 5), zm)
-        z6 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 6), zm)
-        z7 = _as_opa_pairs(_pairs_a(r32, ZP_OFF, 7), zm)
-        y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(z0, z1, z2, z3, z4, z5, z6, z7,
-                                               g0, g0, g0, g0, g0, g0, g0, g0)  # fmt: skip
-        _store_vecs(vsm, 0, y0, y1, y2, y3, y4, y5, y6, y7)
-        y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(z0, z1, z2, z3, z4, z5, z6, z7,
-                                               g1, g1, g1, g1, g1, g1, g1, g1)  # fmt: skip
-        _store_vecs(vsm, 1, y0, y1, y2, y3, y4, y5, y6, y7)
+        z0 = _pairs_a(r32, ZP_OFF, 0, PAIR, RW, dh)
+        z1 = _pairs_a(r32, ZP_OFF, 1, PAIR, RW, dh)
+        z2 = _pairs_a(r32, ZP_OFF, 2, PAIR, RW, dh)
+        z3 = _pairs_a(r32, ZP_OFF, 3, PAIR, RW, dh)
+        z4 = _pairs_a(r32, ZP_OFF, 4, PAIR, RW, dh)
+        z5 = _pairs_a(r32, ZP_OFF, 5, PAIR, RW, dh)
+        z6 = _pairs_a(r32, ZP_OFF, 6, PAIR, RW, dh)
+        z7 = _pairs_a(r32, ZP_OFF, 7, PAIR, RW, dh)
+        if PAIR:
+            z0 = _head_only(z0, HEAD, 1)
+            z1 = _head_only(z1, HEAD, 1)
+            z2 = _head_only(z2, HEAD, 1)
+            z3 = _head_only(z3, HEAD, 1)
+            z4 = _head_only(z4, HEAD, 1)
+            z5 = _head_only(z5, HEAD, 1)
+            z6 = _head_only(z6, HEAD, 1)
+            z7 = _head_only(z7, HEAD, 1)
+        y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
+            _as_opa_pairs(z0, zm), _as_opa_pairs(z1, zm), _as_opa_pairs(z2, zm),
+            _as_opa_pairs(z3, zm), _as_opa_pairs(z4, zm), _as_opa_pairs(z5, zm),
+            _as_opa_pairs(z6, zm), _as_opa_pairs(z7, zm),
+            g0, g0, g0, g0, g0, g0, g0, g0,
+        )  # fmt: skip
     else:
-        # s_col^T P: a ones row times diag(s_col) P_in, transformed
         e = gl.full([16, 16], 1.0, gl.float16, _OPA)
         y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
             e, e, e, e, e, e, e, e,
             _as_opb(s0, m0), _as_opb(s1, m0), _as_opb(s2, m0), _as_opb(s3, m0),
             _as_opb(s4, m0), _as_opb(s5, m0), _as_opb(s6, m0), _as_opb(s7, m0),
         )  # fmt: skip
-        _store_vecs(vsm, 0, y0, y1, y2, y3, y4, y5, y6, y7)
-        y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
-            e, e, e, e, e, e, e, e,
-            _as_opb(s0, m1), _as_opb(s1, m1), _as_opb(s2, m1), _as_opb(s3, m1),
-            _as_opb(s4, m1), _as_opb(s5, m1), _as_opb(s6, m1), _as_opb(s7, m1),
-        )  # fmt: skip
-        _store_vecs(vsm, 1, y0, y1, y2, y3, y4, y5, y6, y7)
+    _store_vecs(vsm, VI, y0, y1, y2, y3, y4, y5, y6, y7)
+
+
+@gluon.jit
+def _tile(
+    r32, r16, out_ptr, start, half, total_rows, H, head,
+    IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
+    COL_OFF: gl.constexpr, ZP_OFF: gl.constexpr, ROW_OFF: gl.constexpr,
+    PAIR: gl.constexpr = False, REC: gl.constexpr = 0, dh=0,
+):  # fmt: skip
+    """Dequantize the 64-token half ``half`` of one record's K or V tile, rotate it back,
+    store it (rows from ``start``). With ``PAIR`` (head_dim 64): the records of heads
+    ``head`` and ``head + dh`` as one 128-channel input, each head's output from the first
+    n-tile's products with the B operands restricted to its channels (:func:`_head_only`)."""
+    RW: gl.constexpr = REC // 4
+    m0 = _sign_mask(0)
+    m1 = _sign_mask(1)
+    s0 = _pairs_b(r32, COL_OFF, 0, PAIR, RW, dh)
+    s1 = _pairs_b(r32, COL_OFF, 1, PAIR, RW, dh)
+    s2 = _pairs_b(r32, COL_OFF, 2, PAIR, RW, dh)
+    s3 = _pairs_b(r32, COL_OFF, 3, PAIR, RW, dh)
+    s4 = _pairs_b(r32, COL_OFF, 4, PAIR, RW, dh)
+    s5 = _pairs_b(r32, COL_OFF, 5, PAIR, RW, dh)
+    s6 = _pairs_b(r32, COL_OFF, 6, PAIR, RW, dh)
+    s7 = _pairs_b(r32, COL_OFF, 7, PAIR, RW, dh)
+    # every load is issued before the first store (the compiler does not move loads across
+    # stores through another pointer) and before the per-tile vectors are computed
+    t0 = 64 * half
+    if PAIR:
+        D: gl.constexpr = 64
+        INV: gl.constexpr = 0.125  # 1 / sqrt(64)
+        r16b = r16 + dh * (REC // 2)
+    else:
+        D: gl.constexpr = 128
+        INV: gl.constexpr = _INV_SQRT_D
+        r16b = r16
+    sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, INV)
+    if PAIR:
+        sb0, sb1, sb2, sb3 = _tok4(r16b, ROW_OFF, t0, INV)
+    if IS_K:
+        ka, kb = _k_words(r32, r16, CODES_OFF, G, half, BITS, PAIR, REC, dh)
+    else:
+        zr0, zr1, zr2, zr3 = _tok4(r16, ZP_OFF, t0, INV)
+        if PAIR:
+            zb0, zb1, zb2, zb3 = _tok4(r16b, ZP_OFF, t0, INV)
+        vw0 = _v_words(r32, CODES_OFF, t0, 0, BITS, PAIR, RW, dh)
+        vw1 = _v_words(r32, CODES_OFF, t0, 1, BITS, PAIR, RW, dh)
+        vw2 = _v_words(r32, CODES_OFF, t0, 2, BITS, PAIR, RW, dh)
+        vw3 = _v_words(r32, CODES_OFF, t0, 3, BITS, PAIR, RW, dh)
+    # per-tile vectors by column, [n-tile (or head) * 8 + o', 8 columns] fp32 in shared memory
+    vsm = gl.allocate_shared_memory(gl.float32, [2, 8, 8], _VSM)
+    if PAIR:
+        # head b's column scales: pairs of its channels only (B operands of its n-tile)
+        t0_ = _head_only(s0, 1, 0)
+        t1_ = _head_only(s1, 1, 0)
+        t2_ = _head_only(s2, 1, 0)
+        t3_ = _head_only(s3, 1, 0)
+        t4_ = _head_only(s4, 1, 0)
+        t5_ = _head_only(s5, 1, 0)
+        t6_ = _head_only(s6, 1, 0)
+        t7_ = _head_only(s7, 1, 0)
+        s0 = _head_only(s0, 0, 0)
+        s1 = _head_only(s1, 0, 0)
+        s2 = _head_only(s2, 0, 0)
+        s3 = _head_only(s3, 0, 0)
+        s4 = _head_only(s4, 0, 0)
+        s5 = _head_only(s5, 0, 0)
+        s6 = _head_only(s6, 0, 0)
+        s7 = _head_only(s7, 0, 0)
+        _vectors(vsm, 0, r32, IS_K, m0, s0, s1, s2, s3, s4, s5, s6, s7, ZP_OFF, PAIR, RW, dh, 0)
+        _vectors(vsm, 1, r32, IS_K, m0, t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_, ZP_OFF, PAIR,
+                 RW, dh, 1)  # fmt: skip
+    else:
+        _vectors(vsm, 0, r32, IS_K, m0, s0, s1, s2, s3, s4, s5, s6, s7, ZP_OFF, PAIR, RW, dh, 0)
+        _vectors(vsm, 1, r32, IS_K, m1, s0, s1, s2, s3, s4, s5, s6, s7, ZP_OFF, PAIR, RW, dh, 0)
     gl.thread_barrier()
     for mt in gl.static_range(4):
         srow = _pick4(mt, sr0, sr1, sr2, sr3)
         if IS_K:
             zrow = srow
-            a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes(ka, kb, mt)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes(ka, kb, mt, BITS)
         else:
             zrow = _pick4(mt, zr0, zr1, zr2, zr3)
             vw = _pick4(mt, vw0, vw1, vw2, vw3)
@@ -619,11 +783,21 @@ def _tile(
                 a0, a1, a2, a3, a4, a5, a6, a7 = _v4_codes(vw)
             else:
                 a0, a1, a2, a3, a4, a5, a6, a7 = _v2_codes(vw)
-        orow, ok = _out_rows(start, total_rows, H, head, mt)
+        orow, ok = _out_rows(start, total_rows, H, head, mt, D)
         _ntile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, m0, vsm,
-               srow, zrow, out_ptr, orow, ok, IS_K, 0)  # fmt: skip
-        _ntile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, m1, vsm,
-               srow, zrow, out_ptr, orow, ok, IS_K, 1)  # fmt: skip
+               srow, zrow, out_ptr, orow, ok, IS_K, 0, 0)  # fmt: skip
+        if PAIR:
+            srow_b = _pick4(mt, sb0, sb1, sb2, sb3)
+            if IS_K:
+                zrow_b = srow_b
+            else:
+                zrow_b = _pick4(mt, zb0, zb1, zb2, zb3)
+            orow_b, ok_b = _out_rows(start, total_rows, H, head + dh, mt, D)
+            _ntile(a0, a1, a2, a3, a4, a5, a6, a7, t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_, m0,
+                   vsm, srow_b, zrow_b, out_ptr, orow_b, ok_b & (dh > 0), IS_K, 0, 1)  # fmt: skip
+        else:
+            _ntile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, m1, vsm,
+                   srow, zrow, out_ptr, orow, ok, IS_K, 1, 1)  # fmt: skip
 
 
 @gluon.jit
@@ -650,15 +824,23 @@ def mma_materialize_kernel(
     VS_OFF: gl.constexpr,
     VR_OFF: gl.constexpr,
     VZ_OFF: gl.constexpr,
+    KB: gl.constexpr = 4,
+    PAIR: gl.constexpr = False,
 ):
     """Grid ``(B * max_blocks * G / 64, Hkv, 2)``, one warp: 64-token half
     ``program_id(0) % (G / 64)`` of full block ``program_id(0) / (G / 64) % max_blocks`` of
     request ``program_id(0) / (max_blocks * G / 64)``, KV head ``program_id(1)``, K (0) or V
-    (1). Programs past a request's full blocks, and those whose block-table entry is out of
-    range, write nothing."""
+    (1). With ``PAIR`` (head_dim 64) the grid's second size is ``ceil(Hkv / 2)`` and program
+    ``j`` takes KV heads ``2 j`` and ``2 j + 1``. Programs past a request's full blocks, and
+    those whose block-table entry is out of range, write nothing."""
     pid = gl.program_id(0)
-    head = gl.program_id(1)
     kv = gl.program_id(2)
+    if PAIR:
+        head = 2 * gl.program_id(1)
+        dh = gl.minimum(head + 1, H - 1) - head  # 0: the odd head out reads its record twice
+    else:
+        head = gl.program_id(1)
+        dh = head - head
     HALVES: gl.constexpr = G // 64
     half = pid % HALVES
     req = pid // (HALVES * max_blocks)
@@ -675,7 +857,7 @@ def mma_materialize_kernel(
     start = gl.load(cu_ptr + req).to(gl.int64) + blk * G + 64 * half
     if kv == 0:
         _tile(r32, r16, k_out_ptr, start, half, total_rows, H, head,
-              True, 4, G, KC_OFF, KS_OFF, KZ_OFF, KR_OFF)  # fmt: skip
+              True, KB, G, KC_OFF, KS_OFF, KZ_OFF, KR_OFF, PAIR, REC, dh)  # fmt: skip
     else:
         _tile(r32, r16, v_out_ptr, start, half, total_rows, H, head,
-              False, VB, G, VC_OFF, VS_OFF, VZ_OFF, VR_OFF)  # fmt: skip
+              False, VB, G, VC_OFF, VS_OFF, VZ_OFF, VR_OFF, PAIR, REC, dh)  # fmt: skip
