@@ -880,6 +880,10 @@ def test_decode_cuda_graph_replay(gen, d):
         ("kvarn_k4v4_g128", 7, [128, 1000, 129, 7], torch.float16, torch.float8_e4m3fn),
         ("kvarn_k2v2_g64", 7, [2049, 63, 640], torch.bfloat16, torch.float16),
         ("kvarn_k2v4_g128", 2, [300, 128], torch.bfloat16, torch.bfloat16),
+        # head_dim 256 through the Gluon kernel (two input halves, 32-token programs)
+        ("kvarn_k4v2_g64", 3, [64, 127, 4096, 3, 0], torch.bfloat16, torch.bfloat16),
+        ("kvarn_k2v2_g64", 3, [2049, 63], torch.bfloat16, torch.float16),
+        ("kvarn_k2v4_g128", 3, [256, 700, 5], torch.float16, torch.float8_e4m3fn),
     ],
 )
 def test_materialize(gen, fmt, geo, lens, out_dtype, pool_dtype):
@@ -914,6 +918,8 @@ def test_materialize(gen, fmt, geo, lens, out_dtype, pool_dtype):
         ("kvarn_k2v2_g64", torch.bfloat16, 0),
         ("kvarn_k4v2_g64", torch.bfloat16, 2),  # head pairs, one program of one head
         ("kvarn_k2v4_g128", torch.float16, 7),
+        ("kvarn_k4v4_g64", torch.bfloat16, 3),  # head_dim 256
+        ("kvarn_k2v2_g128", torch.float8_e4m3fn, 3),
     ],
 )
 def test_materialize_signed_scales(gen, fmt, pool_dtype, geo):

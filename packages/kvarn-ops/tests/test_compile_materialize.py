@@ -28,6 +28,10 @@ CASES = [
     ("kvarn_k4v2_g64", "*bf16", 64),
     ("kvarn_k4v4_g128", "*fp16", 64),
     ("kvarn_k2v2_g64", "*bf16", 64),
+    # head_dim 256: two 128-channel input halves summed into each output n-tile (Gemma)
+    ("kvarn_k4v2_g64", "*bf16", 256),
+    ("kvarn_k4v4_g128", "*fp16", 256),
+    ("kvarn_k2v2_g64", "*bf16", 256),
 ]
 #: spill frames allowed, measured offline: 2-bit K head pairs on sm_120a 8 B (sm_90a none)
 SPILL = {("kvarn_k2v2_g64", 64, 120): 8}
@@ -54,7 +58,7 @@ def _compile(fmt: str, out: str, target, d: int = 128):
     lay = kf.dense_layout(fmt, d)
     offs = record_offsets(lay)
     consts = dict(G=lay.block_size, REC=lay.record_bytes, VB=offs["V_BITS"], KB=offs["K_BITS"],
-                  PAIR=d == 64)  # fmt: skip
+                  PAIR=d == 64, D=d)  # fmt: skip
     consts.update({k: v for k, v in offs.items() if k.endswith("_OFF")})
     ptrs = dict(PTRS, k_out_ptr=out, v_out_ptr=out)
     sig = {n: "constexpr" if n in consts else ptrs[n] for n in kern.arg_names}
@@ -76,16 +80,25 @@ def test_mma_materialize_compiles_without_trips(case, target):
     print(f"{case} sm{target.arch}: {regs} registers, {frame} B spill frame")
     assert frame <= SPILL.get((fmt, d, target.arch), 0), f"{frame} B of spill frame"
     assert regs <= 255
-    # (head pairs: the same count, each head's n-tile in place of the second n-tile)
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 160
-    # shared memory holds the per-tile vectors only: per K or V program 2 n-tiles x 8
-    # two-value stores, and 8 two-value loads per (m-tile, n-tile)
-    assert ptx.count("st.shared") == 2 * 2 * 8
-    assert ptx.count("ld.shared") == 2 * 8 * 8
+    # Per compiled tile program ("copy": K and V; at head_dim 256 K and V for each half of
+    # the 64 tokens) its m-tiles, its output n-tiles per m-tile, and the input halves each
+    # n-tile sums (head pairs: 128 channels, each head's n-tile in place of the second)
+    copies, mts, nts, halves = (4, 2, 4, 2) if d == 256 else (2, 4, 2, 1)
+    # the products: 8 groups per n-tile and input half, plus the per-tile vectors (8 per
+    # n-tile and half; at 256 the first half's products of the two output halves' vectors
+    # are the same and computed once: 48, not 64)
+    vec = 48 if d == 256 else 16
+    assert ptx.count("mma.sync.aligned.m16n8k16") == copies * (mts * nts * 8 * halves + vec)
+    # shared memory holds the per-tile vectors only: 8 two-value stores per vector, 8
+    # two-value loads per (m-tile, n-tile)
+    assert ptx.count("st.shared") == copies * nts * 8
+    assert ptx.count("ld.shared") == copies * mts * nts * 8
     # one prmt per byte pair: K 16 per m-tile (each feeds two operand registers); 2-bit V 16
-    # per m-tile (two registers each); 4-bit V 32 per m-tile (one register each)
-    assert ptx.count("prmt.b32") == 4 * 16 + 4 * (16 if vb == 2 else 32)
-    # every output element leaves in a 16-byte store: 2 x 4 m-tiles x 2 n-tiles x 4 per lane
-    assert ptx.count("st.global.v4.b32") == 64
-    assert ptx.count("st.global") == 64
+    # per m-tile (two registers each); 4-bit V 32 per m-tile (one register each); per input
+    # half
+    per_mt = 16 + (16 if vb == 2 else 32)
+    assert ptx.count("prmt.b32") == copies // 2 * mts * halves * per_mt
+    # every output element leaves in a 16-byte store: 4 per lane and (m-tile, n-tile)
+    assert ptx.count("st.global.v4.b32") == copies * mts * nts * 4
+    assert ptx.count("st.global") == copies * mts * nts * 4
     assert "popc" not in ptx and "cvt.rn.f16.s32" not in ptx

@@ -247,14 +247,15 @@ def test_tails_only_launch_writes_only_the_tails(fmt, seq_lens, make_cache, monk
         ("kvarn_k2v4_g128", 128, 3),
         ("kvarn_k4v2_g64", 64, 3),  # head pairs: two programs, the second of one head
         ("kvarn_k2v2_g128", 64, 8),
+        ("kvarn_k4v4_g64", 256, 2),  # head_dim 256: K and V each in two 32-token programs
     ],
 )
 def test_gluon_launch_names_the_code_widths(fmt, d, hkv):
     """The Gluon full-block kernel reads 2-bit K codes (16-bit runs) unlike 4-bit ones and
-    takes head_dim 64 as head pairs: its launcher passes both code widths, the pair flag and
-    the grid of 64-token halves and heads (the kernel replaced by a recorder; a dropped ``KB``
-    would read 2-bit codes as 4-bit ones on the GPU, a dropped ``PAIR`` 64-channel records as
-    128-channel ones)."""
+    takes head_dim 64 as head pairs and 256 as two halves: its launcher passes both code
+    widths, the pair flag, the head_dim and the grid of 64-token halves, heads and tile kinds
+    (the kernel replaced by a recorder; a dropped ``KB`` would read 2-bit codes as 4-bit ones
+    on the GPU, a dropped ``PAIR`` 64-channel records as 128-channel ones)."""
     mod = importlib.import_module("kvarn_ops.kernels.materialize")
     seen = {}
 
@@ -273,19 +274,21 @@ def test_gluon_launch_names_the_code_widths(fmt, d, hkv):
     fmt_bits = kf.parse_format(fmt)
     assert seen["kw"]["KB"] == fmt_bits.k_bits and seen["kw"]["VB"] == fmt_bits.v_bits
     assert seen["kw"]["G"] == lay.block_size and seen["kw"]["REC"] == lay.record_bytes
-    assert seen["kw"]["PAIR"] == (d == 64)
+    assert seen["kw"]["PAIR"] == (d == 64) and seen["kw"]["D"] == d
     heads = (hkv + 1) // 2 if d == 64 else hkv
-    assert seen["grid"] == (3 * 4 * (lay.block_size // 64), heads, 2)
+    kinds = 4 if d == 256 else 2
+    assert seen["grid"] == (3 * 4 * (lay.block_size // 64), heads, kinds)
     assert seen["kw"]["KC_OFF"] == lay.field("k_codes").offset
     assert seen["args"][-1] == hkv  # H: the kernel pairs heads 2 j and 2 j + 1 < H
 
 
 def test_gluon_materialize_scope():
     """Which geometries the Gluon kernel takes: 2- or 4-bit K, 2- or 4-bit V, 64- or
-    128-token records, head_dim 128 or 64 (pairs); everything else the Triton kernel."""
+    128-token records, head_dim 64 (pairs), 128 or 256; everything else the Triton kernel."""
     from kvarn_ops.kernels import materialize_mma
 
     ok = materialize_mma.mma_materialize_supported
     assert ok(4, 2, 64, 128) and ok(2, 2, 64, 128) and ok(2, 4, 128, 64) and ok(4, 4, 128, 64)
     assert not ok(3, 2, 64, 128) and not ok(8, 8, 64, 128) and not ok(4, 3, 64, 128)
-    assert not ok(4, 2, 32, 128) and not ok(4, 2, 64, 256) and not ok(2, 2, 64, 512)
+    assert ok(4, 2, 64, 256) and ok(2, 4, 128, 256)
+    assert not ok(4, 2, 32, 128) and not ok(2, 2, 64, 512) and not ok(4, 2, 64, 96)

@@ -19,9 +19,10 @@ values at a time), and the vectors ``zp^T P``, ``s_col^T P`` by two small produc
 factors. The exact tail rotates fp16/bf16 (and fp8 as fp16) rows with a 16-bit product.
 D = 256, 512 dequantize in fp32 first and rotate with the 3-pass product.
 
-On CUDA GPUs with ``mma.sync`` (sm_80+), full blocks of 4-bit K with 2/4-bit V, G 64 or 128,
-D 128 take the Gluon kernel of ``materialize_mma.py`` (no shared-memory trips: the rotation as
-eight 16 x 16 products and an 8-point transform in registers); this kernel is then launched
+On CUDA GPUs with ``mma.sync`` (sm_80+), full blocks of 2/4-bit K with 2/4-bit V, G 64 or
+128, D 64 (head pairs), 128 or 256 take the Gluon kernel of ``materialize_mma.py`` (no
+shared-memory trips: the rotation as eight 16 x 16 products and an 8-point transform in
+registers); this kernel is then launched
 for the exact tails only (``TAILS_ONLY``, grid ``(B, Hkv, 2)``), so a call makes two launches.
 ``KVARN_MATERIALIZE_MMA=0`` keeps every block here.
 
@@ -496,7 +497,7 @@ MMA_MAXNREG: int | None = None
 
 
 def _use_mma_kernel(layout, packed: torch.Tensor) -> bool:
-    """Full blocks of 2/4-bit K, 2/4-bit V, G 64/128, D 128 (and D 64 as head pairs) on sm_80+
+    """Full blocks of 2/4-bit K, 2/4-bit V, G 64/128, D 64 (head pairs), 128 or 256 on sm_80+
     take the Gluon kernel (``materialize_mma.py``); ``KVARN_MATERIALIZE_MMA=0`` turns it off."""
     if not cuda_feature(packed, "KVARN_MATERIALIZE_MMA", (8, 0)) or _mma_module() is None:
         return False
@@ -517,7 +518,8 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
     offs = record_offsets(layout)
     pair = layout.head_dim == 64  # two KV heads a program
     heads = -(-hkv // 2) if pair else hkv
-    mod.mma_materialize_kernel[(b * max_blocks * (layout.block_size // 64), heads, 2)](
+    kinds = 4 if layout.head_dim == 256 else 2  # K, V (at 256: each in two 32-token programs)
+    mod.mma_materialize_kernel[(b * max_blocks * (layout.block_size // 64), heads, kinds)](
         packed.view(torch.float16),
         packed.view(torch.int32),
         block_table,
@@ -534,6 +536,7 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
         VB=offs["V_BITS"],
         KB=offs["K_BITS"],
         PAIR=pair,
+        D=layout.head_dim,
         **{k: v for k, v in offs.items() if k.endswith("_OFF")},
         num_warps=1,
         **({} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}),

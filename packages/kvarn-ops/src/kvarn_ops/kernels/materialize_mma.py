@@ -53,8 +53,16 @@ of both heads) are unpacked once and feed both heads' products, with no mixing o
 (zeros, not a butterfly of sums). Each head's row scales, zero points and vectors are its own;
 the output rows are 64 channels; an odd head count leaves the last program one head.
 
-Scope: full blocks of 2/4-bit K and 2/4-bit V, G 64 or 128, head_dim 128 or 64, one warp per
-(64-token half of a block, KV head or head pair, K or V): a 128-token record is two programs.
+Head_dim 256: ``P_256 = [[P_128, P_128], [P_128, -P_128]]`` over channel bit 7, so each output
+n-tile of output half ``ob`` sums the two 128-channel input halves' products (one accumulator
+per group), the second half's B operands sign-flipped for ``ob = 1``: twice the products per
+output element of head_dim 128, the codes of both halves unpacked once for the four output
+n-tiles. To fit the registers a program takes 32 tokens (two m-tiles: 16-bit halves of the
+4-bit K words, bytes of the 2-bit runs) and loads the column-scale pairs at each n-tile.
+
+Scope: full blocks of 2/4-bit K and 2/4-bit V, G 64 or 128, head_dim 64, 128 or 256, one warp
+per (64-token half of a block, or 32 tokens at 256; KV head or head pair; K or V): a 128-token
+record is two programs (four at 256).
 The exact tail (the
 newest partial block of a request) is left to the Triton kernel (``materialize.py``, tails
 only). Gluon does not run under the Triton interpreter: the CPU tests compile this kernel for
@@ -89,10 +97,11 @@ __all__ = [
 ]
 
 MMA_MATERIALIZE_D = 128
-MMA_MATERIALIZE_DIMS = (64, 128)
-"""Head dims the kernel serves: 128, and 64 as head pairs (two KV heads' channels as the two
+MMA_MATERIALIZE_DIMS = (64, 128, 256)
+"""Head dims the kernel serves: 128; 64 as head pairs (two KV heads' channels as the two
 halves of one 128-channel input, each head's output from the B operand rows of its own
-channels: see :func:`_head_only`)."""
+channels: see :func:`_head_only`); 256 as two 128-channel halves summed into each output
+n-tile (:func:`_tile256`)."""
 
 # K words [channel i, word w] of a 64-token half: lane 4 g + c holds word g of the 32 channels
 # whose bits 4 and 6 are c0, c1
@@ -328,6 +337,39 @@ def _k_codes(ka, kb, MT: gl.constexpr, KB: gl.constexpr = 4):
 
 
 @gluon.jit
+def _k_runs(r16, CODES_OFF: gl.constexpr, G: gl.constexpr, half, KB: gl.constexpr,
+            MP: gl.constexpr):  # fmt: skip
+    """Head_dim 256: the K codes of m-tiles ``2 MP`` and ``2 MP + 1`` of a 64-token half as
+    channel pairs [64, 8] of one 128-channel half (``CODES_OFF`` its first channel's codes):
+    lane entry ``w`` is the 16-bit half ``MP`` of the half's word ``w`` (4-bit: tokens ``8 w
+    + 4 MP ..``) or byte ``MP`` of its 16-bit run (2-bit), zero-extended."""
+    ci = gl.arange(0, 128, layout=gl.SliceLayout(1, _KW))
+    wi = gl.arange(0, 8, layout=gl.SliceLayout(0, _KW))
+    if KB == 4:
+        hpc: gl.constexpr = G // 4  # 16-bit halves a channel
+        h16 = gl.load(r16 + CODES_OFF // 2 + ci[:, None] * hpc + (16 * half + 2 * wi + MP)[None, :])
+        kw = h16.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    else:
+        r8 = r16.to(gl.pointer_type(gl.int8), bitcast=True)
+        bpc: gl.constexpr = G // 4  # bytes a channel
+        b8 = gl.load(r8 + CODES_OFF + ci[:, None] * bpc + (16 * half + 2 * wi + MP)[None, :])
+        kw = b8.to(gl.int32) & 0xFF
+    return gl.split(gl.permute(gl.reshape(kw, [64, 2, 8]), [0, 2, 1]))
+
+
+@gluon.jit
+def _k_codes_local(ka, kb, ML: gl.constexpr, KB: gl.constexpr):
+    """A operands of the ``ML``-th m-tile of a :func:`_k_runs` pair."""
+    if KB == 2:
+        lo, hi = _k_crumbs(ka, kb, 0, ML == 1)
+    else:
+        lo, hi = _k_nibbles(ka, kb, ML)
+    x = gl.join(lo, hi)  # [p, w, e, r8]
+    x = gl.reshape(x, [2, 2, 2, 2, 2, 2, 8, 2, 2])  # c1 o2 c0 h o1 o0 w e r8
+    return _a_operands(gl.permute(x, [8, 6, 3, 0, 2, 7, 1, 4, 5]))
+
+
+@gluon.jit
 def _v4_codes(vw):
     """A operands of an m-tile from its 4-bit V words [16 rows, 16 wd]."""
     f0, f1, f2, f3 = _v4_bytes(vw)  # [row, wd, e] for byte m = o0 | o1 << 1
@@ -462,22 +504,40 @@ def _mma8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
 
 
 @gluon.jit
+def _mma8x2(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+            c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7):  # fmt: skip
+    """Head_dim 256: the eight group products of both 128-channel input halves (``a`` with
+    ``b``, ``c`` with ``d``) summed in one accumulator each, transformed."""
+    z = gl.full([16, 8], 0.0, gl.float32, _MMA)
+    return _wht8(
+        mma_v2(c0, d0, mma_v2(a0, b0, z)),
+        mma_v2(c1, d1, mma_v2(a1, b1, z)),
+        mma_v2(c2, d2, mma_v2(a2, b2, z)),
+        mma_v2(c3, d3, mma_v2(a3, b3, z)),
+        mma_v2(c4, d4, mma_v2(a4, b4, z)),
+        mma_v2(c5, d5, mma_v2(a5, b5, z)),
+        mma_v2(c6, d6, mma_v2(a6, b6, z)),
+        mma_v2(c7, d7, mma_v2(a7, b7, z)),
+    )
+
+
+@gluon.jit
 def _row_vec(y):
     """A [16, 8] tensor whose rows are all equal -> its row as [8] in ``_COLS``."""
     return gl.max(y, axis=0)
 
 
 @gluon.jit
-def _store_tile(y0, y1, y2, y3, y4, y5, y6, y7, out_ptr, orow, ok, NT: gl.constexpr):
-    """Store eight transformed [16, 8] results (already scaled) of n-tile ``NT``: column
-    ``n = 2 cc + e'`` of group ``o'`` is channel ``64 NT + e' + 2 o0' + 4 o1' + 8 cc + 32 o2'``
-    of the row (head pairs: ``NT`` 0, each head's own rows)."""
+def _store_tile(y0, y1, y2, y3, y4, y5, y6, y7, out_ptr, orow, ok, COL0: gl.constexpr):
+    """Store eight transformed [16, 8] results (already scaled) of an n-tile: column ``n = 2 cc
+    + e'`` of group ``o'`` is channel ``COL0 + e' + 2 o0' + 4 o1' + 8 cc + 32 o2'`` of the row
+    (``COL0 = 64 NT``; head pairs 0, each head's own rows; head_dim 256 ``128 ob + 64 NT``)."""
     x = _stack8(y0, y1, y2, y3, y4, y5, y6, y7)  # [row, n, o'] with o' = o0 | o1 << 1 | o2 << 2
     x = gl.reshape(x, [16, 4, 2, 2, 2, 2])  # row cc e' o2 o1 o0
     x = gl.reshape(gl.permute(x, [0, 3, 1, 4, 5, 2]), [16, 64])
     x = gl.convert_layout(x.to(out_ptr.dtype.element_ty), _OUT, assert_trivial=True)
     ch = gl.arange(0, 64, layout=gl.SliceLayout(0, _OUT))
-    gl.store(out_ptr + orow[:, None] + (64 * NT + ch)[None, :], x, mask=ok[:, None])
+    gl.store(out_ptr + orow[:, None] + (COL0 + ch)[None, :], x, mask=ok[:, None])
 
 
 @gluon.jit
@@ -523,10 +583,12 @@ def _tok4(r16, OFF: gl.constexpr, t0, scale):
 
 @gluon.jit
 def _v_words(r32, CODES_OFF: gl.constexpr, t0, MT: gl.constexpr, BITS: gl.constexpr,
-             PAIR: gl.constexpr = False, RW: gl.constexpr = 0, dh=0):  # fmt: skip
+             PAIR: gl.constexpr = False, RW: gl.constexpr = 0, dh=0, TS: gl.constexpr = 0,
+             W0: gl.constexpr = 0):  # fmt: skip
     """The V code words of m-tile ``MT`` of the half from token ``t0``: [16 rows, 16 or 8]
     (word ``wd`` holds channels ``wd * 32 / BITS ..``; with ``PAIR`` its top bit is the
-    head)."""
+    head). ``TS``: words a token (default 128 channels'), ``W0``: the first word (head_dim
+    256: 0 or ``4 BITS`` for the two 128-channel halves)."""
     if BITS == 4:
         r = gl.arange(0, 16, layout=gl.SliceLayout(1, _VW4))
         wd = gl.arange(0, 16, layout=gl.SliceLayout(0, _VW4))
@@ -539,7 +601,8 @@ def _v_words(r32, CODES_OFF: gl.constexpr, t0, MT: gl.constexpr, BITS: gl.conste
         col = (wd // WT) * (dh * RW) + (wd % WT)
         return gl.load(r32 + CODES_OFF // 4 + t[:, None] * WT + col[None, :])
     else:
-        return gl.load(r32 + CODES_OFF // 4 + t[:, None] * (4 * BITS) + wd[None, :])
+        TSW: gl.constexpr = 4 * BITS if TS == 0 else TS
+        return gl.load(r32 + CODES_OFF // 4 + W0 + t[:, None] * TSW + wd[None, :])
 
 
 @gluon.jit
@@ -585,7 +648,7 @@ def _ntile(
         out_ptr,
         orow,
         ok,
-        NT,
+        64 * NT,
     )
 
 
@@ -800,6 +863,191 @@ def _tile(
                    srow, zrow, out_ptr, orow, ok, IS_K, 1, 1)  # fmt: skip
 
 
+_FLIP: gl.constexpr = gl.constexpr(-2147450880)  # 0x80008000 as int32: both fp16 signs
+
+
+@gluon.jit
+def _ntile256(
+    a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7,
+    r32, COL_OFF: gl.constexpr, mask, mask_hi, vsm,
+    srow, zrow, out_ptr, orow, ok, IS_K: gl.constexpr, VI: gl.constexpr, COL0: gl.constexpr,
+):  # fmt: skip
+    """Head_dim 256, one (output half, n-tile): the products of input half 0 (codes ``a``,
+    column-scale pairs from ``COL_OFF``, sign mask ``mask``) and of input half 1 (``c``, the
+    pairs 256 bytes on, ``mask_hi``: the same signs, negated for the second output half) in
+    one accumulator per group, the transform, the epilogue with vectors ``VI``, the stores at
+    channel ``COL0``. The scale pairs are loaded here (L1 hits after the first n-tile): kept
+    in registers across the n-tiles they spilled."""
+    HB: gl.constexpr = 256
+    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8x2(
+        a0, a1, a2, a3, a4, a5, a6, a7,
+        _as_opb(_pairs_b(r32, COL_OFF, 0), mask), _as_opb(_pairs_b(r32, COL_OFF, 1), mask),
+        _as_opb(_pairs_b(r32, COL_OFF, 2), mask), _as_opb(_pairs_b(r32, COL_OFF, 3), mask),
+        _as_opb(_pairs_b(r32, COL_OFF, 4), mask), _as_opb(_pairs_b(r32, COL_OFF, 5), mask),
+        _as_opb(_pairs_b(r32, COL_OFF, 6), mask), _as_opb(_pairs_b(r32, COL_OFF, 7), mask),
+        c0, c1, c2, c3, c4, c5, c6, c7,
+        _as_opb(_pairs_b(r32, COL_OFF + HB, 0), mask_hi),
+        _as_opb(_pairs_b(r32, COL_OFF + HB, 1), mask_hi),
+        _as_opb(_pairs_b(r32, COL_OFF + HB, 2), mask_hi),
+        _as_opb(_pairs_b(r32, COL_OFF + HB, 3), mask_hi),
+        _as_opb(_pairs_b(r32, COL_OFF + HB, 4), mask_hi),
+        _as_opb(_pairs_b(r32, COL_OFF + HB, 5), mask_hi),
+        _as_opb(_pairs_b(r32, COL_OFF + HB, 6), mask_hi),
+        _as_opb(_pairs_b(r32, COL_OFF + HB, 7), mask_hi),
+    )  # fmt: skip
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load_vecs(vsm, VI)
+    _store_tile(
+        _epilogue(y0, v0, srow, zrow, IS_K),
+        _epilogue(y1, v1, srow, zrow, IS_K),
+        _epilogue(y2, v2, srow, zrow, IS_K),
+        _epilogue(y3, v3, srow, zrow, IS_K),
+        _epilogue(y4, v4, srow, zrow, IS_K),
+        _epilogue(y5, v5, srow, zrow, IS_K),
+        _epilogue(y6, v6, srow, zrow, IS_K),
+        _epilogue(y7, v7, srow, zrow, IS_K),
+        out_ptr,
+        orow,
+        ok,
+        COL0,
+    )
+
+
+@gluon.jit
+def _vectors256(vsm, VI: gl.constexpr, mask, mask_hi, s0, s1, s2, s3, s4, s5, s6, s7,
+                u0, u1, u2, u3, u4, u5, u6, u7):  # fmt: skip
+    """Head_dim 256: the per-tile vector of one (output half, n-tile) into ``vsm[VI]``: a ones
+    row times ``diag(x) P_256`` for the channel pairs ``s`` (first half, signs ``mask``) and
+    ``u`` (second half, ``mask_hi``): K ``zp^T P`` from the zero points, V ``s_col^T P`` from
+    the column scales (at head_dim 128 the K vector takes the zero points as A operands; here
+    B operands hold them in a quarter of the registers)."""
+    e = gl.full([16, 16], 1.0, gl.float16, _OPA)
+    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8x2(
+        e, e, e, e, e, e, e, e,
+        _as_opb(s0, mask), _as_opb(s1, mask), _as_opb(s2, mask), _as_opb(s3, mask),
+        _as_opb(s4, mask), _as_opb(s5, mask), _as_opb(s6, mask), _as_opb(s7, mask),
+        e, e, e, e, e, e, e, e,
+        _as_opb(u0, mask_hi), _as_opb(u1, mask_hi), _as_opb(u2, mask_hi),
+        _as_opb(u3, mask_hi), _as_opb(u4, mask_hi), _as_opb(u5, mask_hi),
+        _as_opb(u6, mask_hi), _as_opb(u7, mask_hi),
+    )  # fmt: skip
+    _store_vecs(vsm, VI, y0, y1, y2, y3, y4, y5, y6, y7)
+
+
+@gluon.jit
+def _v_codes_of(vw, BITS: gl.constexpr):
+    if BITS == 4:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _v4_codes(vw)
+    else:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _v2_codes(vw)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@gluon.jit
+def _tile256(
+    r32, r16, out_ptr, start, half, total_rows, H, head,
+    IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
+    COL_OFF: gl.constexpr, ZP_OFF: gl.constexpr, ROW_OFF: gl.constexpr, MP: gl.constexpr,
+):  # fmt: skip
+    """Head_dim 256 (``P_256 = [[P_128, P_128], [P_128, -P_128]]`` over channel bit 7): the
+    two 128-channel input halves of the tile are unpacked as at head_dim 128 (codes, scale
+    pairs), and every output n-tile of output half ``ob`` is the sum of both halves'
+    products, the second half's B operands sign-flipped for ``ob = 1`` (one accumulator per
+    group: 32 products per n-tile instead of 16, twice the 128-channel kernel's per output
+    element, nothing through shared memory but the per-tile vectors). A program takes the
+    two m-tiles ``2 MP``, ``2 MP + 1`` (32 tokens; both halves of the tile's codes and scales
+    at once do not fit the registers: about 1 KB of spill offline)."""
+    m0 = _sign_mask(0)
+    m1 = _sign_mask(1)
+    HB: gl.constexpr = 256  # bytes of 128 fp16 channel values
+    s0 = _pairs_b(r32, COL_OFF, 0)
+    s1 = _pairs_b(r32, COL_OFF, 1)
+    s2 = _pairs_b(r32, COL_OFF, 2)
+    s3 = _pairs_b(r32, COL_OFF, 3)
+    s4 = _pairs_b(r32, COL_OFF, 4)
+    s5 = _pairs_b(r32, COL_OFF, 5)
+    s6 = _pairs_b(r32, COL_OFF, 6)
+    s7 = _pairs_b(r32, COL_OFF, 7)
+    u0 = _pairs_b(r32, COL_OFF + HB, 0)
+    u1 = _pairs_b(r32, COL_OFF + HB, 1)
+    u2 = _pairs_b(r32, COL_OFF + HB, 2)
+    u3 = _pairs_b(r32, COL_OFF + HB, 3)
+    u4 = _pairs_b(r32, COL_OFF + HB, 4)
+    u5 = _pairs_b(r32, COL_OFF + HB, 5)
+    u6 = _pairs_b(r32, COL_OFF + HB, 6)
+    u7 = _pairs_b(r32, COL_OFF + HB, 7)
+    t0 = 64 * half
+    INV: gl.constexpr = 0.0625  # 1 / sqrt(256)
+    sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, INV)
+    if IS_K:
+        CB: gl.constexpr = 128 * G * BITS // 8  # code bytes of 128 channels
+        ka, kb = _k_runs(r16, CODES_OFF, G, half, BITS, MP)
+        kc, kd = _k_runs(r16, CODES_OFF + CB, G, half, BITS, MP)
+    else:
+        zr0, zr1, zr2, zr3 = _tok4(r16, ZP_OFF, t0, INV)
+        TS: gl.constexpr = 8 * BITS  # words a token
+        W1: gl.constexpr = 4 * BITS  # first word of the second half
+        vw0 = _v_words(r32, CODES_OFF, t0, 2 * MP, BITS, False, 0, 0, TS, 0)
+        vx0 = _v_words(r32, CODES_OFF, t0, 2 * MP, BITS, False, 0, 0, TS, W1)
+        vw1 = _v_words(r32, CODES_OFF, t0, 2 * MP + 1, BITS, False, 0, 0, TS, 0)
+        vx1 = _v_words(r32, CODES_OFF, t0, 2 * MP + 1, BITS, False, 0, 0, TS, W1)
+    m0h = m0 ^ _FLIP
+    m1h = m1 ^ _FLIP
+    # per-tile vectors of (output half ob, n-tile nt) at 2 ob + nt
+    vsm = gl.allocate_shared_memory(gl.float32, [4, 8, 8], _VSM)
+    if IS_K:
+        z0 = _pairs_b(r32, ZP_OFF, 0)
+        z1 = _pairs_b(r32, ZP_OFF, 1)
+        z2 = _pairs_b(r32, ZP_OFF, 2)
+        z3 = _pairs_b(r32, ZP_OFF, 3)
+        z4 = _pairs_b(r32, ZP_OFF, 4)
+        z5 = _pairs_b(r32, ZP_OFF, 5)
+        z6 = _pairs_b(r32, ZP_OFF, 6)
+        z7 = _pairs_b(r32, ZP_OFF, 7)
+        w0 = _pairs_b(r32, ZP_OFF + HB, 0)
+        w1 = _pairs_b(r32, ZP_OFF + HB, 1)
+        w2 = _pairs_b(r32, ZP_OFF + HB, 2)
+        w3 = _pairs_b(r32, ZP_OFF + HB, 3)
+        w4 = _pairs_b(r32, ZP_OFF + HB, 4)
+        w5 = _pairs_b(r32, ZP_OFF + HB, 5)
+        w6 = _pairs_b(r32, ZP_OFF + HB, 6)
+        w7 = _pairs_b(r32, ZP_OFF + HB, 7)
+    else:
+        z0, z1, z2, z3, z4, z5, z6, z7 = s0, s1, s2, s3, s4, s5, s6, s7
+        w0, w1, w2, w3, w4, w5, w6, w7 = u0, u1, u2, u3, u4, u5, u6, u7
+    _vectors256(vsm, 0, m0, m0, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
+    _vectors256(vsm, 1, m1, m1, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
+    _vectors256(vsm, 2, m0, m0h, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
+    _vectors256(vsm, 3, m1, m1h, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
+    gl.thread_barrier()
+    for ml in gl.static_range(2):
+        srow = _pick4(2 * MP + ml, sr0, sr1, sr2, sr3)
+        if IS_K:
+            zrow = srow
+            a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes_local(ka, kb, ml, BITS)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _k_codes_local(kc, kd, ml, BITS)
+        else:
+            zrow = _pick4(2 * MP + ml, zr0, zr1, zr2, zr3)
+            if ml == 0:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _v_codes_of(vw0, BITS)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _v_codes_of(vx0, BITS)
+            else:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _v_codes_of(vw1, BITS)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _v_codes_of(vx1, BITS)
+        orow, ok = _out_rows(start, total_rows, H, head, 2 * MP + ml, 256)
+        for k in gl.static_range(4):  # k = 2 ob + nt
+            if k % 2 == 0:
+                mk = m0
+            else:
+                mk = m1
+            if k >= 2:
+                mh = mk ^ _FLIP
+            else:
+                mh = mk
+            _ntile256(a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7,
+                      r32, COL_OFF, mk, mh, vsm, srow, zrow, out_ptr, orow, ok, IS_K, k,
+                      128 * (k // 2) + 64 * (k % 2))  # fmt: skip
+
+
 @gluon.jit
 def mma_materialize_kernel(
     rec16_ptr,
@@ -826,15 +1074,19 @@ def mma_materialize_kernel(
     VZ_OFF: gl.constexpr,
     KB: gl.constexpr = 4,
     PAIR: gl.constexpr = False,
+    D: gl.constexpr = 128,
 ):
     """Grid ``(B * max_blocks * G / 64, Hkv, 2)``, one warp: 64-token half
     ``program_id(0) % (G / 64)`` of full block ``program_id(0) / (G / 64) % max_blocks`` of
     request ``program_id(0) / (max_blocks * G / 64)``, KV head ``program_id(1)``, K (0) or V
     (1). With ``PAIR`` (head_dim 64) the grid's second size is ``ceil(Hkv / 2)`` and program
-    ``j`` takes KV heads ``2 j`` and ``2 j + 1``. Programs past a request's full blocks, and
-    those whose block-table entry is out of range, write nothing."""
+    ``j`` takes KV heads ``2 j`` and ``2 j + 1``. At ``D`` 256 the third size is 4: K or V
+    (``program_id(2) % 2``) and the half-block's tokens 0-31 or 32-63 (``program_id(2) //
+    2``). Programs past a request's full blocks, and those whose block-table entry is out of
+    range, write nothing."""
     pid = gl.program_id(0)
-    kv = gl.program_id(2)
+    pid2 = gl.program_id(2)
+    kv = pid2 % 2
     if PAIR:
         head = 2 * gl.program_id(1)
         dh = gl.minimum(head + 1, H - 1) - head  # 0: the odd head out reads its record twice
@@ -855,7 +1107,21 @@ def mma_materialize_kernel(
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
     start = gl.load(cu_ptr + req).to(gl.int64) + blk * G + 64 * half
-    if kv == 0:
+    if D == 256:
+        # grid's third size 4: K or V, then the pair of m-tiles
+        if pid2 == 0:
+            _tile256(r32, r16, k_out_ptr, start, half, total_rows, H, head,
+                     True, KB, G, KC_OFF, KS_OFF, KZ_OFF, KR_OFF, 0)  # fmt: skip
+        elif pid2 == 2:
+            _tile256(r32, r16, k_out_ptr, start, half, total_rows, H, head,
+                     True, KB, G, KC_OFF, KS_OFF, KZ_OFF, KR_OFF, 1)  # fmt: skip
+        elif pid2 == 1:
+            _tile256(r32, r16, v_out_ptr, start, half, total_rows, H, head,
+                     False, VB, G, VC_OFF, VS_OFF, VZ_OFF, VR_OFF, 0)  # fmt: skip
+        else:
+            _tile256(r32, r16, v_out_ptr, start, half, total_rows, H, head,
+                     False, VB, G, VC_OFF, VS_OFF, VZ_OFF, VR_OFF, 1)  # fmt: skip
+    elif kv == 0:
         _tile(r32, r16, k_out_ptr, start, half, total_rows, H, head,
               True, KB, G, KC_OFF, KS_OFF, KZ_OFF, KR_OFF, PAIR, REC, dh)  # fmt: skip
     else:
