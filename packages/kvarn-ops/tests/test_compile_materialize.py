@@ -32,6 +32,9 @@ CASES = [
     ("kvarn_k4v2_g64", "*bf16", 256),
     ("kvarn_k4v4_g128", "*fp16", 256),
     ("kvarn_k2v2_g64", "*bf16", 256),
+    # the same, a program taking the whole 64-token half (KVARN_MATERIALIZE_D256_PAIRS=2)
+    ("kvarn_k4v2_g64", "*bf16", 256, 2),
+    ("kvarn_k2v4_g128", "*fp16", 256, 2),
 ]
 #: spill frames allowed, measured offline: 2-bit K head pairs on sm_120a 8 B (sm_90a none)
 SPILL = {("kvarn_k2v2_g64", 64, 120): 8}
@@ -48,7 +51,7 @@ PTRS = {
 }
 
 
-def _compile(fmt: str, out: str, target, d: int = 128):
+def _compile(fmt: str, out: str, target, d: int = 128, mps: int = 1):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kvarn_ops.kernels import materialize_mma
@@ -58,7 +61,7 @@ def _compile(fmt: str, out: str, target, d: int = 128):
     lay = kf.dense_layout(fmt, d)
     offs = record_offsets(lay)
     consts = dict(G=lay.block_size, REC=lay.record_bytes, VB=offs["V_BITS"], KB=offs["K_BITS"],
-                  PAIR=d == 64, D=d)  # fmt: skip
+                  PAIR=d == 64, D=d, MPS=mps)  # fmt: skip
     consts.update({k: v for k, v in offs.items() if k.endswith("_OFF")})
     ptrs = dict(PTRS, k_out_ptr=out, v_out_ptr=out)
     sig = {n: "constexpr" if n in consts else ptrs[n] for n in kern.arg_names}
@@ -70,10 +73,10 @@ def _compile(fmt: str, out: str, target, d: int = 128):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-d".join(map(str, c[::2])))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:1] + c[2:])))
 def test_mma_materialize_compiles_without_trips(case, target):
-    fmt, out, d = (*case, 128)[:3]
-    k = _compile(fmt, out, target, d)
+    fmt, out, d, mps = (*case, 128, 1)[:4] if len(case) == 2 else (*case, 1)[:4]
+    k = _compile(fmt, out, target, d, mps)
     regs, frame = cubin_resources(k.asm["cubin"])
     ptx = k.asm["ptx"]
     vb = kf.dense_layout(fmt, d).field("v_codes").bits
@@ -83,7 +86,7 @@ def test_mma_materialize_compiles_without_trips(case, target):
     # Per compiled tile program ("copy": K and V; at head_dim 256 K and V for each half of
     # the 64 tokens) its m-tiles, its output n-tiles per m-tile, and the input halves each
     # n-tile sums (head pairs: 128 channels, each head's n-tile in place of the second)
-    copies, mts, nts, halves = (4, 2, 4, 2) if d == 256 else (2, 4, 2, 1)
+    copies, mts, nts, halves = (4 // mps, 2 * mps, 4, 2) if d == 256 else (2, 4, 2, 1)
     # the products: 8 groups per n-tile and input half, plus the per-tile vectors (8 per
     # n-tile and half; at 256 the first half's products of the two output halves' vectors
     # are the same and computed once: 48, not 64)

@@ -250,13 +250,15 @@ def test_tails_only_launch_writes_only_the_tails(fmt, seq_lens, make_cache, monk
         ("kvarn_k4v4_g64", 256, 2),  # head_dim 256: K and V each in two 32-token programs
     ],
 )
-def test_gluon_launch_names_the_code_widths(fmt, d, hkv):
+@pytest.mark.parametrize("pairs", ["", "1", "2"], ids=["default", "pairs1", "pairs2"])
+def test_gluon_launch_names_the_code_widths(fmt, d, hkv, pairs, monkeypatch):
     """The Gluon full-block kernel reads 2-bit K codes (16-bit runs) unlike 4-bit ones and
     takes head_dim 64 as head pairs and 256 as two halves: its launcher passes both code
     widths, the pair flag, the head_dim and the grid of 64-token halves, heads and tile kinds
     (the kernel replaced by a recorder; a dropped ``KB`` would read 2-bit codes as 4-bit ones
     on the GPU, a dropped ``PAIR`` 64-channel records as 128-channel ones)."""
     mod = importlib.import_module("kvarn_ops.kernels.materialize")
+    monkeypatch.setenv("KVARN_MATERIALIZE_D256_PAIRS", pairs)
     seen = {}
 
     class _Recorder:
@@ -276,7 +278,9 @@ def test_gluon_launch_names_the_code_widths(fmt, d, hkv):
     assert seen["kw"]["G"] == lay.block_size and seen["kw"]["REC"] == lay.record_bytes
     assert seen["kw"]["PAIR"] == (d == 64) and seen["kw"]["D"] == d
     heads = (hkv + 1) // 2 if d == 64 else hkv
-    kinds = 4 if d == 256 else 2
+    mps = int(pairs or mod.MMA_D256_PAIRS) if d == 256 else 1
+    assert seen["kw"]["MPS"] == mps
+    kinds = 4 if d == 256 and mps == 1 else 2
     assert seen["grid"] == (3 * 4 * (lay.block_size // 64), heads, kinds)
     assert seen["kw"]["KC_OFF"] == lay.field("k_codes").offset
     assert seen["args"][-1] == hkv  # H: the kernel pairs heads 2 j and 2 j + 1 < H
@@ -292,3 +296,10 @@ def test_gluon_materialize_scope():
     assert not ok(3, 2, 64, 128) and not ok(8, 8, 64, 128) and not ok(4, 3, 64, 128)
     assert ok(4, 2, 64, 256) and ok(2, 4, 128, 256)
     assert not ok(4, 2, 32, 128) and not ok(2, 2, 64, 512) and not ok(4, 2, 64, 96)
+
+
+def test_d256_pairs_knob_rejects_other_values(monkeypatch):
+    mod = importlib.import_module("kvarn_ops.kernels.materialize")
+    monkeypatch.setenv("KVARN_MATERIALIZE_D256_PAIRS", "4")
+    with pytest.raises(ValueError, match="^KVARN_MATERIALIZE_D256_PAIRS"):
+        mod.d256_pairs()

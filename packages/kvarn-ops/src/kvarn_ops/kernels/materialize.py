@@ -35,6 +35,7 @@ which sets the tokens per chunk, see :func:`tokens_per_chunk`) and
 from __future__ import annotations
 
 import functools
+import os
 import types
 from collections.abc import Mapping
 
@@ -494,6 +495,21 @@ def _launch(
 
 MMA_MAXNREG: int | None = None
 """Register cap of the Gluon full-block kernel (None: the compiler's choice)."""
+MMA_D256_PAIRS = 2
+"""Pairs of 16-token m-tiles a program of the Gluon kernel takes at head_dim 256: 2 (the whole
+64-token half, its two 32-token pairs in turn: 11-15% faster on an H100) or 1 (32 tokens, K and
+V each in two programs a half-block); ``KVARN_MATERIALIZE_D256_PAIRS`` overrides it (read at
+every call, a tuning knob)."""
+
+
+def d256_pairs() -> int:
+    """:data:`MMA_D256_PAIRS`, or ``KVARN_MATERIALIZE_D256_PAIRS`` where set (1 or 2)."""
+    value = os.environ.get("KVARN_MATERIALIZE_D256_PAIRS", "")
+    if not value:
+        return MMA_D256_PAIRS
+    if value not in ("1", "2"):
+        raise ValueError(f"KVARN_MATERIALIZE_D256_PAIRS: must be 1 or 2, got {value!r}")
+    return int(value)
 
 
 def _use_mma_kernel(layout, packed: torch.Tensor) -> bool:
@@ -518,7 +534,8 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
     offs = record_offsets(layout)
     pair = layout.head_dim == 64  # two KV heads a program
     heads = -(-hkv // 2) if pair else hkv
-    kinds = 4 if layout.head_dim == 256 else 2  # K, V (at 256: each in two 32-token programs)
+    mps = d256_pairs() if layout.head_dim == 256 else 1
+    kinds = 4 if mps == 1 and layout.head_dim == 256 else 2  # K, V (256: in 32-token programs)
     mod.mma_materialize_kernel[(b * max_blocks * (layout.block_size // 64), heads, kinds)](
         packed.view(torch.float16),
         packed.view(torch.int32),
@@ -537,6 +554,7 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
         KB=offs["K_BITS"],
         PAIR=pair,
         D=layout.head_dim,
+        MPS=mps,
         **{k: v for k, v in offs.items() if k.endswith("_OFF")},
         num_warps=1,
         **({} if MMA_MAXNREG is None else {"maxnreg": MMA_MAXNREG}),

@@ -57,12 +57,14 @@ Head_dim 256: ``P_256 = [[P_128, P_128], [P_128, -P_128]]`` over channel bit 7, 
 n-tile of output half ``ob`` sums the two 128-channel input halves' products (one accumulator
 per group), the second half's B operands sign-flipped for ``ob = 1``: twice the products per
 output element of head_dim 128, the codes of both halves unpacked once for the four output
-n-tiles. To fit the registers a program takes 32 tokens (two m-tiles: 16-bit halves of the
-4-bit K words, bytes of the 2-bit runs) and loads the column-scale pairs at each n-tile.
+n-tiles. To fit the registers the codes are taken 32 tokens at a time (two m-tiles: 16-bit
+halves of the 4-bit K words, bytes of the 2-bit runs) and the column-scale pairs are loaded at
+each n-tile; a program takes the two 32-token pairs of a half-block in turn (``MPS = 2``, the
+default) or one (``MPS = 1``, twice the programs).
 
 Scope: full blocks of 2/4-bit K and 2/4-bit V, G 64 or 128, head_dim 64, 128 or 256, one warp
-per (64-token half of a block, or 32 tokens at 256; KV head or head pair; K or V): a 128-token
-record is two programs (four at 256).
+per (64-token half of a block, or 32 tokens at 256 with ``MPS = 1``; KV head or head pair; K or
+V): a 128-token record is two programs.
 The exact tail (the
 newest partial block of a request) is left to the Triton kernel (``materialize.py``, tails
 only). Gluon does not run under the Triton interpreter: the CPU tests compile this kernel for
@@ -943,82 +945,25 @@ def _v_codes_of(vw, BITS: gl.constexpr):
 
 
 @gluon.jit
-def _tile256(
-    r32, r16, out_ptr, start, half, total_rows, H, head,
-    IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
-    COL_OFF: gl.constexpr, ZP_OFF: gl.constexpr, ROW_OFF: gl.constexpr, MP: gl.constexpr,
-):  # fmt: skip
-    """Head_dim 256 (``P_256 = [[P_128, P_128], [P_128, -P_128]]`` over channel bit 7): the
-    two 128-channel input halves of the tile are unpacked as at head_dim 128 (codes, scale
-    pairs), and every output n-tile of output half ``ob`` is the sum of both halves'
-    products, the second half's B operands sign-flipped for ``ob = 1`` (one accumulator per
-    group: 32 products per n-tile instead of 16, twice the 128-channel kernel's per output
-    element, nothing through shared memory but the per-tile vectors). A program takes the
-    two m-tiles ``2 MP``, ``2 MP + 1`` (32 tokens; both halves of the tile's codes and scales
-    at once do not fit the registers: about 1 KB of spill offline)."""
-    m0 = _sign_mask(0)
-    m1 = _sign_mask(1)
-    HB: gl.constexpr = 256  # bytes of 128 fp16 channel values
-    s0 = _pairs_b(r32, COL_OFF, 0)
-    s1 = _pairs_b(r32, COL_OFF, 1)
-    s2 = _pairs_b(r32, COL_OFF, 2)
-    s3 = _pairs_b(r32, COL_OFF, 3)
-    s4 = _pairs_b(r32, COL_OFF, 4)
-    s5 = _pairs_b(r32, COL_OFF, 5)
-    s6 = _pairs_b(r32, COL_OFF, 6)
-    s7 = _pairs_b(r32, COL_OFF, 7)
-    u0 = _pairs_b(r32, COL_OFF + HB, 0)
-    u1 = _pairs_b(r32, COL_OFF + HB, 1)
-    u2 = _pairs_b(r32, COL_OFF + HB, 2)
-    u3 = _pairs_b(r32, COL_OFF + HB, 3)
-    u4 = _pairs_b(r32, COL_OFF + HB, 4)
-    u5 = _pairs_b(r32, COL_OFF + HB, 5)
-    u6 = _pairs_b(r32, COL_OFF + HB, 6)
-    u7 = _pairs_b(r32, COL_OFF + HB, 7)
+def _pair256(r32, r16, out_ptr, start, half, total_rows, H, head, vsm, m0, m1,
+             sr0, sr1, sr2, sr3, zr0, zr1, zr2, zr3,
+             IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
+             COL_OFF: gl.constexpr, MP: gl.constexpr):  # fmt: skip
+    """Head_dim 256: m-tiles ``2 MP`` and ``2 MP + 1`` of the half (32 tokens): their codes of
+    both input halves (16-bit halves of the 4-bit K words, bytes of the 2-bit runs; V rows),
+    unpacked once for the four output n-tiles (:func:`_ntile256`)."""
     t0 = 64 * half
-    INV: gl.constexpr = 0.0625  # 1 / sqrt(256)
-    sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, INV)
     if IS_K:
         CB: gl.constexpr = 128 * G * BITS // 8  # code bytes of 128 channels
         ka, kb = _k_runs(r16, CODES_OFF, G, half, BITS, MP)
         kc, kd = _k_runs(r16, CODES_OFF + CB, G, half, BITS, MP)
     else:
-        zr0, zr1, zr2, zr3 = _tok4(r16, ZP_OFF, t0, INV)
         TS: gl.constexpr = 8 * BITS  # words a token
         W1: gl.constexpr = 4 * BITS  # first word of the second half
         vw0 = _v_words(r32, CODES_OFF, t0, 2 * MP, BITS, False, 0, 0, TS, 0)
         vx0 = _v_words(r32, CODES_OFF, t0, 2 * MP, BITS, False, 0, 0, TS, W1)
         vw1 = _v_words(r32, CODES_OFF, t0, 2 * MP + 1, BITS, False, 0, 0, TS, 0)
         vx1 = _v_words(r32, CODES_OFF, t0, 2 * MP + 1, BITS, False, 0, 0, TS, W1)
-    m0h = m0 ^ _FLIP
-    m1h = m1 ^ _FLIP
-    # per-tile vectors of (output half ob, n-tile nt) at 2 ob + nt
-    vsm = gl.allocate_shared_memory(gl.float32, [4, 8, 8], _VSM)
-    if IS_K:
-        z0 = _pairs_b(r32, ZP_OFF, 0)
-        z1 = _pairs_b(r32, ZP_OFF, 1)
-        z2 = _pairs_b(r32, ZP_OFF, 2)
-        z3 = _pairs_b(r32, ZP_OFF, 3)
-        z4 = _pairs_b(r32, ZP_OFF, 4)
-        z5 = _pairs_b(r32, ZP_OFF, 5)
-        z6 = _pairs_b(r32, ZP_OFF, 6)
-        z7 = _pairs_b(r32, ZP_OFF, 7)
-        w0 = _pairs_b(r32, ZP_OFF + HB, 0)
-        w1 = _pairs_b(r32, ZP_OFF + HB, 1)
-        w2 = _pairs_b(r32, ZP_OFF + HB, 2)
-        w3 = _pairs_b(r32, ZP_OFF + HB, 3)
-        w4 = _pairs_b(r32, ZP_OFF + HB, 4)
-        w5 = _pairs_b(r32, ZP_OFF + HB, 5)
-        w6 = _pairs_b(r32, ZP_OFF + HB, 6)
-        w7 = _pairs_b(r32, ZP_OFF + HB, 7)
-    else:
-        z0, z1, z2, z3, z4, z5, z6, z7 = s0, s1, s2, s3, s4, s5, s6, s7
-        w0, w1, w2, w3, w4, w5, w6, w7 = u0, u1, u2, u3, u4, u5, u6, u7
-    _vectors256(vsm, 0, m0, m0, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
-    _vectors256(vsm, 1, m1, m1, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
-    _vectors256(vsm, 2, m0, m0h, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
-    _vectors256(vsm, 3, m1, m1h, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
-    gl.thread_barrier()
     for ml in gl.static_range(2):
         srow = _pick4(2 * MP + ml, sr0, sr1, sr2, sr3)
         if IS_K:
@@ -1049,6 +994,80 @@ def _tile256(
 
 
 @gluon.jit
+def _tile256(
+    r32, r16, out_ptr, start, half, total_rows, H, head,
+    IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
+    COL_OFF: gl.constexpr, ZP_OFF: gl.constexpr, ROW_OFF: gl.constexpr, MP: gl.constexpr,
+    MPS: gl.constexpr = 1,
+):  # fmt: skip
+    """Head_dim 256 (``P_256 = [[P_128, P_128], [P_128, -P_128]]`` over channel bit 7): the
+    two 128-channel input halves of the tile are unpacked as at head_dim 128 (codes, scale
+    pairs), and every output n-tile of output half ``ob`` is the sum of both halves'
+    products, the second half's B operands sign-flipped for ``ob = 1`` (one accumulator per
+    group: 32 products per n-tile instead of 16, twice the 128-channel kernel's per output
+    element, nothing through shared memory but the per-tile vectors). The codes are taken
+    32 tokens at a time (m-tiles ``2 MP``, ``2 MP + 1``, then the next ``MPS - 1`` pairs):
+    both halves of a 64-token tile's codes and scales at once do not fit the registers (about
+    1 KB of spill offline)."""
+    m0 = _sign_mask(0)
+    m1 = _sign_mask(1)
+    HB: gl.constexpr = 256  # bytes of 128 fp16 channel values
+    t0 = 64 * half
+    INV: gl.constexpr = 0.0625  # 1 / sqrt(256)
+    sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, INV)
+    if IS_K:
+        zr0, zr1, zr2, zr3 = sr0, sr1, sr2, sr3
+        z0 = _pairs_b(r32, ZP_OFF, 0)
+        z1 = _pairs_b(r32, ZP_OFF, 1)
+        z2 = _pairs_b(r32, ZP_OFF, 2)
+        z3 = _pairs_b(r32, ZP_OFF, 3)
+        z4 = _pairs_b(r32, ZP_OFF, 4)
+        z5 = _pairs_b(r32, ZP_OFF, 5)
+        z6 = _pairs_b(r32, ZP_OFF, 6)
+        z7 = _pairs_b(r32, ZP_OFF, 7)
+        w0 = _pairs_b(r32, ZP_OFF + HB, 0)
+        w1 = _pairs_b(r32, ZP_OFF + HB, 1)
+        w2 = _pairs_b(r32, ZP_OFF + HB, 2)
+        w3 = _pairs_b(r32, ZP_OFF + HB, 3)
+        w4 = _pairs_b(r32, ZP_OFF + HB, 4)
+        w5 = _pairs_b(r32, ZP_OFF + HB, 5)
+        w6 = _pairs_b(r32, ZP_OFF + HB, 6)
+        w7 = _pairs_b(r32, ZP_OFF + HB, 7)
+    else:
+        zr0, zr1, zr2, zr3 = _tok4(r16, ZP_OFF, t0, INV)
+        z0 = _pairs_b(r32, COL_OFF, 0)
+        z1 = _pairs_b(r32, COL_OFF, 1)
+        z2 = _pairs_b(r32, COL_OFF, 2)
+        z3 = _pairs_b(r32, COL_OFF, 3)
+        z4 = _pairs_b(r32, COL_OFF, 4)
+        z5 = _pairs_b(r32, COL_OFF, 5)
+        z6 = _pairs_b(r32, COL_OFF, 6)
+        z7 = _pairs_b(r32, COL_OFF, 7)
+        w0 = _pairs_b(r32, COL_OFF + HB, 0)
+        w1 = _pairs_b(r32, COL_OFF + HB, 1)
+        w2 = _pairs_b(r32, COL_OFF + HB, 2)
+        w3 = _pairs_b(r32, COL_OFF + HB, 3)
+        w4 = _pairs_b(r32, COL_OFF + HB, 4)
+        w5 = _pairs_b(r32, COL_OFF + HB, 5)
+        w6 = _pairs_b(r32, COL_OFF + HB, 6)
+        w7 = _pairs_b(r32, COL_OFF + HB, 7)
+    m0h = m0 ^ _FLIP
+    m1h = m1 ^ _FLIP
+    # per-tile vectors of (output half ob, n-tile nt) at 2 ob + nt: a ones row times diag(x)
+    # P_256, x the zero points (K) or the column scales (V)
+    vsm = gl.allocate_shared_memory(gl.float32, [4, 8, 8], _VSM)
+    _vectors256(vsm, 0, m0, m0, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
+    _vectors256(vsm, 1, m1, m1, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
+    _vectors256(vsm, 2, m0, m0h, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
+    _vectors256(vsm, 3, m1, m1h, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
+    gl.thread_barrier()
+    for mp in gl.static_range(MPS):
+        _pair256(r32, r16, out_ptr, start, half, total_rows, H, head, vsm, m0, m1,
+                 sr0, sr1, sr2, sr3, zr0, zr1, zr2, zr3, IS_K, BITS, G, CODES_OFF, COL_OFF,
+                 MP + mp)  # fmt: skip
+
+
+@gluon.jit
 def mma_materialize_kernel(
     rec16_ptr,
     rec32_ptr,
@@ -1075,6 +1094,7 @@ def mma_materialize_kernel(
     KB: gl.constexpr = 4,
     PAIR: gl.constexpr = False,
     D: gl.constexpr = 128,
+    MPS: gl.constexpr = 1,
 ):
     """Grid ``(B * max_blocks * G / 64, Hkv, 2)``, one warp: 64-token half
     ``program_id(0) % (G / 64)`` of full block ``program_id(0) / (G / 64) % max_blocks`` of
@@ -1107,7 +1127,15 @@ def mma_materialize_kernel(
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
     start = gl.load(cu_ptr + req).to(gl.int64) + blk * G + 64 * half
-    if D == 256:
+    if D == 256 and MPS == 2:
+        # the whole 64-token half, its two pairs of m-tiles one after the other
+        if kv == 0:
+            _tile256(r32, r16, k_out_ptr, start, half, total_rows, H, head,
+                     True, KB, G, KC_OFF, KS_OFF, KZ_OFF, KR_OFF, 0, 2)  # fmt: skip
+        else:
+            _tile256(r32, r16, v_out_ptr, start, half, total_rows, H, head,
+                     False, VB, G, VC_OFF, VS_OFF, VZ_OFF, VR_OFF, 0, 2)  # fmt: skip
+    elif D == 256:
         # grid's third size 4: K or V, then the pair of m-tiles
         if pid2 == 0:
             _tile256(r32, r16, k_out_ptr, start, half, total_rows, H, head,
