@@ -433,6 +433,21 @@ def _pairs_a(r32, OFF: gl.constexpr, O: gl.constexpr, PAIR: gl.constexpr = False
 
 
 @gluon.jit
+def _pairs8(r32, OFF: gl.constexpr):
+    """:func:`_pairs_b` of the eight groups."""
+    return (
+        _pairs_b(r32, OFF, 0),
+        _pairs_b(r32, OFF, 1),
+        _pairs_b(r32, OFF, 2),
+        _pairs_b(r32, OFF, 3),
+        _pairs_b(r32, OFF, 4),
+        _pairs_b(r32, OFF, 5),
+        _pairs_b(r32, OFF, 6),
+        _pairs_b(r32, OFF, 7),
+    )
+
+
+@gluon.jit
 def _head_only(w, HEAD: gl.constexpr, KP_AXIS: gl.constexpr):
     """Channel pairs ``w`` ([kp, n] in ``_BP`` or [row, kp] in ``_AP``) with the other head's
     zeroed: with head pairs input channel bit 6 (``c1``, bit 1 of ``kp``) is the head, and
@@ -624,19 +639,10 @@ def _epilogue(y, vec, srow, zrow, IS_K: gl.constexpr):
 
 
 @gluon.jit
-def _ntile(
-    a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, mask, vsm,
-    srow, zrow, out_ptr, orow, ok, IS_K: gl.constexpr, NT: gl.constexpr, VI: gl.constexpr,
-):  # fmt: skip
-    """n-tile ``NT`` of an m-tile: B operands ``diag(s_col) P_in`` built from the scale pairs
-    ``s_o`` and the n-tile's sign mask (one ``xor`` per register), the eight products, the
-    transform, the epilogue with the tile's vectors ``VI`` (``vsm``, shared memory), the
-    stores."""
-    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
-        a0, a1, a2, a3, a4, a5, a6, a7,
-        _as_opb(s0, mask), _as_opb(s1, mask), _as_opb(s2, mask), _as_opb(s3, mask),
-        _as_opb(s4, mask), _as_opb(s5, mask), _as_opb(s6, mask), _as_opb(s7, mask),
-    )  # fmt: skip
+def _finish(y0, y1, y2, y3, y4, y5, y6, y7, vsm, VI: gl.constexpr, srow, zrow, out_ptr, orow, ok,
+            IS_K: gl.constexpr, COL0: gl.constexpr):  # fmt: skip
+    """An n-tile's eight transformed products through the epilogue (the tile's vectors ``VI``
+    from ``vsm``, the rows' scales) into the output at channel ``COL0``."""
     v0, v1, v2, v3, v4, v5, v6, v7 = _load_vecs(vsm, VI)
     _store_tile(
         _epilogue(y0, v0, srow, zrow, IS_K),
@@ -650,8 +656,26 @@ def _ntile(
         out_ptr,
         orow,
         ok,
-        64 * NT,
+        COL0,
     )
+
+
+@gluon.jit
+def _ntile(
+    a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, mask, vsm,
+    srow, zrow, out_ptr, orow, ok, IS_K: gl.constexpr, NT: gl.constexpr, VI: gl.constexpr,
+):  # fmt: skip
+    """n-tile ``NT`` of an m-tile: B operands ``diag(s_col) P_in`` built from the scale pairs
+    ``s_o`` and the n-tile's sign mask (one ``xor`` per register), the eight products, the
+    transform, the epilogue with the tile's vectors ``VI`` (``vsm``, shared memory), the
+    stores."""
+    y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
+        a0, a1, a2, a3, a4, a5, a6, a7,
+        _as_opb(s0, mask), _as_opb(s1, mask), _as_opb(s2, mask), _as_opb(s3, mask),
+        _as_opb(s4, mask), _as_opb(s5, mask), _as_opb(s6, mask), _as_opb(s7, mask),
+    )  # fmt: skip
+    _finish(y0, y1, y2, y3, y4, y5, y6, y7, vsm, VI, srow, zrow, out_ptr, orow, ok, IS_K,
+            64 * NT)  # fmt: skip
 
 
 @gluon.jit
@@ -897,21 +921,8 @@ def _ntile256(
         _as_opb(_pairs_b(r32, COL_OFF + HB, 6), mask_hi),
         _as_opb(_pairs_b(r32, COL_OFF + HB, 7), mask_hi),
     )  # fmt: skip
-    v0, v1, v2, v3, v4, v5, v6, v7 = _load_vecs(vsm, VI)
-    _store_tile(
-        _epilogue(y0, v0, srow, zrow, IS_K),
-        _epilogue(y1, v1, srow, zrow, IS_K),
-        _epilogue(y2, v2, srow, zrow, IS_K),
-        _epilogue(y3, v3, srow, zrow, IS_K),
-        _epilogue(y4, v4, srow, zrow, IS_K),
-        _epilogue(y5, v5, srow, zrow, IS_K),
-        _epilogue(y6, v6, srow, zrow, IS_K),
-        _epilogue(y7, v7, srow, zrow, IS_K),
-        out_ptr,
-        orow,
-        ok,
-        COL0,
-    )
+    _finish(y0, y1, y2, y3, y4, y5, y6, y7, vsm, VI, srow, zrow, out_ptr, orow, ok, IS_K,
+            COL0)  # fmt: skip
 
 
 @gluon.jit
@@ -1017,40 +1028,12 @@ def _tile256(
     sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, INV)
     if IS_K:
         zr0, zr1, zr2, zr3 = sr0, sr1, sr2, sr3
-        z0 = _pairs_b(r32, ZP_OFF, 0)
-        z1 = _pairs_b(r32, ZP_OFF, 1)
-        z2 = _pairs_b(r32, ZP_OFF, 2)
-        z3 = _pairs_b(r32, ZP_OFF, 3)
-        z4 = _pairs_b(r32, ZP_OFF, 4)
-        z5 = _pairs_b(r32, ZP_OFF, 5)
-        z6 = _pairs_b(r32, ZP_OFF, 6)
-        z7 = _pairs_b(r32, ZP_OFF, 7)
-        w0 = _pairs_b(r32, ZP_OFF + HB, 0)
-        w1 = _pairs_b(r32, ZP_OFF + HB, 1)
-        w2 = _pairs_b(r32, ZP_OFF + HB, 2)
-        w3 = _pairs_b(r32, ZP_OFF + HB, 3)
-        w4 = _pairs_b(r32, ZP_OFF + HB, 4)
-        w5 = _pairs_b(r32, ZP_OFF + HB, 5)
-        w6 = _pairs_b(r32, ZP_OFF + HB, 6)
-        w7 = _pairs_b(r32, ZP_OFF + HB, 7)
+        VEC_OFF: gl.constexpr = ZP_OFF  # the vectors' pairs: zero points (K), col scales (V)
     else:
         zr0, zr1, zr2, zr3 = _tok4(r16, ZP_OFF, t0, INV)
-        z0 = _pairs_b(r32, COL_OFF, 0)
-        z1 = _pairs_b(r32, COL_OFF, 1)
-        z2 = _pairs_b(r32, COL_OFF, 2)
-        z3 = _pairs_b(r32, COL_OFF, 3)
-        z4 = _pairs_b(r32, COL_OFF, 4)
-        z5 = _pairs_b(r32, COL_OFF, 5)
-        z6 = _pairs_b(r32, COL_OFF, 6)
-        z7 = _pairs_b(r32, COL_OFF, 7)
-        w0 = _pairs_b(r32, COL_OFF + HB, 0)
-        w1 = _pairs_b(r32, COL_OFF + HB, 1)
-        w2 = _pairs_b(r32, COL_OFF + HB, 2)
-        w3 = _pairs_b(r32, COL_OFF + HB, 3)
-        w4 = _pairs_b(r32, COL_OFF + HB, 4)
-        w5 = _pairs_b(r32, COL_OFF + HB, 5)
-        w6 = _pairs_b(r32, COL_OFF + HB, 6)
-        w7 = _pairs_b(r32, COL_OFF + HB, 7)
+        VEC_OFF: gl.constexpr = COL_OFF
+    z0, z1, z2, z3, z4, z5, z6, z7 = _pairs8(r32, VEC_OFF)
+    w0, w1, w2, w3, w4, w5, w6, w7 = _pairs8(r32, VEC_OFF + HB)
     m0h = m0 ^ _FLIP
     m1h = m1 ^ _FLIP
     # per-tile vectors of (output half ob, n-tile nt) at 2 ob + nt: a ones row times diag(x)
