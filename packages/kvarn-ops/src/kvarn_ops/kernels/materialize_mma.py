@@ -60,7 +60,8 @@ output element of head_dim 128, the codes of both halves unpacked once for the f
 n-tiles. To fit the registers the codes are taken 32 tokens at a time (two m-tiles: 16-bit
 halves of the 4-bit K words, bytes of the 2-bit runs) and the column-scale pairs are loaded at
 each n-tile; a program takes the two 32-token pairs of a half-block in turn (``MPS = 2``, the
-default) or one (``MPS = 1``, twice the programs).
+default; the second pair's codes loaded before the first pair's stores) or one (``MPS = 1``,
+twice the programs).
 
 Scope: full blocks of 2/4-bit K and 2/4-bit V, G 64 or 128, head_dim 64, 128 or 256, one warp
 per (64-token half of a block, or 32 tokens at 256 with ``MPS = 1``; KV head or head pair; K or
@@ -208,16 +209,10 @@ def _k_crumbs(ka, kb, BYTE: gl.constexpr, HIGH: gl.constexpr):
     whose last place weighs 1 at the field (1024.0 at bits 0-1, 256.0 at 2-3, 64.0 at 4-5, 16.0
     at 6-7) and one ``sub.f16x2``: the 4-bit path's cost."""
     SEL: gl.constexpr = BYTE | (BYTE << 4) | ((BYTE + 4) << 8) | ((BYTE + 4) << 12)
-    if HIGH:
-        MX: gl.constexpr = 0x00300030
-        BX: gl.constexpr = 0x54005400
-        MY: gl.constexpr = 0x00C000C0
-        BY: gl.constexpr = 0x4C004C00
-    else:
-        MX: gl.constexpr = 0x00030003
-        BX: gl.constexpr = 0x64006400
-        MY: gl.constexpr = 0x000C000C
-        BY: gl.constexpr = 0x5C005C00
+    MX: gl.constexpr = 0x00300030 if HIGH else 0x00030003
+    BX: gl.constexpr = 0x54005400 if HIGH else 0x64006400
+    MY: gl.constexpr = 0x00C000C0 if HIGH else 0x000C000C
+    BY: gl.constexpr = 0x4C004C00 if HIGH else 0x5C005C00
     return gl.inline_asm_elementwise(
         f"{{ .reg .b32 t, x, y, o; prmt.b32 t, $2, $3, {SEL}; "
         f"lop3.b32 x, t, {MX}, {BX}, 0xea; lop3.b32 y, t, {MY}, {BY}, 0xea; "
@@ -812,14 +807,9 @@ def _tile(
     # every load is issued before the first store (the compiler does not move loads across
     # stores through another pointer) and before the per-tile vectors are computed
     t0 = 64 * half
-    if PAIR:
-        D: gl.constexpr = 64
-        INV: gl.constexpr = 0.125  # 1 / sqrt(64)
-        r16b = r16 + dh * (REC // 2)
-    else:
-        D: gl.constexpr = 128
-        INV: gl.constexpr = _INV_SQRT_D
-        r16b = r16
+    D: gl.constexpr = 64 if PAIR else 128
+    INV: gl.constexpr = 0.125 if PAIR else _INV_SQRT_D  # 1 / sqrt(D)
+    r16b = r16 + dh * (REC // 2)  # head pairs: the second head's record (dh 0 otherwise)
     sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, INV)
     if PAIR:
         sb0, sb1, sb2, sb3 = _tok4(r16b, ROW_OFF, t0, INV)
@@ -956,39 +946,49 @@ def _v_codes_of(vw, BITS: gl.constexpr):
 
 
 @gluon.jit
-def _pair256(r32, r16, out_ptr, start, half, total_rows, H, head, vsm, m0, m1,
-             sr0, sr1, sr2, sr3, zr0, zr1, zr2, zr3,
-             IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, CODES_OFF: gl.constexpr,
-             COL_OFF: gl.constexpr, MP: gl.constexpr):  # fmt: skip
-    """Head_dim 256: m-tiles ``2 MP`` and ``2 MP + 1`` of the half (32 tokens): their codes of
-    both input halves (16-bit halves of the 4-bit K words, bytes of the 2-bit runs; V rows),
-    unpacked once for the four output n-tiles (:func:`_ntile256`)."""
+def _load_pair256(r32, r16, half, IS_K: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr,
+                  CODES_OFF: gl.constexpr, MP: gl.constexpr):  # fmt: skip
+    """Head_dim 256: the codes of m-tiles ``2 MP`` and ``2 MP + 1`` of the half (32 tokens) of
+    both input halves: K the 16-bit halves of the 4-bit words or the bytes of the 2-bit runs
+    (:func:`_k_runs`: channel pairs ``a, b`` of the first half, ``c, d`` of the second), V
+    the two m-tiles' rows of each half."""
     t0 = 64 * half
     if IS_K:
         CB: gl.constexpr = 128 * G * BITS // 8  # code bytes of 128 channels
-        ka, kb = _k_runs(r16, CODES_OFF, G, half, BITS, MP)
-        kc, kd = _k_runs(r16, CODES_OFF + CB, G, half, BITS, MP)
+        x0, x1 = _k_runs(r16, CODES_OFF, G, half, BITS, MP)
+        x2, x3 = _k_runs(r16, CODES_OFF + CB, G, half, BITS, MP)
     else:
         TS: gl.constexpr = 8 * BITS  # words a token
         W1: gl.constexpr = 4 * BITS  # first word of the second half
-        vw0 = _v_words(r32, CODES_OFF, t0, 2 * MP, BITS, False, 0, 0, TS, 0)
-        vx0 = _v_words(r32, CODES_OFF, t0, 2 * MP, BITS, False, 0, 0, TS, W1)
-        vw1 = _v_words(r32, CODES_OFF, t0, 2 * MP + 1, BITS, False, 0, 0, TS, 0)
-        vx1 = _v_words(r32, CODES_OFF, t0, 2 * MP + 1, BITS, False, 0, 0, TS, W1)
+        x0 = _v_words(r32, CODES_OFF, t0, 2 * MP, BITS, False, 0, 0, TS, 0)
+        x1 = _v_words(r32, CODES_OFF, t0, 2 * MP, BITS, False, 0, 0, TS, W1)
+        x2 = _v_words(r32, CODES_OFF, t0, 2 * MP + 1, BITS, False, 0, 0, TS, 0)
+        x3 = _v_words(r32, CODES_OFF, t0, 2 * MP + 1, BITS, False, 0, 0, TS, W1)
+    return x0, x1, x2, x3
+
+
+@gluon.jit
+def _pair256(r32, out_ptr, start, total_rows, H, head, vsm, m0, m1,
+             sr0, sr1, sr2, sr3, zr0, zr1, zr2, zr3, x0, x1, x2, x3,
+             IS_K: gl.constexpr, BITS: gl.constexpr, COL_OFF: gl.constexpr,
+             MP: gl.constexpr):  # fmt: skip
+    """Head_dim 256: m-tiles ``2 MP`` and ``2 MP + 1`` of the half from their codes
+    (:func:`_load_pair256`), unpacked once for the four output n-tiles
+    (:func:`_ntile256`)."""
     for ml in gl.static_range(2):
         srow = _pick4(2 * MP + ml, sr0, sr1, sr2, sr3)
         if IS_K:
             zrow = srow
-            a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes_local(ka, kb, ml, BITS)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _k_codes_local(kc, kd, ml, BITS)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _k_codes_local(x0, x1, ml, BITS)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _k_codes_local(x2, x3, ml, BITS)
         else:
             zrow = _pick4(2 * MP + ml, zr0, zr1, zr2, zr3)
             if ml == 0:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _v_codes_of(vw0, BITS)
-                c0, c1, c2, c3, c4, c5, c6, c7 = _v_codes_of(vx0, BITS)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _v_codes_of(x0, BITS)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _v_codes_of(x1, BITS)
             else:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _v_codes_of(vw1, BITS)
-                c0, c1, c2, c3, c4, c5, c6, c7 = _v_codes_of(vx1, BITS)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _v_codes_of(x2, BITS)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _v_codes_of(x3, BITS)
         orow, ok = _out_rows(start, total_rows, H, head, 2 * MP + ml, 256)
         for k in gl.static_range(4):  # k = 2 ob + nt
             if k % 2 == 0:
@@ -1023,15 +1023,15 @@ def _tile256(
     m0 = _sign_mask(0)
     m1 = _sign_mask(1)
     HB: gl.constexpr = 256  # bytes of 128 fp16 channel values
+    p0, p1, p2, p3 = _load_pair256(r32, r16, half, IS_K, BITS, G, CODES_OFF, MP)
     t0 = 64 * half
     INV: gl.constexpr = 0.0625  # 1 / sqrt(256)
     sr0, sr1, sr2, sr3 = _tok4(r16, ROW_OFF, t0, INV)
+    VEC_OFF: gl.constexpr = ZP_OFF if IS_K else COL_OFF  # zero points (K), col scales (V)
     if IS_K:
         zr0, zr1, zr2, zr3 = sr0, sr1, sr2, sr3
-        VEC_OFF: gl.constexpr = ZP_OFF  # the vectors' pairs: zero points (K), col scales (V)
     else:
         zr0, zr1, zr2, zr3 = _tok4(r16, ZP_OFF, t0, INV)
-        VEC_OFF: gl.constexpr = COL_OFF
     z0, z1, z2, z3, z4, z5, z6, z7 = _pairs8(r32, VEC_OFF)
     w0, w1, w2, w3, w4, w5, w6, w7 = _pairs8(r32, VEC_OFF + HB)
     m0h = m0 ^ _FLIP
@@ -1044,10 +1044,18 @@ def _tile256(
     _vectors256(vsm, 2, m0, m0h, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
     _vectors256(vsm, 3, m1, m1h, z0, z1, z2, z3, z4, z5, z6, z7, w0, w1, w2, w3, w4, w5, w6, w7)
     gl.thread_barrier()
-    for mp in gl.static_range(MPS):
-        _pair256(r32, r16, out_ptr, start, half, total_rows, H, head, vsm, m0, m1,
-                 sr0, sr1, sr2, sr3, zr0, zr1, zr2, zr3, IS_K, BITS, G, CODES_OFF, COL_OFF,
-                 MP + mp)  # fmt: skip
+    if MPS == 2:
+        # the second pair's codes before the first pair's stores: loads do not move across
+        # stores, and issued after them the second pair waited for its codes (3-8% slower on
+        # an H100, run 126); a small spill frame is the cost (88-112 B offline)
+        y0, y1, y2, y3 = _load_pair256(r32, r16, half, IS_K, BITS, G, CODES_OFF, MP + 1)
+    _pair256(r32, out_ptr, start, total_rows, H, head, vsm, m0, m1,
+             sr0, sr1, sr2, sr3, zr0, zr1, zr2, zr3, p0, p1, p2, p3, IS_K, BITS, COL_OFF,
+             MP)  # fmt: skip
+    if MPS == 2:
+        _pair256(r32, out_ptr, start, total_rows, H, head, vsm, m0, m1,
+                 sr0, sr1, sr2, sr3, zr0, zr1, zr2, zr3, y0, y1, y2, y3, IS_K, BITS, COL_OFF,
+                 MP + 1)  # fmt: skip
 
 
 @gluon.jit
