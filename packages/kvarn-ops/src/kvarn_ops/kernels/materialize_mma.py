@@ -100,6 +100,7 @@ __all__ = [
 ]
 
 MMA_MATERIALIZE_D = 128
+"""The channel width of the kernel's tile (its layouts' seven channel bits)."""
 MMA_MATERIALIZE_DIMS = (64, 128, 256)
 """Head dims the kernel serves: 128; 64 as head pairs (two KV heads' channels as the two
 halves of one 128-channel input, each head's output from the B operand rows of its own
