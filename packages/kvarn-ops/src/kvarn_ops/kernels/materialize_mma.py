@@ -429,17 +429,46 @@ def _pairs_a(r32, OFF: gl.constexpr, O: gl.constexpr, PAIR: gl.constexpr = False
 
 
 @gluon.jit
-def _pairs8(r32, OFF: gl.constexpr):
-    """:func:`_pairs_b` of the eight groups."""
+def _pairs8(r32, OFF: gl.constexpr, PAIR: gl.constexpr = False, RW: gl.constexpr = 0, dh=0,
+            AS_A: gl.constexpr = False):  # fmt: skip
+    """:func:`_pairs_b` (or, ``AS_A``, :func:`_pairs_a`) of the eight groups."""
+    if AS_A:
+        r = (
+            _pairs_a(r32, OFF, 0, PAIR, RW, dh),
+            _pairs_a(r32, OFF, 1, PAIR, RW, dh),
+            _pairs_a(r32, OFF, 2, PAIR, RW, dh),
+            _pairs_a(r32, OFF, 3, PAIR, RW, dh),
+            _pairs_a(r32, OFF, 4, PAIR, RW, dh),
+            _pairs_a(r32, OFF, 5, PAIR, RW, dh),
+            _pairs_a(r32, OFF, 6, PAIR, RW, dh),
+            _pairs_a(r32, OFF, 7, PAIR, RW, dh),
+        )
+    else:
+        r = (
+            _pairs_b(r32, OFF, 0, PAIR, RW, dh),
+            _pairs_b(r32, OFF, 1, PAIR, RW, dh),
+            _pairs_b(r32, OFF, 2, PAIR, RW, dh),
+            _pairs_b(r32, OFF, 3, PAIR, RW, dh),
+            _pairs_b(r32, OFF, 4, PAIR, RW, dh),
+            _pairs_b(r32, OFF, 5, PAIR, RW, dh),
+            _pairs_b(r32, OFF, 6, PAIR, RW, dh),
+            _pairs_b(r32, OFF, 7, PAIR, RW, dh),
+        )
+    return r
+
+
+@gluon.jit
+def _heads8(x0, x1, x2, x3, x4, x5, x6, x7, HEAD: gl.constexpr, KP_AXIS: gl.constexpr):
+    """:func:`_head_only` of eight groups' pairs."""
     return (
-        _pairs_b(r32, OFF, 0),
-        _pairs_b(r32, OFF, 1),
-        _pairs_b(r32, OFF, 2),
-        _pairs_b(r32, OFF, 3),
-        _pairs_b(r32, OFF, 4),
-        _pairs_b(r32, OFF, 5),
-        _pairs_b(r32, OFF, 6),
-        _pairs_b(r32, OFF, 7),
+        _head_only(x0, HEAD, KP_AXIS),
+        _head_only(x1, HEAD, KP_AXIS),
+        _head_only(x2, HEAD, KP_AXIS),
+        _head_only(x3, HEAD, KP_AXIS),
+        _head_only(x4, HEAD, KP_AXIS),
+        _head_only(x5, HEAD, KP_AXIS),
+        _head_only(x6, HEAD, KP_AXIS),
+        _head_only(x7, HEAD, KP_AXIS),
     )
 
 
@@ -750,23 +779,9 @@ def _vectors(vsm, VI: gl.constexpr, r32, IS_K: gl.constexpr, m0, s0, s1, s2, s3,
     if IS_K:
         g0 = _as_opb(gl.full([8, 8], 0x3C003C00, gl.int32, _BP), m0)
         zm = gl.full([16, 8], 0, gl.int32, _AP)
-        z0 = _pairs_a(r32, ZP_OFF, 0, PAIR, RW, dh)
-        z1 = _pairs_a(r32, ZP_OFF, 1, PAIR, RW, dh)
-        z2 = _pairs_a(r32, ZP_OFF, 2, PAIR, RW, dh)
-        z3 = _pairs_a(r32, ZP_OFF, 3, PAIR, RW, dh)
-        z4 = _pairs_a(r32, ZP_OFF, 4, PAIR, RW, dh)
-        z5 = _pairs_a(r32, ZP_OFF, 5, PAIR, RW, dh)
-        z6 = _pairs_a(r32, ZP_OFF, 6, PAIR, RW, dh)
-        z7 = _pairs_a(r32, ZP_OFF, 7, PAIR, RW, dh)
+        z0, z1, z2, z3, z4, z5, z6, z7 = _pairs8(r32, ZP_OFF, PAIR, RW, dh, True)
         if PAIR:
-            z0 = _head_only(z0, HEAD, 1)
-            z1 = _head_only(z1, HEAD, 1)
-            z2 = _head_only(z2, HEAD, 1)
-            z3 = _head_only(z3, HEAD, 1)
-            z4 = _head_only(z4, HEAD, 1)
-            z5 = _head_only(z5, HEAD, 1)
-            z6 = _head_only(z6, HEAD, 1)
-            z7 = _head_only(z7, HEAD, 1)
+            z0, z1, z2, z3, z4, z5, z6, z7 = _heads8(z0, z1, z2, z3, z4, z5, z6, z7, HEAD, 1)
         y0, y1, y2, y3, y4, y5, y6, y7 = _mma8(
             _as_opa_pairs(z0, zm), _as_opa_pairs(z1, zm), _as_opa_pairs(z2, zm),
             _as_opa_pairs(z3, zm), _as_opa_pairs(z4, zm), _as_opa_pairs(z5, zm),
@@ -797,14 +812,7 @@ def _tile(
     RW: gl.constexpr = REC // 4
     m0 = _sign_mask(0)
     m1 = _sign_mask(1)
-    s0 = _pairs_b(r32, COL_OFF, 0, PAIR, RW, dh)
-    s1 = _pairs_b(r32, COL_OFF, 1, PAIR, RW, dh)
-    s2 = _pairs_b(r32, COL_OFF, 2, PAIR, RW, dh)
-    s3 = _pairs_b(r32, COL_OFF, 3, PAIR, RW, dh)
-    s4 = _pairs_b(r32, COL_OFF, 4, PAIR, RW, dh)
-    s5 = _pairs_b(r32, COL_OFF, 5, PAIR, RW, dh)
-    s6 = _pairs_b(r32, COL_OFF, 6, PAIR, RW, dh)
-    s7 = _pairs_b(r32, COL_OFF, 7, PAIR, RW, dh)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _pairs8(r32, COL_OFF, PAIR, RW, dh)
     # every load is issued before the first store (the compiler does not move loads across
     # stores through another pointer) and before the per-tile vectors are computed
     t0 = 64 * half
@@ -828,22 +836,8 @@ def _tile(
     vsm = gl.allocate_shared_memory(gl.float32, [2, 8, 8], _VSM)
     if PAIR:
         # head b's column scales: pairs of its channels only (B operands of its n-tile)
-        t0_ = _head_only(s0, 1, 0)
-        t1_ = _head_only(s1, 1, 0)
-        t2_ = _head_only(s2, 1, 0)
-        t3_ = _head_only(s3, 1, 0)
-        t4_ = _head_only(s4, 1, 0)
-        t5_ = _head_only(s5, 1, 0)
-        t6_ = _head_only(s6, 1, 0)
-        t7_ = _head_only(s7, 1, 0)
-        s0 = _head_only(s0, 0, 0)
-        s1 = _head_only(s1, 0, 0)
-        s2 = _head_only(s2, 0, 0)
-        s3 = _head_only(s3, 0, 0)
-        s4 = _head_only(s4, 0, 0)
-        s5 = _head_only(s5, 0, 0)
-        s6 = _head_only(s6, 0, 0)
-        s7 = _head_only(s7, 0, 0)
+        t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_ = _heads8(s0, s1, s2, s3, s4, s5, s6, s7, 1, 0)
+        s0, s1, s2, s3, s4, s5, s6, s7 = _heads8(s0, s1, s2, s3, s4, s5, s6, s7, 0, 0)
         _vectors(vsm, 0, r32, IS_K, m0, s0, s1, s2, s3, s4, s5, s6, s7, ZP_OFF, PAIR, RW, dh, 0)
         _vectors(vsm, 1, r32, IS_K, m0, t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_, ZP_OFF, PAIR,
                  RW, dh, 1)  # fmt: skip
