@@ -41,6 +41,7 @@ TOOL_TEST_FILES = {
     "test_profile_ncu.py": "benchmarks",
     "test_parity_report.py": "gpu",
     "test_probe_flush_columns.py": "benchmarks",
+    "test_probe_decode_levers.py": "benchmarks",
 }
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,96 @@
+"""The decode lever probe (``benchmarks/probe_decode_levers.py``) times patched copies of the
+MMA decode kernel on a GPU. This checks, offline, that every patch still applies to the kernel
+as it is (a stale patch must stop the probe, not time something else) and that each variant
+compiles for sm_90a into what its description says: 16-byte code copies only, half the score
+MMAs, the same MMAs in independent chains."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+_PROBE = HERE.parent / "benchmarks" / "probe_decode_levers.py"
+
+# compiled in a child process: the interpreter off, the variant's tree first on sys.path
+_CHILD = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(1, sys.argv[2])
+import triton
+from triton.backends.compiler import GPUTarget
+import kvarn_ops
+import test_compile_decode as T
+from cubin_info import cubin_resources
+src = T._mma_source("kvarn_k4v2_g64", 4, 1, "*bf16", nbuf=2, transposed=True)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+ptx = k.asm["ptx"]
+regs, frame = cubin_resources(k.asm["cubin"])
+print(json.dumps(dict(
+    where=kvarn_ops.__file__, mma=ptx.count("mma.sync.aligned.m16n8k16"),
+    cp4=ptx.count(", 0x4,"), cp16=ptx.count(", 0x10,"), regs=regs, frame=frame,
+)))
+"""
+
+
+def _probe():
+    spec = importlib.util.spec_from_file_location("probe_decode_levers", _PROBE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_unknown_variant_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="variant must be one of"):
+        _probe().make_tree("faster", tmp_path)
+
+
+def test_a_stale_patch_stops_the_probe(tmp_path, monkeypatch):
+    mod = _probe()
+    monkeypatch.setitem(mod.VARIANTS, "stale", ([(mod._T, "no such text", "x")], {}))
+    with pytest.raises(RuntimeError, match="found its text 0 times"):
+        mod.make_tree("stale", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, mma, copies",
+    [
+        # per block: scores 2 x 32 (two fp16 parts) + zero points 16, values 32, ones 4;
+        # code words by 4-byte copies (48 a stage, two stages issued in the code)
+        ("base", 116, "4-byte"),
+        ("copy16", 116, "16-byte"),  # the same MMAs, the code words by 16-byte copies
+        ("single", 84, "4-byte"),  # one fp16 score operand: 32 score MMAs fewer
+        ("ilp", 116, "4-byte"),  # the same MMAs, in independent accumulators
+        ("all", 80, "16-byte"),  # and subnormal operands: no ones column
+    ],
+)
+def test_variant_compiles_to_what_it_claims(tmp_path, name, mma, copies):
+    mod = _probe()
+    tree = mod.make_tree(name, tmp_path)
+    env = dict(os.environ, TRITON_INTERPRET="0", **mod.VARIANTS[name][1])
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tree), str(HERE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["where"].startswith(str(tree)), got["where"]
+    assert got["mma"] == mma
+    assert got["frame"] == 0 and got["regs"] <= 255
+    if copies == "16-byte":
+        assert got["cp4"] == 0  # no 4-byte copy left
+        assert got["cp16"] >= 2 * 18  # K 8 + V 4 + scales 6 per stage
+    else:
+        assert got["cp4"] >= 2 * 48
