@@ -17,12 +17,13 @@ in its own process, each variant in turn in one run:
 - ``ilp``: the same arithmetic in independent chains: the zero-point sums of the two fp16
   parts and the score sums of the two parts in four accumulators, added once per block,
   instead of one chain of 32 dependent MMAs (``qz`` then every score MMA). Exact up to fp32
-  summation order: a candidate to keep;
+  summation order: a candidate to keep; ``ilp2`` also moves each chunk's zero-point MMAs
+  after its score MMAs in program order, which is what makes ptxas interleave the chains;
 - ``subnormal``: ``KVARN_DECODE_SUBNORMAL=1`` (the opt-in operands, no patch);
 - ``all``: ``copy16`` + ``single`` + ``subnormal``.
 
     python benchmarks/probe_decode_levers.py --out results/levers --geoms 0,1,2,3
-        [--variants base,ilp,copy16,single,all,base]
+        [--variants base,ilp,ilp2,copy16,single,all,base]
 
 writes ``OUT/decode_<variant>.json`` (``bench_decode.py``'s format) and ``OUT/levers.json``
 (the table printed last). Needs a CUDA GPU for the timing; ``--trees-only DIR`` writes the
@@ -144,12 +145,54 @@ _ILP = [
     ),
 ]
 
+# on top of ``_ILP``: each chunk's zero-point MMAs after its score MMAs in program order, so
+# that ptxas interleaves the two chains (with ``_ILP`` alone it still issues the 16 zero-point
+# MMAs first)
+_ILP2 = [
+    (
+        _T,
+        """    qz = mma_v2(za, qh, qz)
+    qzl = mma_v2(za, ql, qzl)
+    qs_hi = gl.convert_layout(hi, _OPB, assert_trivial=True)
+    qs_lo = gl.convert_layout(lo, _OPB, assert_trivial=True)
+    return qs_hi, qs_lo, qz, qzl""",
+        """    qs_hi = gl.convert_layout(hi, _OPB, assert_trivial=True)
+    qs_lo = gl.convert_layout(lo, _OPB, assert_trivial=True)
+    return qs_hi, qs_lo, za""",
+    ),
+    *[
+        (
+            _T,
+            f"qs{i}, qt{i}, qz, qzl = _qs_t(qz, qzl, qh{i}, ql{i}",
+            f"qs{i}, qt{i}, za{i} = _qs_t(qz, qzl, qh{i}, ql{i}",
+        )
+        for i in range(4)
+    ],
+    (_T, "        qzg = _equal_rows(qz + qzl) * _C_IN\n", ""),
+    *[
+        (
+            _T,
+            f"        sl = mma_v2(ka, qt{i}, sl)\n",
+            f"        sl = mma_v2(ka, qt{i}, sl)\n"
+            f"        qz = mma_v2(za{i}, qh{i}, qz)\n"
+            f"        qzl = mma_v2(za{i}, ql{i}, qzl)\n",
+        )
+        for i in range(4)
+    ],
+    (
+        _T,
+        "        if KB == 2:\n            s0 = ",
+        "        qzg = _equal_rows(qz + qzl) * _C_IN\n        if KB == 2:\n            s0 = ",
+    ),
+]
+
 #: variant -> (patches, extra environment)
 VARIANTS: dict[str, tuple[list, dict]] = {
     "base": ([], {}),
     "copy16": (_COPY16, {}),
     "single": (_SINGLE, {}),
     "ilp": (_ILP, {}),
+    "ilp2": (_ILP + _ILP2, {}),
     "subnormal": ([], {"KVARN_DECODE_SUBNORMAL": "1"}),
     "all": (_COPY16 + _SINGLE, {"KVARN_DECODE_SUBNORMAL": "1"}),
 }
@@ -183,7 +226,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for the JSON files")
     ap.add_argument("--geoms", default="0,1,2,3", help="bench_decode.py GEOMS indices")
-    ap.add_argument("--variants", default="base,ilp,copy16,single,all,base")
+    ap.add_argument("--variants", default="base,ilp,ilp2,copy16,single,all,base")
     ap.add_argument("--trees-only", action="store_true", help="write the patched trees, no run")
     a = ap.parse_args()
     out = Path(a.out)

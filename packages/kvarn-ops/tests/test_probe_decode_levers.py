@@ -69,6 +69,7 @@ def test_a_stale_patch_stops_the_probe(tmp_path, monkeypatch):
         ("copy16", 116, "16-byte"),  # the same MMAs, the code words by 16-byte copies
         ("single", 84, "4-byte"),  # one fp16 score operand: 32 score MMAs fewer
         ("ilp", 116, "4-byte"),  # the same MMAs, in independent accumulators
+        ("ilp2", 116, "4-byte"),  # and interleaved in program order
         ("all", 80, "16-byte"),  # and subnormal operands: no ones column
     ],
 )
