@@ -25,6 +25,9 @@ in its own process, each variant in turn in one run:
     python benchmarks/probe_decode_levers.py --out results/levers --geoms 0,1,2,3
         [--variants base,ilp,ilp2,copy16,single,all,base]
 
+The ``ilp`` variants change ``decode_mma_t._qs_t``, which the head_dim 256 kernel also calls:
+their trees serve head_dim 128 (and 64) only. First run: BENCHMARKS.md "2026-12-06, evening".
+
 writes ``OUT/decode_<variant>.json`` (``bench_decode.py``'s format) and ``OUT/levers.json``
 (the table printed last). Needs a CUDA GPU for the timing; ``--trees-only DIR`` writes the
 patched packages (what ``tests/test_probe_decode_levers.py`` compiles offline).
