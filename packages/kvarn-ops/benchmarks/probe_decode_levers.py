@@ -9,8 +9,9 @@ in its own process, each variant in turn in one run:
 - ``copy16``: each 64-token half's K and V code words staged with 16-byte ``cp.async`` copies in
   record order (18 copies a block instead of 48 4-byte ones and 6 16-byte ones); the reads stay
   as they are, so lanes get other lanes' words: **outputs are wrong, timing only**. What the
-  L1 pipe's load of 4-byte copies costs (an ``ldmatrix.trans`` of record-order words gives
-  each lane the code pairs of its operand registers, so this one can be built exactly);
+  L1 pipe's load of 4-byte copies costs; ``copy16k`` and ``copy16v`` change the K words or
+  the V words only (an ``ldmatrix.trans`` of record-order K gives each lane the code pairs of
+  its operand registers; built that way it measured slower, BENCHMARKS.md);
 - ``single``: one fp16 score operand ``q * s_col_K`` instead of two (half the score MMAs and no
   split product): **wrong on ill-conditioned records** (``gpu/test_dense_parity.py``'s), timing
   only; the bound of what the two-part operand costs;
@@ -193,6 +194,8 @@ _ILP2 = [
 VARIANTS: dict[str, tuple[list, dict]] = {
     "base": ([], {}),
     "copy16": (_COPY16, {}),
+    "copy16k": (_COPY16[:1], {}),
+    "copy16v": (_COPY16[1:], {}),
     "single": (_SINGLE, {}),
     "ilp": (_ILP, {}),
     "ilp2": (_ILP + _ILP2, {}),

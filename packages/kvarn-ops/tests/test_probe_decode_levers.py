@@ -67,6 +67,8 @@ def test_a_stale_patch_stops_the_probe(tmp_path, monkeypatch):
         # code words by 4-byte copies (48 a stage, two stages issued in the code)
         ("base", 116, "4-byte"),
         ("copy16", 116, "16-byte"),  # the same MMAs, the code words by 16-byte copies
+        ("copy16k", 116, "K 16-byte"),  # the K words only
+        ("copy16v", 116, "V 16-byte"),  # the V words only
         ("single", 84, "4-byte"),  # one fp16 score operand: 32 score MMAs fewer
         ("ilp", 116, "4-byte"),  # the same MMAs, in independent accumulators
         ("ilp2", 116, "4-byte"),  # and interleaved in program order
@@ -90,8 +92,8 @@ def test_variant_compiles_to_what_it_claims(tmp_path, name, mma, copies):
     assert got["where"].startswith(str(tree)), got["where"]
     assert got["mma"] == mma
     assert got["frame"] == 0 and got["regs"] <= 255
-    if copies == "16-byte":
-        assert got["cp4"] == 0  # no 4-byte copy left
-        assert got["cp16"] >= 2 * 18  # K 8 + V 4 + scales 6 per stage
-    else:
-        assert got["cp4"] >= 2 * 48
+    # per stage (two issued in the code): K 32 4-byte copies or 8 16-byte ones, 2-bit V 16 or
+    # 4, the scale vectors 6 16-byte ones
+    k4, v4 = {"16-byte": (0, 0), "K 16-byte": (0, 16), "V 16-byte": (32, 0)}.get(copies, (32, 16))
+    assert got["cp4"] == 2 * (k4 + v4)
+    assert got["cp16"] == 2 * (6 + (8 if k4 == 0 else 0) + (4 if v4 == 0 else 0))
