@@ -21,10 +21,17 @@ in its own process, each variant in turn in one run:
   summation order: a candidate to keep; ``ilp2`` also moves each chunk's zero-point MMAs
   after its score MMAs in program order, which is what makes ptxas interleave the chains;
 - ``subnormal``: ``KVARN_DECODE_SUBNORMAL=1`` (the opt-in operands, no patch);
+- ``record_k``, ``record_v``, ``record_kv``: correct builds kept as diffs in
+  ``benchmarks/patches/`` (applied with ``git apply``): 4-bit K codes staged in record order
+  by coalesced 16-byte copies and read by ``ldmatrix.trans`` (``decode_mma_rec.py``; its
+  first build, with uncoalesced copies, measured 7-9% slower), 2-bit V words staged as token
+  rows by 16-byte copies and read conflict-free (row ``4 i + c`` holds token ``16 c + i``),
+  and both: no 4-byte copy left. Run GPU parity on their trees before trusting a timing
+  (``PYTHONPATH=OUT/trees/record_kv:... python3 gpu/parity.py -k "dense_parity and decode"``);
 - ``all``: ``copy16`` + ``single`` + ``subnormal``.
 
     python benchmarks/probe_decode_levers.py --out results/levers --geoms 0,1,2,3
-        [--variants base,ilp,ilp2,copy16,single,all,base]
+        [--variants base,copy16k,copy16v,record_k,record_v,record_kv,base]
 
 The ``ilp`` variants change ``decode_mma_t._qs_t``, which the head_dim 256 kernel also calls:
 their trees serve head_dim 128 (and 64) only. First run: BENCHMARKS.md "2026-12-06, evening".
@@ -190,7 +197,10 @@ _ILP2 = [
     ),
 ]
 
-#: variant -> (patches, extra environment)
+PATCHES = HERE / "patches"
+
+#: variant -> (patches, extra environment); a patch is (file, old text, new text) or
+#: ("diff", name of a diff in ``PATCHES``)
 VARIANTS: dict[str, tuple[list, dict]] = {
     "base": ([], {}),
     "copy16": (_COPY16, {}),
@@ -201,6 +211,9 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "ilp2": (_ILP + _ILP2, {}),
     "subnormal": ([], {"KVARN_DECODE_SUBNORMAL": "1"}),
     "all": (_COPY16 + _SINGLE, {"KVARN_DECODE_SUBNORMAL": "1"}),
+    "record_k": ([("diff", "record_k.diff", "")], {}),
+    "record_v": ([("diff", "record_v.diff", "")], {}),
+    "record_kv": ([("diff", "record_kv.diff", "")], {}),
 }
 
 
@@ -217,6 +230,20 @@ def make_tree(name: str, dest: Path) -> Path:
         Path(kvarn_ops.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__")
     )
     for rel, old, new in VARIANTS[name][0]:
+        if rel == "diff":  # paths a/packages/kvarn-ops/src/kvarn_ops/...: strip four
+            proc = subprocess.run(
+                ["git", "apply", "-p4", str(PATCHES / old)],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"variant {name}: {old} does not apply (the kernel changed since the "
+                    f"probe was written): {proc.stderr.strip()[:500]}"
+                )
+            continue
         path = pkg / rel
         text = path.read_text()
         if text.count(old) != 1:
@@ -232,7 +259,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for the JSON files")
     ap.add_argument("--geoms", default="0,1,2,3", help="bench_decode.py GEOMS indices")
-    ap.add_argument("--variants", default="base,ilp,ilp2,copy16,single,all,base")
+    ap.add_argument("--variants", default="base,copy16k,copy16v,record_k,record_v,record_kv,base")
     ap.add_argument("--trees-only", action="store_true", help="write the patched trees, no run")
     a = ap.parse_args()
     out = Path(a.out)

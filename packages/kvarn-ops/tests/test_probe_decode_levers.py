@@ -2,7 +2,7 @@
 MMA decode kernel on a GPU. This checks, offline, that every patch still applies to the kernel
 as it is (a stale patch must stop the probe, not time something else) and that each variant
 compiles for sm_90a into what its description says: 16-byte code copies only, half the score
-MMAs, the same MMAs in independent chains."""
+MMAs, the same MMAs in independent chains, record-order K read by ``ldmatrix.trans``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ ptx = k.asm["ptx"]
 regs, frame = cubin_resources(k.asm["cubin"])
 print(json.dumps(dict(
     where=kvarn_ops.__file__, mma=ptx.count("mma.sync.aligned.m16n8k16"),
-    cp4=ptx.count(", 0x4,"), cp16=ptx.count(", 0x10,"), regs=regs, frame=frame,
+    cp4=ptx.count(", 0x4,"), cp8=ptx.count(", 0x8,"), cp16=ptx.count(", 0x10,"),
+    trans=ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans"), regs=regs, frame=frame,
 )))
 """
 
@@ -61,21 +62,27 @@ def test_a_stale_patch_stops_the_probe(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, mma, copies",
+    "name, mma, cp4, cp8, cp16, trans",
     [
-        # per block: scores 2 x 32 (two fp16 parts) + zero points 16, values 32, ones 4;
-        # code words by 4-byte copies (48 a stage, two stages issued in the code)
-        ("base", 116, "4-byte"),
-        ("copy16", 116, "16-byte"),  # the same MMAs, the code words by 16-byte copies
-        ("copy16k", 116, "K 16-byte"),  # the K words only
-        ("copy16v", 116, "V 16-byte"),  # the V words only
-        ("single", 84, "4-byte"),  # one fp16 score operand: 32 score MMAs fewer
-        ("ilp", 116, "4-byte"),  # the same MMAs, in independent accumulators
-        ("ilp2", 116, "4-byte"),  # and interleaved in program order
-        ("all", 80, "16-byte"),  # and subnormal operands: no ones column
+        # per block: scores 2 x 32 (two fp16 parts) + zero points 16, values 32, ones 4.
+        # Copies (two stages issued in the code): per stage K 32 4-byte or 8 16-byte ones,
+        # 2-bit V 16 4-byte or 4 16-byte, the scale vectors 6 16-byte ones (record-order K: 3
+        # 16-byte and 3 8-byte ones); ldmatrix.trans of record-order K: 8 a block (+2 of the
+        # weights' transpose)
+        ("base", 116, 96, 0, 12, 0),
+        ("copy16", 116, 0, 0, 36, 0),  # the same MMAs, the code words by 16-byte copies
+        ("copy16k", 116, 32, 0, 28, 0),  # the K words only
+        ("copy16v", 116, 64, 0, 20, 0),  # the V words only
+        ("single", 84, 96, 0, 12, 0),  # one fp16 score operand: 32 score MMAs fewer
+        ("ilp", 116, 96, 0, 12, 0),  # the same MMAs, in independent accumulators
+        ("ilp2", 116, 96, 0, 12, 0),  # and interleaved in program order
+        ("all", 80, 0, 0, 36, 0),  # and subnormal operands: no ones column
+        ("record_k", 116, 32, 6, 22, 10),
+        ("record_v", 116, 64, 0, 20, 0),
+        ("record_kv", 116, 0, 6, 30, 10),  # no 4-byte copy left
     ],
 )
-def test_variant_compiles_to_what_it_claims(tmp_path, name, mma, copies):
+def test_variant_compiles_to_what_it_claims(tmp_path, name, mma, cp4, cp8, cp16, trans):
     mod = _probe()
     tree = mod.make_tree(name, tmp_path)
     env = dict(os.environ, TRITON_INTERPRET="0", **mod.VARIANTS[name][1])
@@ -90,10 +97,11 @@ def test_variant_compiles_to_what_it_claims(tmp_path, name, mma, copies):
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["where"].startswith(str(tree)), got["where"]
-    assert got["mma"] == mma
     assert got["frame"] == 0 and got["regs"] <= 255
-    # per stage (two issued in the code): K 32 4-byte copies or 8 16-byte ones, 2-bit V 16 or
-    # 4, the scale vectors 6 16-byte ones
-    k4, v4 = {"16-byte": (0, 0), "K 16-byte": (0, 16), "V 16-byte": (32, 0)}.get(copies, (32, 16))
-    assert got["cp4"] == 2 * (k4 + v4)
-    assert got["cp16"] == 2 * (6 + (8 if k4 == 0 else 0) + (4 if v4 == 0 else 0))
+    assert (got["mma"], got["cp4"], got["cp8"], got["cp16"], got["trans"]) == (
+        mma,
+        cp4,
+        cp8,
+        cp16,
+        trans,
+    )
