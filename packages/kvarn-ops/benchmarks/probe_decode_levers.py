@@ -59,6 +59,12 @@ HERE = Path(__file__).resolve().parent
 _T = "kernels/decode_mma_t.py"
 _M = "kernels/decode_mma.py"
 
+
+def _per_chunk(old: str, new: str) -> list:
+    """One patch of the transposed kernel per score chunk ``i`` (``{i}`` in both texts)."""
+    return [(_T, old.format(i=i), new.format(i=i)) for i in range(4)]
+
+
 _COPY16 = [
     (
         _M,
@@ -95,10 +101,10 @@ _COPY16 = [
 
 _SINGLE = [
     (_T, "    hi, lo = _split_product(qhl, qll, kcs2)\n", "    hi = qhl * kcs2\n    lo = hi\n"),
-    *[
-        (_T, f"s = mma_v2(ka, qs{i}, mma_v2(ka, qt{i}, s))", f"s = mma_v2(ka, qs{i}, s)")
-        for i in range(4)
-    ],
+    *_per_chunk(
+        "s = mma_v2(ka, qs{i}, mma_v2(ka, qt{i}, s))",
+        "s = mma_v2(ka, qs{i}, s)",
+    ),
 ]
 
 _ILP = [
@@ -115,14 +121,10 @@ _ILP = [
         "        qz = gl.full([16, 8], 0.0, gl.float32, _MMA)\n"
         "        qzl = gl.full([16, 8], 0.0, gl.float32, _MMA)\n",
     ),
-    *[
-        (
-            _T,
-            f"qs{i}, qt{i}, qz = _qs_t(qz, qh{i}, ql{i}",
-            f"qs{i}, qt{i}, qz, qzl = _qs_t(qz, qzl, qh{i}, ql{i}",
-        )
-        for i in range(4)
-    ],
+    *_per_chunk(
+        "qs{i}, qt{i}, qz = _qs_t(qz, qh{i}, ql{i}",
+        "qs{i}, qt{i}, qz, qzl = _qs_t(qz, qzl, qh{i}, ql{i}",
+    ),
     (_T, "qzg = _equal_rows(qz) * _C_IN", "qzg = _equal_rows(qz + qzl) * _C_IN"),
     (
         _T,
@@ -134,14 +136,10 @@ _ILP = [
         """        s = gl.full([64, 8], 0.0, gl.float32, _MMA)
         sl = gl.full([64, 8], 0.0, gl.float32, _MMA)""",
     ),
-    *[
-        (
-            _T,
-            f"s = mma_v2(ka, qs{i}, mma_v2(ka, qt{i}, s))",
-            f"s = mma_v2(ka, qs{i}, s)\n        sl = mma_v2(ka, qt{i}, sl)",
-        )
-        for i in range(4)
-    ],
+    *_per_chunk(
+        "s = mma_v2(ka, qs{i}, mma_v2(ka, qt{i}, s))",
+        "s = mma_v2(ka, qs{i}, s)\n        sl = mma_v2(ka, qt{i}, sl)",
+    ),
     (
         _T,
         "        kf = _k_row_factors(True, KB)\n",
@@ -171,25 +169,17 @@ _ILP2 = [
     qs_lo = gl.convert_layout(lo, _OPB, assert_trivial=True)
     return qs_hi, qs_lo, za""",
     ),
-    *[
-        (
-            _T,
-            f"qs{i}, qt{i}, qz, qzl = _qs_t(qz, qzl, qh{i}, ql{i}",
-            f"qs{i}, qt{i}, za{i} = _qs_t(qz, qzl, qh{i}, ql{i}",
-        )
-        for i in range(4)
-    ],
+    *_per_chunk(
+        "qs{i}, qt{i}, qz, qzl = _qs_t(qz, qzl, qh{i}, ql{i}",
+        "qs{i}, qt{i}, za{i} = _qs_t(qz, qzl, qh{i}, ql{i}",
+    ),
     (_T, "        qzg = _equal_rows(qz + qzl) * _C_IN\n", ""),
-    *[
-        (
-            _T,
-            f"        sl = mma_v2(ka, qt{i}, sl)\n",
-            f"        sl = mma_v2(ka, qt{i}, sl)\n"
-            f"        qz = mma_v2(za{i}, qh{i}, qz)\n"
-            f"        qzl = mma_v2(za{i}, ql{i}, qzl)\n",
-        )
-        for i in range(4)
-    ],
+    *_per_chunk(
+        "        sl = mma_v2(ka, qt{i}, sl)\n",
+        "        sl = mma_v2(ka, qt{i}, sl)\n"
+        "        qz = mma_v2(za{i}, qh{i}, qz)\n"
+        "        qzl = mma_v2(za{i}, ql{i}, qzl)\n",
+    ),
     (
         _T,
         "        if KB == 2:\n            s0 = ",
