@@ -1,8 +1,8 @@
 """The decode lever probe (``benchmarks/probe_decode_levers.py``) times patched copies of the
 MMA decode kernel on a GPU. This checks, offline, that every patch still applies to the kernel
 as it is (a stale patch must stop the probe, not time something else) and that each variant
-compiles for sm_90a into what its description says: 16-byte code copies only, half the score
-MMAs, the same MMAs in independent chains, record-order K read by ``ldmatrix.trans``."""
+compiles for sm_90a into what its description says: record-order K read by ``ldmatrix.trans``
+(the kernel as it is), the lane-major words it replaced, 16-byte V copies only."""
 
 from __future__ import annotations
 
@@ -65,21 +65,15 @@ def test_a_stale_patch_stops_the_probe(tmp_path, monkeypatch):
     "name, mma, cp4, cp8, cp16, trans",
     [
         # per block: scores 2 x 32 (two fp16 parts) + zero points 16, values 32, ones 4.
-        # Copies (two stages issued in the code): per stage K 32 4-byte or 8 16-byte ones,
-        # 2-bit V 16 4-byte or 4 16-byte, the scale vectors 6 16-byte ones (record-order K: 3
-        # 16-byte and 3 8-byte ones); ldmatrix.trans of record-order K: 8 a block (+2 of the
-        # weights' transpose)
-        ("base", 116, 96, 0, 12, 0),
-        ("copy16", 116, 0, 0, 36, 0),  # the same MMAs, the code words by 16-byte copies
-        ("copy16k", 116, 32, 0, 28, 0),  # the K words only
-        ("copy16v", 116, 64, 0, 20, 0),  # the V words only
-        ("single", 84, 96, 0, 12, 0),  # one fp16 score operand: 32 score MMAs fewer
-        ("ilp", 116, 96, 0, 12, 0),  # the same MMAs, in independent accumulators
-        ("ilp2", 116, 96, 0, 12, 0),  # and interleaved in program order
-        ("all", 80, 0, 0, 36, 0),  # and subnormal operands: no ones column
-        ("record_k", 116, 32, 6, 22, 10),
-        ("record_v", 116, 64, 0, 20, 0),
-        ("record_kv", 116, 0, 6, 30, 10),  # no 4-byte copy left
+        # Copies (two stages issued in the code): per stage record-order K 8 16-byte ones
+        # (lane-major K words: 32 4-byte ones), 2-bit V 16 4-byte or 4 16-byte, the scale
+        # vectors 3 16-byte and 3 8-byte ones (lane-major: 6 16-byte ones); ldmatrix.trans of
+        # record-order K: 8 a block (+2 of the weights' transpose)
+        ("base", 116, 32, 6, 22, 10),
+        ("lane_k", 116, 96, 0, 12, 0),  # the kernel before record order
+        ("subnormal", 112, 96, 0, 12, 0),  # subnormal operands: no ones column
+        ("copy16v", 116, 0, 6, 30, 10),  # the V words by 16-byte copies
+        ("record_v", 116, 0, 6, 30, 10),  # no 4-byte copy left
     ],
 )
 def test_variant_compiles_to_what_it_claims(tmp_path, name, mma, cp4, cp8, cp16, trans):

@@ -791,18 +791,20 @@ def k_word_offsets(G: gl.constexpr, KB: gl.constexpr):
 
 @gluon.jit
 def _stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB: gl.constexpr, G: gl.constexpr,
-                 KB: gl.constexpr = 4):  # fmt: skip
+                 KB: gl.constexpr = 4, K_WORDS: gl.constexpr = True):  # fmt: skip
     """cp.async of the K words [8 * chunk + i, lane] and V words [i * HV + h, lane] of the
     64-token half ``half`` of a G-token record (channel ``d``'s K words are ``d * G / 8 ..``,
     a half's eight follow ``8 * half`` of them; V rows are tokens). 2-bit K (``KB = 2``):
     channel ``d``'s words are ``d * G / 16 ..``, four a half, and lanes ``c + 4 w`` and ``c +
-    4 (w ^ 1)`` both get word ``w // 2`` (tokens ``8 w ..`` are its half ``w % 2``)."""
+    4 (w ^ 1)`` both get word ``w // 2`` (tokens ``8 w ..`` are its half ``w % 2``). Without
+    ``K_WORDS`` the V words only (``decode_mma_rec`` stages K itself)."""
     HV: gl.constexpr = VB // 2
     WV: gl.constexpr = 128 * VB // 32
-    # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w of the half
-    koff = k_word_offsets(G, KB)
-    kbase = r32 + K_OFF // 4 + half * (2 * KB)
-    async_copy.async_copy_global_to_shared(sk, kbase + koff, mask=(koff >= 0) & ok)
+    if K_WORDS:
+        # K: row 8 * chunk + i, lane c + 4 w: channel 32 c + 8 * chunk + i, word w of the half
+        koff = k_word_offsets(G, KB)
+        kbase = r32 + K_OFF // 4 + half * (2 * KB)
+        async_copy.async_copy_global_to_shared(sk, kbase + koff, mask=(koff >= 0) & ok)
     # V: row i * HV + h, lane c + 4 g: token 16 c + i of the half, word g * HV + h
     CPV: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[16 * HV, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1], order=[1, 0]

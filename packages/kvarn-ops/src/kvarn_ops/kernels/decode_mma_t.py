@@ -35,12 +35,15 @@ of ``zp_K`` times ``q_rot`` split into fp16 high and low parts). The per-block s
 
 from __future__ import annotations
 
+import os
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kvarn_ops.kernels import decode_mma as M
 from kvarn_ops.kernels import decode_mma_pair as P
+from kvarn_ops.kernels import decode_mma_rec as RK
 
 __all__ = ["mma_decode_t_kernel"]
 
@@ -86,6 +89,16 @@ def _tok_rows(v):
 
 
 @gluon.jit
+def _rows(v, RK4: gl.constexpr):
+    """A staged [8, 8] run tile of a row vector in S^T row order: ``decode_mma_rec``'s token
+    order with record-order K (``RK4``), else :func:`_tok_rows`'."""
+    if RK4:
+        return RK.tok_rows(v, gl.constexpr(_TOK))
+    else:
+        return _tok_rows(v)
+
+
+@gluon.jit
 def _chan_rows(v):
     """[8 g, 4 i] run (channel 16 g + 4 CQ + i, i = 2 mt + y) -> O^T chunk row order."""
     v = gl.permute(gl.reshape(v.to(gl.float32), [8, 2, 2]), [1, 2, 0])
@@ -98,6 +111,12 @@ def _kchan(v, LAYOUT: gl.constexpr):
     v = gl.permute(gl.reshape(v, [2, 2, 2, 2, 2]), [2, 3, 0, 1, 4])
     return gl.convert_layout(gl.reshape(v, [32]), LAYOUT, assert_trivial=True)
 
+
+RECORD_ORDER_K = os.environ.get("KVARN_DECODE_RECORD_K", "1") != "0"
+"""4-bit K codes staged in record order and read by ``ldmatrix.trans``
+(``decode_mma_rec.py``), one KV head a program, offset operands; ``KVARN_DECODE_RECORD_K=0``
+(read at import) keeps the lane-major words for every launch."""
+_REC_K: gl.constexpr = gl.constexpr(RECORD_ORDER_K)
 
 SUBNORMAL_CODES = M.SUBNORMAL_CODES
 """Opt-in (``KVARN_DECODE_SUBNORMAL=1``; ``decode_mma.SUBNORMAL_CODES`` says why it is off by
@@ -262,6 +281,25 @@ def _qs_t(qz, qh, ql, kcs_run, kzp_run, QB: gl.constexpr):
 
 
 @gluon.jit
+def _qs_rec(qz, qh, ql, skc, skz, CQ: gl.constexpr, QB: gl.constexpr):
+    """:func:`_qs_t` for record-order K (``decode_mma_rec``): chunk ``CQ`` of the staged
+    column scales and zero points ``skc`` / ``skz`` [4, 32], in physical channel order."""
+    kc = RK.chan_chunk(skc, CQ, gl.constexpr(gl.SliceLayout(1, QB)))
+    kz = RK.chan_chunk(skz, CQ, gl.constexpr(gl.SliceLayout(0, _OPA)))
+    kcs = kc.to(gl.float16)[:, None]
+    qhl = gl.convert_layout(qh, QB, assert_trivial=True)
+    qll = gl.convert_layout(ql, QB, assert_trivial=True)
+    kcs2 = gl.full(qhl.shape, 0.0, gl.float16, QB) + kcs
+    hi, lo = _split_product(qhl, qll, kcs2)
+    za = gl.full([16, 32], 0.0, gl.float16, _OPA) + kz.to(gl.float16)[None, :]
+    qz = mma_v2(za, qh, qz)
+    qz = mma_v2(za, ql, qz)
+    qs_hi = gl.convert_layout(hi, _OPB, assert_trivial=True)
+    qs_lo = gl.convert_layout(lo, _OPB, assert_trivial=True)
+    return qs_hi, qs_lo, qz
+
+
+@gluon.jit
 def _equal_rows(x):
     """A [16, 8] MMA accumulator whose rows are all equal, as [8 g, 8] (row ``g`` of each
     lane, the other held row dropped): no shuffle, unlike a reduction over the rows."""
@@ -348,10 +386,41 @@ def _issue(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h
         P.issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h, dh,
                       rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
                       VCS_OFF, VRS_OFF, VZP_OFF, VB, G, KB)  # fmt: skip
+    elif KB == 4 and _REC_K and not _SUB:
+        _issue_rec(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h,
+                   rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF, VCS_OFF,
+                   VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
     else:
         M._issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h,
                        rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
                        VCS_OFF, VRS_OFF, VZP_OFF, VB, G, True, KB)  # fmt: skip
+
+
+@gluon.jit
+def _issue_rec(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h, rec32_ptr,
+               rec16_ptr, REC: gl.constexpr, K_OFF: gl.constexpr, KCS_OFF: gl.constexpr,
+               KZP_OFF: gl.constexpr, KRS_OFF: gl.constexpr, V_OFF: gl.constexpr,
+               VCS_OFF: gl.constexpr, VRS_OFF: gl.constexpr, VZP_OFF: gl.constexpr,
+               VB: gl.constexpr, G: gl.constexpr):  # fmt: skip
+    """``M._issue_stage`` with the K codes in record order and the row vectors in
+    ``decode_mma_rec``'s token order."""
+    HALVES: gl.constexpr = G // 64
+    uc = gl.minimum(uu, u1 - 1)
+    blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
+    half = uc % HALVES
+    rbase = blk * num_kv_heads + h
+    r32 = rec32_ptr + rbase * (REC // 4)
+    r16 = rec16_ptr + rbase * (REC // 2)
+    ok = uu < u1
+    RK.stage_k(sk, r16, ok, half, K_OFF, G)
+    M._stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G, 4, False)
+    M._stage_kchan(skc, skz, r16, ok, KCS_OFF, KZP_OFF)
+    RK.stage_tokens(skr, svr, svz, r16, ok, half, KRS_OFF, VRS_OFF, VZP_OFF)
+    g16 = gl.arange(0, 8, layout=gl.SliceLayout(1, M._CP816))
+    i16 = gl.arange(0, 16, layout=gl.SliceLayout(0, M._CP816))
+    oc = g16[:, None] * 16 + i16[None, :]
+    async_copy.async_copy_global_to_shared(svc, r16 + VCS_OFF // 2 + oc, mask=(oc >= 0) & ok)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -433,7 +502,12 @@ def mma_decode_t_kernel(
     # is loaded and rotated, which hides their latency
     HV: gl.constexpr = VB // 2
     NH: gl.constexpr = 2 if PAIR else 1  # heads whose token vectors a stage holds
-    sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
+    # record-order 4-bit K codes (decode_mma_rec) with one KV head a program and offset codes
+    RK4: gl.constexpr = KB == 4 and PAIR == 0 and _REC_K and not _SUB
+    if RK4:
+        sk = gl.allocate_shared_memory(gl.float16, [NBUF, 128, 16], RK.SH_K)
+    else:
+        sk = gl.allocate_shared_memory(gl.int32, [NBUF, 32, 32], _SH2)
     sv = gl.allocate_shared_memory(gl.int32, [NBUF, 16 * HV, 32], _SH2)
     skc = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
     skz = gl.allocate_shared_memory(gl.float16, [NBUF, 4, 32], _SH2)
@@ -476,14 +550,24 @@ def mma_decode_t_kernel(
         )
 
     # q rows [8, 128] (lane 4 n + t: row n, channels 32 t ..), scaled and rotated in fp32
-    if PAIR:
-        qrot = P.q_rows(q_ptr, b, h, dh > 0, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
+    # (record-order K: physical channel order, lane 4 n + t: channels 2 t + {0, 1} + 8 j)
+    if RK4:
+        qrot = RK.q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA)
+        qr0 = RK.q_chunk(qrot, 0, QB)
+        qr1 = RK.q_chunk(qrot, 1, QB)
+        qr2 = RK.q_chunk(qrot, 2, QB)
+        qr3 = RK.q_chunk(qrot, 3, QB)
     else:
-        qrot = M._q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
-    qr0 = _q_chunk(qrot, QB, 0)
-    qr1 = _q_chunk(qrot, QB, 1)
-    qr2 = _q_chunk(qrot, QB, 2)
-    qr3 = _q_chunk(qrot, QB, 3)
+        if PAIR:
+            qrot = P.q_rows(
+                q_ptr, b, h, dh > 0, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8)
+            )
+        else:
+            qrot = M._q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
+        qr0 = _q_chunk(qrot, QB, 0)
+        qr1 = _q_chunk(qrot, QB, 1)
+        qr2 = _q_chunk(qrot, QB, 2)
+        qr3 = _q_chunk(qrot, QB, 3)
     qh0, ql0 = _q_parts(qr0, QB)
     qh1, ql1 = _q_parts(qr1, QB)
     qh2, ql2 = _q_parts(qr2, QB)
@@ -499,7 +583,10 @@ def mma_decode_t_kernel(
     colb = hr == 1  # columns of the pair's second head
     q_pos = seq_len - (T + LAG) + rr // GQA
     mt = gl.arange(0, 64, layout=_TOK)
-    tok_of_row = (mt & 7) * 8 + (mt >> 4) * 2 + ((mt >> 3) & 1)
+    if RK4:
+        tok_of_row = RK.tok_of_row(gl.constexpr(_TOK))
+    else:
+        tok_of_row = (mt & 7) * 8 + (mt >> 4) * 2 + ((mt >> 3) & 1)
 
     m = gl.full([8], -1.0e30, gl.float32, _QR)
     l = gl.full([8], 0.0, gl.float32, _QR)
@@ -549,10 +636,16 @@ def mma_decode_t_kernel(
         kc = skc.index(cst)
         kz = skz.index(cst)
         qz = gl.full([16, 8], 0.0, gl.float32, _MMA)
-        qs0, qt0, qz = _qs_t(qz, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), QB)
-        qs1, qt1, qz = _qs_t(qz, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), QB)
-        qs2, qt2, qz = _qs_t(qz, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), QB)
-        qs3, qt3, qz = _qs_t(qz, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
+        if RK4:
+            qs0, qt0, qz = _qs_rec(qz, qh0, ql0, kc, kz, 0, QB)
+            qs1, qt1, qz = _qs_rec(qz, qh1, ql1, kc, kz, 1, QB)
+            qs2, qt2, qz = _qs_rec(qz, qh2, ql2, kc, kz, 2, QB)
+            qs3, qt3, qz = _qs_rec(qz, qh3, ql3, kc, kz, 3, QB)
+        else:
+            qs0, qt0, qz = _qs_t(qz, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), QB)
+            qs1, qt1, qz = _qs_t(qz, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), QB)
+            qs2, qt2, qz = _qs_t(qz, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), QB)
+            qs3, qt3, qz = _qs_t(qz, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
         # the score MMAs start from the zero-point term; a token row whose codes run scaled
         # (4-bit: odd nibbles as 16 c; 2-bit: c / F) starts from it scaled alike, and its row
         # scale takes the inverse (exact powers of two)
@@ -560,19 +653,30 @@ def mma_decode_t_kernel(
         if KB == 2:
             s = _rows_like(qzg, 64) * _k_row_factors(False, KB)[:, None]
         else:
-            odd = _tok_rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0)) > 0.5
+            odd = _rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0), RK4) > 0.5
             s = gl.where(odd[:, None], _rows_like(16.0 * qzg, 64), _rows_like(qzg, 64))
         # each code operand meets both fp16 parts of qs (the low part's MMAs first)
-        ka = _k_operand(M._staged_kw(ck, 0), KB)
-        s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
-        ka = _k_operand(M._staged_kw(ck, 1), KB)
-        s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
-        ka = _k_operand(M._staged_kw(ck, 2), KB)
-        s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
-        ka = _k_operand(M._staged_kw(ck, 3), KB)
-        s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
-        kf = _k_row_factors(True, KB)
-        krs = _tok_rows(skr.index(cst).slice(0, 8).load(_RUNG8)) * kf
+        if RK4:
+            ka = RK.k_operand(ck, 0, gl.constexpr(_OPA))
+            s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
+            ka = RK.k_operand(ck, 1, gl.constexpr(_OPA))
+            s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
+            ka = RK.k_operand(ck, 2, gl.constexpr(_OPA))
+            s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
+            ka = RK.k_operand(ck, 3, gl.constexpr(_OPA))
+            s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
+            kf = _rows(_run_consts(gl.constexpr(_RUNG8), 8, 1.0, 0.0625, 1.0, 0.0625), RK4)
+        else:
+            ka = _k_operand(M._staged_kw(ck, 0), KB)
+            s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
+            ka = _k_operand(M._staged_kw(ck, 1), KB)
+            s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
+            ka = _k_operand(M._staged_kw(ck, 2), KB)
+            s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
+            ka = _k_operand(M._staged_kw(ck, 3), KB)
+            s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
+            kf = _k_row_factors(True, KB)
+        krs = _rows(skr.index(cst).slice(0, 8).load(_RUNG8), RK4) * kf
         if PAIR:
             s = s * P.per_column(colb, krs, _tok_rows(skr.index(cst).slice(8, 8).load(_RUNG8)) * kf)
         else:
@@ -589,13 +693,17 @@ def mma_decode_t_kernel(
         p = gl.exp2(s - m_new[None, :])
         m = m_new
         l = l * alpha + gl.sum(p, axis=0)
-        vzp = _tok_rows(svz.index(cst).slice(0, 8).load(_RUNG8))
-        vrs = _tok_rows(svr.index(cst).slice(0, 8).load(_RUNG8))
+        vzp = _rows(svz.index(cst).slice(0, 8).load(_RUNG8), RK4)
+        vrs = _rows(svr.index(cst).slice(0, 8).load(_RUNG8), RK4)
         if PAIR:
             vzp2 = P.per_column(colb, vzp, _tok_rows(svz.index(cst).slice(8, 8).load(_RUNG8)))
             vrs2 = P.per_column(colb, vrs, _tok_rows(svr.index(cst).slice(8, 8).load(_RUNG8)))
             pz = gl.sum(p * vzp2, axis=0)
             pwb = gl.convert_layout((p * vrs2).to(gl.float16), _OPB)  # the transpose
+        elif RK4:  # the weights into the value side's token order on the way (a renaming)
+            pz = gl.sum(p * vzp[:, None], axis=0)
+            pw = RK.p_for_values((p * vrs[:, None]).to(gl.float16))
+            pwb = gl.convert_layout(pw, _OPB)  # the transpose
         else:
             pz = gl.sum(p * vzp[:, None], axis=0)
             pwb = gl.convert_layout((p * vrs[:, None]).to(gl.float16), _OPB)  # the transpose
