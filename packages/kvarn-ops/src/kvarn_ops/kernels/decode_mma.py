@@ -887,6 +887,21 @@ def _stage_block(
 
 
 @gluon.jit
+def unit_record(uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC: gl.constexpr,
+                G: gl.constexpr):  # fmt: skip
+    """Where 64-token unit ``uu`` of a request lies: its record's 32- and 16-bit base pointers
+    for KV head ``h`` (block-table entry ``uu // (G / 64)``; a unit past ``u1`` reads the last
+    one's entry), whether it is to be read (``uu < u1``) and its half in the record."""
+    HALVES: gl.constexpr = G // 64
+    uc = gl.minimum(uu, u1 - 1)
+    blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
+    rbase = blk * num_kv_heads + h
+    r32 = rec32_ptr + rbase * (REC // 4)
+    r16 = rec16_ptr + rbase * (REC // 2)
+    return r32, r16, uu < u1, uc % HALVES
+
+
+@gluon.jit
 def _issue_stage(
     sk,
     sv,
@@ -921,14 +936,7 @@ def _issue_stage(
     block-table entry ``uu // (G / 64)``; nothing is read from ``u1`` on) into the given stage
     buffers and commit the copy group: the 16-row layout of the scale vectors, or with
     ``T_LAYOUT`` the one of ``decode_mma_t``."""
-    HALVES: gl.constexpr = G // 64
-    uc = gl.minimum(uu, u1 - 1)
-    blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
-    half = uc % HALVES
-    rbase = blk * num_kv_heads + h
-    r32 = rec32_ptr + rbase * (REC // 4)
-    r16 = rec16_ptr + rbase * (REC // 2)
-    ok = uu < u1
+    r32, r16, ok, half = unit_record(uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G)
     _stage_block(sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, half, K_OFF, KCS_OFF,
                  KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G, T_LAYOUT,
                  KB)  # fmt: skip

@@ -82,15 +82,10 @@ def _issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_he
     """Stage 64-token unit ``uu`` of the request: both halves' words ([64, 32] K words, V words
     half by half), the channel vectors of 256 channels ([8, 32] K scale and zero point, [16,
     16] V scale) and the unit's token vectors ([8, 8]); then commit the copy group."""
-    HALVES: gl.constexpr = G // 64
     HV: gl.constexpr = VB // 2
-    uc = gl.minimum(uu, u1 - 1)
-    blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
-    half = uc % HALVES
-    rbase = blk * num_kv_heads + h
-    r32 = rec32_ptr + rbase * (REC // 4)
-    r16 = rec16_ptr + rbase * (REC // 2)
-    ok = uu < u1
+    r32, r16, ok, half = M.unit_record(
+        uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G
+    )
     _stage_half(sk.slice(0, 32), sv.slice(0, 16 * HV), r32, ok, half, 0, K_OFF, V_OFF, VB, G,
                 KB)  # fmt: skip
     _stage_half(sk.slice(32, 32), sv.slice(16 * HV, 16 * HV), r32, ok, half, 1, K_OFF, V_OFF,

@@ -154,14 +154,9 @@ def issue_stage(
     """``decode_mma._issue_stage`` for the head pair ``h``, ``h + dh``: both records of the
     block into one stage (``dh`` 0 where the program has one head, the odd head out or 5-8
     rows a head: the second half zero-filled)."""
-    HALVES: gl.constexpr = G // 64
-    uc = gl.minimum(uu, u1 - 1)
-    blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
-    half = uc % HALVES
-    rbase = blk * num_kv_heads + h
-    r32 = rec32_ptr + rbase * (REC // 4)
-    r16 = rec16_ptr + rbase * (REC // 2)
-    ok = uu < u1
+    r32, r16, ok, half = M.unit_record(
+        uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G
+    )
     ok2 = ok & (dh > 0)  # one head: the second half of the stage zero-filled
     _stage_words(sk, sv, r32, r32 + dh * (REC // 4), ok, ok2, half, K_OFF, V_OFF, VB, G, KB)
     _stage_vectors(skc, skz, skr, svc, svr, svz, r16, r16 + dh * (REC // 2), ok, ok2, half,

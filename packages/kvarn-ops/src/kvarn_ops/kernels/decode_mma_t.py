@@ -404,14 +404,9 @@ def _issue_rec(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_head
                VB: gl.constexpr, G: gl.constexpr):  # fmt: skip
     """``M._issue_stage`` with the K codes in record order and the row vectors in
     ``decode_mma_rec``'s token order."""
-    HALVES: gl.constexpr = G // 64
-    uc = gl.minimum(uu, u1 - 1)
-    blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
-    half = uc % HALVES
-    rbase = blk * num_kv_heads + h
-    r32 = rec32_ptr + rbase * (REC // 4)
-    r16 = rec16_ptr + rbase * (REC // 2)
-    ok = uu < u1
+    r32, r16, ok, half = M.unit_record(
+        uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G
+    )
     RK.stage_k(sk, r16, ok, half, K_OFF, G)
     M._stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G, 4, False)
     M._stage_kchan(skc, skz, r16, ok, KCS_OFF, KZP_OFF)
