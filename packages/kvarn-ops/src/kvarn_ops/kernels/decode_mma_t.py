@@ -31,6 +31,12 @@ operand layout; the zero-point term ``sum_d q_rot[d] zp_K[d]`` runs on the tenso
 of ``zp_K`` times ``q_rot`` split into fp16 high and low parts). The per-block score operand
 ``q_rot * s_col_K`` is formed in fp16x2 arithmetic from q_rot's two parts as two fp16 operands
 ``hi + lo`` (:func:`_split_product`), each of which meets every code operand.
+
+4-bit K at head_dim 128 with one KV head a program (the common case: GQA <= 8, one query
+token) does not use the lane-major K words: its codes are staged in record order by 16-byte
+copies and read by ``ldmatrix.trans`` (``decode_mma_rec.py``, 11-12% faster on an H100;
+``KVARN_DECODE_RECORD_K=0`` turns it off). Head pairs, 2-bit K, the subnormal opt-in and the
+head_dim 256 kernel keep the words.
 """
 
 from __future__ import annotations
