@@ -16,10 +16,10 @@ one run:
   are: **outputs are wrong, timing only**; the bound of what ``record_v`` can gain;
 - ``record_v``: a diff in ``benchmarks/patches/`` (applied with ``git apply``): 2-bit V words
   staged as token rows by 16-byte copies and read conflict-free (row ``4 i + c`` holds token
-  ``16 c + i``), so no 4-byte copy is left at head_dim 128. Its GPU parity fails outside the
-  8-row 4-bit-K path (the 16-row kernel and the 2-bit-K transposed path; BENCHMARKS.md
-  "2026-12-06, night"): run it before trusting a timing (``PYTHONPATH=OUT/trees/record_v:...
-  python3 gpu/parity.py -k "dense_parity and test_decode"``).
+  ``16 c + i``), so no 4-byte copy is left at head_dim 128 (only the transposed kernel's
+  2-bit V paths change). Not yet GPU-checked on its own (BENCHMARKS.md "2026-12-06, night"):
+  run its parity before trusting a timing (``PYTHONPATH=OUT/trees/record_v:... python3
+  gpu/parity.py -k "dense_parity and test_decode"``).
 
     python benchmarks/probe_decode_levers.py --out results/levers --geoms 0,1,2,3
         [--variants base,lane_k,record_v,copy16v,base]
