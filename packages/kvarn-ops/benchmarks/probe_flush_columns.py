@@ -262,15 +262,20 @@ def run_variant(name, b, lc, bits, codes=None):
     return out
 
 
-def agreement(name, b, lc, bits):
-    """Fraction of rows whose codes equal the reference's (a fresh launch on ``b``)."""
+def variant_codes(name, b, lc, bits):
+    """The variant's codes (a fresh launch on ``b``) and the reference's, both [N, R, C] on the
+    CPU."""
     ref = reference_codes(b, lc, bits)
     if name == "tile":
         codes = torch.empty(b.shape, dtype=torch.uint8, device=b.device)
         run_variant(name, b, lc, bits, codes)
-        got = codes.cpu()
-    else:
-        got = range_codes(b, run_variant(name, b, lc, bits), bits)
+        return codes.cpu(), ref
+    return range_codes(b, run_variant(name, b, lc, bits), bits), ref
+
+
+def agreement(name, b, lc, bits):
+    """Fraction of rows whose codes equal the reference's (a fresh launch on ``b``)."""
+    got, ref = variant_codes(name, b, lc, bits)
     return (got == ref).all(-1).float().mean().item()
 
 
