@@ -272,12 +272,18 @@ def _qs_t(qz, qh, ql, kcs_run, kzp_run, QB: gl.constexpr):
     a GPU parity record with row scales near 300: -19 on its top keys, whose output came out
     2.8x off on the GPU); with ``hi + lo`` and exact codes that record's scores are within
     0.001."""
-    kcs = _kchan(kcs_run, gl.SliceLayout(1, QB))[:, None]
+    kcs = _kchan(kcs_run, gl.SliceLayout(1, QB))
+    return _qs_parts(qz, qh, ql, kcs, _kchan(kzp_run, gl.SliceLayout(0, _OPA)), QB)
+
+
+@gluon.jit
+def _qs_parts(qz, qh, ql, kcs, zrow, QB: gl.constexpr):
+    """:func:`_qs_t`'s products from one chunk's fp16 column scales ``kcs`` [32] (the score
+    operand's channel slice) and zero points ``zrow`` [32] (the zero-point operand's)."""
     qhl = gl.convert_layout(qh, QB, assert_trivial=True)
     qll = gl.convert_layout(ql, QB, assert_trivial=True)
-    kcs2 = gl.full(qhl.shape, 0.0, gl.float16, QB) + kcs
+    kcs2 = gl.full(qhl.shape, 0.0, gl.float16, QB) + kcs[:, None]
     hi, lo = _split_product(qhl, qll, kcs2)
-    zrow = _kchan(kzp_run, gl.SliceLayout(0, _OPA))
     za = gl.full([16, 32], 0.0, gl.float16, _OPA) + zrow[None, :]
     qz = mma_v2(za, qh, qz)
     qz = mma_v2(za, ql, qz)
@@ -292,17 +298,7 @@ def _qs_rec(qz, qh, ql, skc, skz, CQ: gl.constexpr, QB: gl.constexpr):
     column scales and zero points ``skc`` / ``skz`` [4, 32], in physical channel order."""
     kc = RK.chan_chunk(skc, CQ, gl.constexpr(gl.SliceLayout(1, QB)))
     kz = RK.chan_chunk(skz, CQ, gl.constexpr(gl.SliceLayout(0, _OPA)))
-    kcs = kc.to(gl.float16)[:, None]
-    qhl = gl.convert_layout(qh, QB, assert_trivial=True)
-    qll = gl.convert_layout(ql, QB, assert_trivial=True)
-    kcs2 = gl.full(qhl.shape, 0.0, gl.float16, QB) + kcs
-    hi, lo = _split_product(qhl, qll, kcs2)
-    za = gl.full([16, 32], 0.0, gl.float16, _OPA) + kz.to(gl.float16)[None, :]
-    qz = mma_v2(za, qh, qz)
-    qz = mma_v2(za, ql, qz)
-    qs_hi = gl.convert_layout(hi, _OPB, assert_trivial=True)
-    qs_lo = gl.convert_layout(lo, _OPB, assert_trivial=True)
-    return qs_hi, qs_lo, qz
+    return _qs_parts(qz, qh, ql, kc.to(gl.float16), kz.to(gl.float16), QB)
 
 
 @gluon.jit
