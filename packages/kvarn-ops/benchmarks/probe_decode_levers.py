@@ -9,6 +9,9 @@ one run:
 
 - ``base``: the kernel as it is (4-bit K codes staged in record order by 16-byte copies and
   read by ``ldmatrix.trans``, ``decode_mma_rec.py``);
+- ``fused`` / ``two_operands``: ``KVARN_DECODE_FUSED_COLUMNS=1`` / ``=0``: q's fp16 high
+  and low parts in the two columns of one score operand (at most four query rows a KV head,
+  ``decode_mma_t.FUSED_COLUMNS``), or as two score operands that each code operand meets;
 - ``lane_k``: ``KVARN_DECODE_RECORD_K=0``, the lane-major K words gathered by 4-byte copies
   (the kernel before record order);
 - ``subnormal``: ``KVARN_DECODE_SUBNORMAL=1`` (the opt-in operands; lane-major K words);
@@ -20,9 +23,13 @@ one run:
   2-bit V paths change). Not yet GPU-checked on its own (BENCHMARKS.md "2026-12-06, night"):
   run its parity before trusting a timing (``PYTHONPATH=OUT/trees/record_v:... python3
   gpu/parity.py -k "dense_parity and test_decode"``).
+- ``lazy_rescale``: a diff in ``benchmarks/patches/``: the running softmax's rescale of the
+  accumulators (32 multiplies, two ``ex2``) in a branch taken only in blocks where some row's
+  maximum moves (a warp-uniform flag); elsewhere it multiplied by exactly 1, so the outputs
+  are bit-identical.
 
     python benchmarks/probe_decode_levers.py --out results/levers --geoms 0,1,2,3
-        [--variants base,lane_k,record_v,copy16v,base]
+        [--variants base,two_operands,lazy_rescale,record_v,base]
 
 The lever probes of the lane-major words (16-byte copies of K, one fp16 score operand,
 independent MMA chains) were measured on the kernel before record order (BENCHMARKS.md
@@ -81,10 +88,13 @@ PATCHES = HERE / "patches"
 #: ("diff", name of a diff in ``PATCHES``)
 VARIANTS: dict[str, tuple[list, dict]] = {
     "base": ([], {}),
+    "fused": ([], {"KVARN_DECODE_FUSED_COLUMNS": "1"}),
+    "two_operands": ([], {"KVARN_DECODE_FUSED_COLUMNS": "0"}),
     "lane_k": ([], {"KVARN_DECODE_RECORD_K": "0"}),
     "subnormal": ([], {"KVARN_DECODE_SUBNORMAL": "1"}),
     "copy16v": (_COPY16V, {}),
     "record_v": ([("diff", "record_v.diff", "")], {}),
+    "lazy_rescale": ([("diff", "lazy_rescale.diff", "")], {}),
 }
 
 
@@ -130,7 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for the JSON files")
     ap.add_argument("--geoms", default="0,1,2,3", help="bench_decode.py GEOMS indices")
-    ap.add_argument("--variants", default="base,lane_k,record_v,copy16v,base")
+    ap.add_argument("--variants", default="base,two_operands,lazy_rescale,record_v,base")
     ap.add_argument("--trees-only", action="store_true", help="write the patched trees, no run")
     a = ap.parse_args()
     out = Path(a.out)

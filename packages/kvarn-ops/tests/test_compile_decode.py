@@ -434,9 +434,11 @@ def test_mma_decode_transposed_compiles(target, case):
     print(f"{case} sm{target.arch}: {'subnormal' if sub else 'offset'} code operands")
     # per block: scores 4 x (2 x 8 for the two fp16 parts of q * s_col_K + 2 x 2 zero-point),
     # values 4 x 8 (+ 4 for the ones column of 2-bit V, unless its codes are subnormals); q is
-    # rotated by a Walsh-Hadamard transform, not by MMAs (64 before)
+    # rotated by a Walsh-Hadamard transform, not by MMAs (64 before). With at most four query
+    # rows the two parts share one operand (fused columns): 4 x (8 + 2) for the scores
     ones = 4 if vb == 2 and not sub else 0
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 80 + 32 + ones
+    fused = not sub and decode_mma_t.FUSED_COLUMNS and case[1] * case[2] <= 4
+    assert ptx.count("mma.sync.aligned.m16n8k16") == (40 if fused else 80) + 32 + ones
     if sub:
         # K codes exact as fp16 subnormals: masked only (two ``and`` per byte pair), nothing
         # subtracted; 2-bit V likewise (4-bit V keeps the 1024 of its mantissa trick: one
@@ -455,6 +457,67 @@ def test_mma_decode_transposed_compiles(target, case):
     # its two cross-lane stages: one butterfly shuffle per register each
     assert ptx.count("shfl.sync.bfly.b32") >= 64
     assert "popc" not in ptx  # no sign matrix
+
+
+FUSED_CASES = [
+    # record-order 4-bit K, 128-token records with 4-bit V, 2-bit K, two query tokens at GQA 2
+    ("kvarn_k4v2_g64", 4, 1, "*bf16"),
+    ("kvarn_k4v4_g128", 4, 1, "*fp16"),
+    ("kvarn_k2v2_g64", 4, 1, "*bf16"),
+    ("kvarn_k2v4_g128", 2, 2, "*fp32"),
+]
+
+
+# compiled in a child process with the opt-in set at import (a kernel's globals are read when
+# it is first compiled in a process)
+_FUSED_CHILD = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+import test_compile_decode as T
+from cubin_info import cubin_resources
+from kvarn_ops.kernels import decode_mma_t
+case = tuple(json.loads(sys.argv[2]))
+out = dict(fused=decode_mma_t.FUSED_COLUMNS, sub=decode_mma_t.SUBNORMAL_CODES)
+for arch in (90, 120):
+    k = triton.compile(T._mma_source(*case, nbuf=2, transposed=True),
+                       target=GPUTarget("cuda", arch, 32), options=dict(num_warps=1))
+    regs, frame = cubin_resources(k.asm["cubin"])
+    ptx = k.asm["ptx"]
+    out[arch] = dict(regs=regs, frame=frame, mma=ptx.count("mma.sync.aligned.m16n8k16"),
+                     sel=ptx.count(", 0xd8;"))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
+def test_mma_decode_fused_columns_compiles(case):
+    """``decode_mma_t.FUSED_COLUMNS`` (opt-in, ``KVARN_DECODE_FUSED_COLUMNS=1``): at most four
+    query rows, q's two fp16 parts in the columns of one score operand: 4 x (8 + 2) score and
+    zero-point MMAs a block instead of 4 x (16 + 4), one column select per operand register,
+    no spill frame (sm_90a and sm_120a)."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", KVARN_DECODE_FUSED_COLUMNS="1")
+    env.pop("KVARN_DECODE_SUBNORMAL", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FUSED_CHILD, str(Path(__file__).parent), json.dumps(case)],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(case, got)
+    assert got["fused"] and not got["sub"]
+    vb = KD._layout_consts(case[0], 128)["VB"]
+    for arch in ("90", "120"):
+        assert got[arch]["regs"] <= 255 and got[arch]["frame"] == 0, (arch, got[arch])
+        assert got[arch]["mma"] == 40 + 32 + (4 if vb == 2 else 0), (arch, got[arch])
+        # the score operand's even / odd column select: one lop3 per register, 4 a chunk
+        assert got[arch]["sel"] == 16, (arch, got[arch])
 
 
 def test_mma_decode_scope_and_splits():

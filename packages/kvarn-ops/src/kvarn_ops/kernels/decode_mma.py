@@ -469,12 +469,16 @@ def _q_rotated(q, QL: gl.constexpr):
 
 @gluon.jit
 def _q_rows(
-    q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr, QL: gl.constexpr
-):
+    q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr, QL: gl.constexpr,
+    PAIRED: gl.constexpr = False,
+):  # fmt: skip
     """Query rows ``r = t * GQA + g`` (token ``t`` of request ``b``, head ``h * GQA + g``) as
-    [R, 128] in ``QL``, scaled by ``qk_scale`` and rotated, fp32 (rows past T * GQA are 0)."""
+    [R, 128] in ``QL``, scaled by ``qk_scale`` and rotated, fp32 (rows past T * GQA are 0);
+    with ``PAIRED`` row ``n`` holds query row ``n >> 1``."""
     R: gl.constexpr = QL.shape[0]
     rq = gl.arange(0, R, layout=gl.SliceLayout(1, QL))
+    if PAIRED:
+        rq = rq >> 1
     cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
     ok = rq < T * GQA
     qrow = ((b * T + rq // GQA) * num_q_heads + h * GQA + rq % GQA).to(gl.int64)

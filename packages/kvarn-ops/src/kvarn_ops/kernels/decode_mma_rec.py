@@ -185,11 +185,14 @@ def _butterfly(x, B: gl.constexpr):
 
 
 @gluon.jit
-def q_rows(q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr):
+def q_rows(q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr,
+           PAIRED: gl.constexpr = False):  # fmt: skip
     """Query rows [8, 128] (``M._q_rows``' rows, scaled and rotated in fp32) in
     :data:`QL_REC`: register stages on channel bits 0, 3, 4, 5, 6, ``shfl`` stages on bits 1
-    and 2."""
+    and 2. With ``PAIRED`` (at most four rows) row ``n`` holds query row ``n >> 1``."""
     rq = gl.arange(0, 8, layout=gl.SliceLayout(1, QL_REC))
+    if PAIRED:
+        rq = rq >> 1
     cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL_REC))
     ok = rq < T * GQA
     qrow = ((b * T + rq // GQA) * num_q_heads + h * GQA + rq % GQA).to(gl.int64)

@@ -36,7 +36,8 @@ of ``zp_K`` times ``q_rot`` split into fp16 high and low parts). The per-block s
 token) does not use the lane-major K words: its codes are staged in record order by 16-byte
 copies and read by ``ldmatrix.trans`` (``decode_mma_rec.py``, 11-12% faster on an H100;
 ``KVARN_DECODE_RECORD_K=0`` turns it off). Head pairs, 2-bit K, the subnormal opt-in and the
-head_dim 256 kernel keep the words.
+head_dim 256 kernel keep the words. With at most four query rows, q's two parts can share
+one score operand (:data:`FUSED_COLUMNS`, opt-in).
 """
 
 from __future__ import annotations
@@ -123,6 +124,16 @@ RECORD_ORDER_K = os.environ.get("KVARN_DECODE_RECORD_K", "1") != "0"
 (``decode_mma_rec.py``), one KV head a program, offset operands; ``KVARN_DECODE_RECORD_K=0``
 (read at import) keeps the lane-major words for every launch."""
 _REC_K: gl.constexpr = gl.constexpr(RECORD_ORDER_K)
+
+FUSED_COLUMNS = os.environ.get("KVARN_DECODE_FUSED_COLUMNS", "0") == "1"
+"""Opt-in (``KVARN_DECODE_FUSED_COLUMNS=1``, read at import; compiled and checked offline,
+not yet GPU-checked): with at most four query rows a KV head (GQA <= 4 at one query token),
+one KV head a program and offset code operands, each query row takes two MMA columns, q's
+fp16 high part in the even one and its low part in the odd one, so each code operand meets
+one score operand instead of two (the score and zero-point MMAs of a block 116 -> 76) and
+the pairs' sum fills both columns (the softmax is computed once per pair): the sm_90a block
+loop 1,151 -> 1,071 instructions with record-order 4-bit K, 1,222 -> 1,133 with 2-bit K."""
+_FUSED: gl.constexpr = gl.constexpr(FUSED_COLUMNS)
 
 SUBNORMAL_CODES = M.SUBNORMAL_CODES
 """Opt-in (``KVARN_DECODE_SUBNORMAL=1``; ``decode_mma.SUBNORMAL_CODES`` says why it is off by
@@ -262,7 +273,23 @@ def _split_product(qh, ql, s):
 
 
 @gluon.jit
-def _qs_t(qz, qh, ql, kcs_run, kzp_run, QB: gl.constexpr):
+def _split_product_sel(qh, ql, s, odd):
+    """:func:`_split_product`'s ``hi`` where ``odd`` is 0 and its ``lo`` where ``odd`` is all
+    ones (int16, per element): one more ``lop3``."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t, n, h, l; mul.rn.f16x2 t, $2, $3; fma.rn.f16x2 h, $1, $3, t; "
+        "xor.b32 n, h, 0x80008000; fma.rn.f16x2 l, $1, $3, n; add.rn.f16x2 l, l, t; "
+        "lop3.b32 $0, h, l, $4, 0xd8; }",
+        "=r,r,r,r,r",
+        [qh, ql, s, odd],
+        dtype=gl.float16,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _qs_t(qz, qh, ql, kcs_run, kzp_run, QB: gl.constexpr, qf=None, odd=None):
     """One 32-channel chunk's score operand ``qs = q_rot * s_col_K`` as two fp16 operands
     ``hi + lo`` (:func:`_split_product`) and ``qz += zp_K q_rot`` (hi + lo; rows all equal).
 
@@ -273,16 +300,24 @@ def _qs_t(qz, qh, ql, kcs_run, kzp_run, QB: gl.constexpr):
     2.8x off on the GPU); with ``hi + lo`` and exact codes that record's scores are within
     0.001."""
     kcs = _kchan(kcs_run, gl.SliceLayout(1, QB))
-    return _qs_parts(qz, qh, ql, kcs, _kchan(kzp_run, gl.SliceLayout(0, _OPA)), QB)
+    return _qs_parts(qz, qh, ql, kcs, _kchan(kzp_run, gl.SliceLayout(0, _OPA)), QB, qf, odd)
 
 
 @gluon.jit
-def _qs_parts(qz, qh, ql, kcs, zrow, QB: gl.constexpr):
+def _qs_parts(qz, qh, ql, kcs, zrow, QB: gl.constexpr, qf=None, odd=None):
     """:func:`_qs_t`'s products from one chunk's fp16 column scales ``kcs`` [32] (the score
-    operand's channel slice) and zero points ``zrow`` [32] (the zero-point operand's)."""
+    operand's channel slice) and zero points ``zrow`` [32] (the zero-point operand's). Given
+    ``qf`` and ``odd`` (:func:`_fused_q`), one operand carries both parts, ``hi`` in the even
+    columns and ``lo`` in the odd ones (returned twice), and so does the zero-point MMA's."""
     qhl = gl.convert_layout(qh, QB, assert_trivial=True)
     qll = gl.convert_layout(ql, QB, assert_trivial=True)
     kcs2 = gl.full(qhl.shape, 0.0, gl.float16, QB) + kcs[:, None]
+    if qf is not None:
+        za = gl.full([16, 32], 0.0, gl.float16, _OPA) + zrow[None, :]
+        qz = mma_v2(za, qf, qz)
+        qs = _split_product_sel(qhl, qll, kcs2, odd)
+        qs = gl.convert_layout(qs, _OPB, assert_trivial=True)
+        return qs, qs, qz
     hi, lo = _split_product(qhl, qll, kcs2)
     za = gl.full([16, 32], 0.0, gl.float16, _OPA) + zrow[None, :]
     qz = mma_v2(za, qh, qz)
@@ -293,12 +328,33 @@ def _qs_parts(qz, qh, ql, kcs, zrow, QB: gl.constexpr):
 
 
 @gluon.jit
-def _qs_rec(qz, qh, ql, skc, skz, CQ: gl.constexpr, QB: gl.constexpr):
+def _fused_q(qh, ql, QB: gl.constexpr):
+    """The fused zero-point operand (``qh`` in the even columns, ``ql`` in the odd ones) and
+    the odd columns' mask (int16 all ones) in ``QB``."""
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, QB))
+    odd = gl.full([32, 8], 0, gl.int16, QB) - (n & 1).to(gl.int16)[None, :]
+    qhl = gl.convert_layout(qh, QB, assert_trivial=True)
+    qll = gl.convert_layout(ql, QB, assert_trivial=True)
+    qf = gl.where((n & 1)[None, :] == 0, qhl, qll)
+    return gl.convert_layout(qf, _OPB, assert_trivial=True), odd
+
+
+@gluon.jit
+def _pair_sum(x, R: gl.constexpr):
+    """An [R, 8] MMA accumulator's column pairs ``(2 r, 2 r + 1)`` summed into both columns
+    (a lane holds both columns of a pair: register adds)."""
+    a, b = gl.split(gl.reshape(x, [R, 4, 2]))
+    y = a + b
+    return gl.convert_layout(gl.reshape(gl.join(y, y), [R, 8]), _MMA, assert_trivial=True)
+
+
+@gluon.jit
+def _qs_rec(qz, qh, ql, skc, skz, CQ: gl.constexpr, QB: gl.constexpr, qf=None, odd=None):
     """:func:`_qs_t` for record-order K (``decode_mma_rec``): chunk ``CQ`` of the staged
     column scales and zero points ``skc`` / ``skz`` [4, 32], in physical channel order."""
     kc = RK.chan_chunk(skc, CQ, gl.constexpr(gl.SliceLayout(1, QB)))
     kz = RK.chan_chunk(skz, CQ, gl.constexpr(gl.SliceLayout(0, _OPA)))
-    return _qs_parts(qz, qh, ql, kc.to(gl.float16), kz.to(gl.float16), QB)
+    return _qs_parts(qz, qh, ql, kc.to(gl.float16), kz.to(gl.float16), QB, qf, odd)
 
 
 @gluon.jit
@@ -501,6 +557,10 @@ def mma_decode_t_kernel(
     NH: gl.constexpr = 2 if PAIR else 1  # heads whose token vectors a stage holds
     # record-order 4-bit K codes (decode_mma_rec) with one KV head a program and offset codes
     RK4: gl.constexpr = KB == 4 and PAIR == 0 and _REC_K and not _SUB
+    # at most four query rows: column n of every [*, 8] tile is query row n >> 1, and the
+    # score MMAs take q's hi part in the even columns and its lo part in the odd ones (one
+    # MMA per code operand instead of two; the column pairs summed after)
+    FUSED: gl.constexpr = PAIR == 0 and T * GQA <= 4 and not _SUB and _FUSED
     if RK4:
         sk = gl.allocate_shared_memory(gl.float16, [NBUF, 128, 16], RK.SH_K)
     else:
@@ -549,7 +609,7 @@ def mma_decode_t_kernel(
     # q rows [8, 128] (lane 4 n + t: row n, channels 32 t ..), scaled and rotated in fp32
     # (record-order K: physical channel order, lane 4 n + t: channels 2 t + {0, 1} + 8 j)
     if RK4:
-        qrot = RK.q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA)
+        qrot = RK.q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, FUSED)
         qr0 = RK.q_chunk(qrot, 0, QB)
         qr1 = RK.q_chunk(qrot, 1, QB)
         qr2 = RK.q_chunk(qrot, 2, QB)
@@ -560,7 +620,9 @@ def mma_decode_t_kernel(
                 q_ptr, b, h, dh > 0, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8)
             )
         else:
-            qrot = M._q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
+            qrot = M._q_rows(
+                q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8), FUSED
+            )
         qr0 = _q_chunk(qrot, QB, 0)
         qr1 = _q_chunk(qrot, QB, 1)
         qr2 = _q_chunk(qrot, QB, 2)
@@ -569,14 +631,29 @@ def mma_decode_t_kernel(
     qh1, ql1 = _q_parts(qr1, QB)
     qh2, ql2 = _q_parts(qr2, QB)
     qh3, ql3 = _q_parts(qr3, QB)
+    qf0 = None
+    qf1 = None
+    qf2 = None
+    qf3 = None
+    lo_cols = None
+    if FUSED:
+        qf0, lo_cols = _fused_q(qh0, ql0, QB)
+        qf1, lo_cols = _fused_q(qh1, ql1, QB)
+        qf2, lo_cols = _fused_q(qh2, ql2, QB)
+        qf3, lo_cols = _fused_q(qh3, ql3, QB)
 
     if PAIR:
         hr, rr = P.row_heads(T, GQA, gl.constexpr(_QR))
         row_ok = (hr == 0) | ((hr == 1) & (dh > 0))
     else:
         rr = gl.arange(0, 8, layout=_QR)
-        hr = rr * 0
-        row_ok = rr < T * GQA
+        if FUSED:
+            row_ok = (rr < 2 * T * GQA) & ((rr & 1) == 0)  # one column of each pair stores
+            rr = rr >> 1
+            hr = rr * 0
+        else:
+            hr = rr * 0
+            row_ok = rr < T * GQA
     colb = hr == 1  # columns of the pair's second head
     q_pos = seq_len - (T + LAG) + rr // GQA
     mt = gl.arange(0, 64, layout=_TOK)
@@ -634,15 +711,15 @@ def mma_decode_t_kernel(
         kz = skz.index(cst)
         qz = gl.full([16, 8], 0.0, gl.float32, _MMA)
         if RK4:
-            qs0, qt0, qz = _qs_rec(qz, qh0, ql0, kc, kz, 0, QB)
-            qs1, qt1, qz = _qs_rec(qz, qh1, ql1, kc, kz, 1, QB)
-            qs2, qt2, qz = _qs_rec(qz, qh2, ql2, kc, kz, 2, QB)
-            qs3, qt3, qz = _qs_rec(qz, qh3, ql3, kc, kz, 3, QB)
+            qs0, qt0, qz = _qs_rec(qz, qh0, ql0, kc, kz, 0, QB, qf0, lo_cols)
+            qs1, qt1, qz = _qs_rec(qz, qh1, ql1, kc, kz, 1, QB, qf1, lo_cols)
+            qs2, qt2, qz = _qs_rec(qz, qh2, ql2, kc, kz, 2, QB, qf2, lo_cols)
+            qs3, qt3, qz = _qs_rec(qz, qh3, ql3, kc, kz, 3, QB, qf3, lo_cols)
         else:
-            qs0, qt0, qz = _qs_t(qz, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), QB)
-            qs1, qt1, qz = _qs_t(qz, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), QB)
-            qs2, qt2, qz = _qs_t(qz, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), QB)
-            qs3, qt3, qz = _qs_t(qz, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB)
+            qs0, qt0, qz = _qs_t(qz, qh0, ql0, M._run8(kc, 0), M._run8(kz, 0), QB, qf0, lo_cols)
+            qs1, qt1, qz = _qs_t(qz, qh1, ql1, M._run8(kc, 1), M._run8(kz, 1), QB, qf1, lo_cols)
+            qs2, qt2, qz = _qs_t(qz, qh2, ql2, M._run8(kc, 2), M._run8(kz, 2), QB, qf2, lo_cols)
+            qs3, qt3, qz = _qs_t(qz, qh3, ql3, M._run8(kc, 3), M._run8(kz, 3), QB, qf3, lo_cols)
         # the score MMAs start from the zero-point term; a token row whose codes run scaled
         # (4-bit: odd nibbles as 16 c; 2-bit: c / F) starts from it scaled alike, and its row
         # scale takes the inverse (exact powers of two)
@@ -653,7 +730,21 @@ def mma_decode_t_kernel(
             odd = _rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0), RK4) > 0.5
             s = gl.where(odd[:, None], _rows_like(16.0 * qzg, 64), _rows_like(qzg, 64))
         # each code operand meets both fp16 parts of qs (the low part's MMAs first)
-        if RK4:
+        if FUSED and RK4:
+            s = mma_v2(RK.k_operand(ck, 0, gl.constexpr(_OPA)), qs0, s)
+            s = mma_v2(RK.k_operand(ck, 1, gl.constexpr(_OPA)), qs1, s)
+            s = mma_v2(RK.k_operand(ck, 2, gl.constexpr(_OPA)), qs2, s)
+            s = mma_v2(RK.k_operand(ck, 3, gl.constexpr(_OPA)), qs3, s)
+            s = _pair_sum(s, 64)
+            kf = _rows(_run_consts(gl.constexpr(_RUNG8), 8, 1.0, 0.0625, 1.0, 0.0625), RK4)
+        elif FUSED:
+            s = mma_v2(_k_operand(M._staged_kw(ck, 0), KB), qs0, s)
+            s = mma_v2(_k_operand(M._staged_kw(ck, 1), KB), qs1, s)
+            s = mma_v2(_k_operand(M._staged_kw(ck, 2), KB), qs2, s)
+            s = mma_v2(_k_operand(M._staged_kw(ck, 3), KB), qs3, s)
+            s = _pair_sum(s, 64)
+            kf = _k_row_factors(True, KB)
+        elif RK4:
             ka = RK.k_operand(ck, 0, gl.constexpr(_OPA))
             s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
             ka = RK.k_operand(ck, 1, gl.constexpr(_OPA))
