@@ -516,8 +516,9 @@ def test_mma_decode_fused_columns_compiles(case):
     for arch in ("90", "120"):
         assert got[arch]["regs"] <= 255 and got[arch]["frame"] == 0, (arch, got[arch])
         assert got[arch]["mma"] == 40 + 32 + (4 if vb == 2 else 0), (arch, got[arch])
-        # the score operand's even / odd column select: one lop3 per register, 4 a chunk
-        assert got[arch]["sel"] == 16, (arch, got[arch])
+        # the even / odd column select, one lop3 per register (4 a chunk): the block's score
+        # operands and, once a program, the zero-point operand
+        assert got[arch]["sel"] == 2 * 16, (arch, got[arch])
 
 
 def test_mma_decode_scope_and_splits():

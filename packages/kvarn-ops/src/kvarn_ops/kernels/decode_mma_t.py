@@ -132,7 +132,7 @@ one KV head a program and offset code operands, each query row takes two MMA col
 fp16 high part in the even one and its low part in the odd one, so each code operand meets
 one score operand instead of two (the score and zero-point MMAs of a block 116 -> 76) and
 the pairs' sum fills both columns (the softmax is computed once per pair): the sm_90a block
-loop 1,151 -> 1,071 instructions with record-order 4-bit K, 1,222 -> 1,133 with 2-bit K."""
+loop 1,151 -> 1,039 instructions with record-order 4-bit K, 1,222 -> 1,101 with 2-bit K."""
 _FUSED: gl.constexpr = gl.constexpr(FUSED_COLUMNS)
 
 SUBNORMAL_CODES = M.SUBNORMAL_CODES
@@ -273,15 +273,13 @@ def _split_product(qh, ql, s):
 
 
 @gluon.jit
-def _split_product_sel(qh, ql, s, odd):
-    """:func:`_split_product`'s ``hi`` where ``odd`` is 0 and its ``lo`` where ``odd`` is all
-    ones (int16, per element): one more ``lop3``."""
+def _select_lo(hi, lo, odd):
+    """``lo`` where ``odd`` is all ones, ``hi`` where it is 0 (int16 masks; one ``lop3`` per
+    register)."""
     return gl.inline_asm_elementwise(
-        "{ .reg .b32 t, n, h, l; mul.rn.f16x2 t, $2, $3; fma.rn.f16x2 h, $1, $3, t; "
-        "xor.b32 n, h, 0x80008000; fma.rn.f16x2 l, $1, $3, n; add.rn.f16x2 l, l, t; "
-        "lop3.b32 $0, h, l, $4, 0xd8; }",
-        "=r,r,r,r,r",
-        [qh, ql, s, odd],
+        "lop3.b32 $0, $1, $2, $3, 0xd8;",
+        "=r,r,r,r",
+        [hi, lo, odd],
         dtype=gl.float16,
         is_pure=True,
         pack=2,
@@ -312,14 +310,12 @@ def _qs_parts(qz, qh, ql, kcs, zrow, QB: gl.constexpr, qf=None, odd=None):
     qhl = gl.convert_layout(qh, QB, assert_trivial=True)
     qll = gl.convert_layout(ql, QB, assert_trivial=True)
     kcs2 = gl.full(qhl.shape, 0.0, gl.float16, QB) + kcs[:, None]
-    if qf is not None:
-        za = gl.full([16, 32], 0.0, gl.float16, _OPA) + zrow[None, :]
-        qz = mma_v2(za, qf, qz)
-        qs = _split_product_sel(qhl, qll, kcs2, odd)
-        qs = gl.convert_layout(qs, _OPB, assert_trivial=True)
-        return qs, qs, qz
     hi, lo = _split_product(qhl, qll, kcs2)
     za = gl.full([16, 32], 0.0, gl.float16, _OPA) + zrow[None, :]
+    if qf is not None:
+        qz = mma_v2(za, qf, qz)
+        qs = gl.convert_layout(_select_lo(hi, lo, odd), _OPB, assert_trivial=True)
+        return qs, qs, qz
     qz = mma_v2(za, qh, qz)
     qz = mma_v2(za, ql, qz)
     qs_hi = gl.convert_layout(hi, _OPB, assert_trivial=True)
@@ -328,15 +324,34 @@ def _qs_parts(qz, qh, ql, kcs, zrow, QB: gl.constexpr, qf=None, odd=None):
 
 
 @gluon.jit
-def _fused_q(qh, ql, QB: gl.constexpr):
-    """The fused zero-point operand (``qh`` in the even columns, ``ql`` in the odd ones) and
-    the odd columns' mask (int16 all ones) in ``QB``."""
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, QB))
-    odd = gl.full([32, 8], 0, gl.int16, QB) - (n & 1).to(gl.int16)[None, :]
+def _fused_q(qh, ql, odd, QB: gl.constexpr):
+    """The fused zero-point operand: ``qh`` in the even columns, ``ql`` in the odd ones
+    (``odd``: :func:`_odd_cols`)."""
     qhl = gl.convert_layout(qh, QB, assert_trivial=True)
     qll = gl.convert_layout(ql, QB, assert_trivial=True)
-    qf = gl.where((n & 1)[None, :] == 0, qhl, qll)
-    return gl.convert_layout(qf, _OPB, assert_trivial=True), odd
+    return gl.convert_layout(_select_lo(qhl, qll, odd), _OPB, assert_trivial=True)
+
+
+@gluon.jit
+def _odd_cols(QB: gl.constexpr):
+    """[32, 8] int16 in ``QB``: all ones in the odd columns, 0 in the even ones."""
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, QB))
+    return gl.full([32, 8], 0, gl.int16, QB) - (n & 1).to(gl.int16)[None, :]
+
+
+@gluon.jit
+def _score_chunk(ck, CQ: gl.constexpr, qs, qt, s, RK4: gl.constexpr, KB: gl.constexpr,
+                 FUSED: gl.constexpr):  # fmt: skip
+    """``s`` plus chunk ``CQ``'s score products: its code operand (record-order 4-bit K, or
+    the lane-major words) against both fp16 parts of ``q * s_col_K`` (the low part's MMAs
+    first), or against the one fused operand that holds both (``FUSED``)."""
+    if RK4:
+        ka = RK.k_operand(ck, CQ, gl.constexpr(_OPA))
+    else:
+        ka = _k_operand(M._staged_kw(ck, CQ), KB)
+    if FUSED:
+        return mma_v2(ka, qs, s)
+    return mma_v2(ka, qs, mma_v2(ka, qt, s))
 
 
 @gluon.jit
@@ -637,10 +652,11 @@ def mma_decode_t_kernel(
     qf3 = None
     lo_cols = None
     if FUSED:
-        qf0, lo_cols = _fused_q(qh0, ql0, QB)
-        qf1, lo_cols = _fused_q(qh1, ql1, QB)
-        qf2, lo_cols = _fused_q(qh2, ql2, QB)
-        qf3, lo_cols = _fused_q(qh3, ql3, QB)
+        lo_cols = _odd_cols(QB)
+        qf0 = _fused_q(qh0, ql0, lo_cols, QB)
+        qf1 = _fused_q(qh1, ql1, lo_cols, QB)
+        qf2 = _fused_q(qh2, ql2, lo_cols, QB)
+        qf3 = _fused_q(qh3, ql3, lo_cols, QB)
 
     if PAIR:
         hr, rr = P.row_heads(T, GQA, gl.constexpr(_QR))
@@ -729,40 +745,16 @@ def mma_decode_t_kernel(
         else:
             odd = _rows(_run_consts(gl.constexpr(_RUNG8), 8, 0.0, 1.0, 0.0, 1.0), RK4) > 0.5
             s = gl.where(odd[:, None], _rows_like(16.0 * qzg, 64), _rows_like(qzg, 64))
-        # each code operand meets both fp16 parts of qs (the low part's MMAs first)
-        if FUSED and RK4:
-            s = mma_v2(RK.k_operand(ck, 0, gl.constexpr(_OPA)), qs0, s)
-            s = mma_v2(RK.k_operand(ck, 1, gl.constexpr(_OPA)), qs1, s)
-            s = mma_v2(RK.k_operand(ck, 2, gl.constexpr(_OPA)), qs2, s)
-            s = mma_v2(RK.k_operand(ck, 3, gl.constexpr(_OPA)), qs3, s)
+        # each code operand meets both fp16 parts of qs, or the fused operand that holds both
+        s = _score_chunk(ck, 0, qs0, qt0, s, RK4, KB, FUSED)
+        s = _score_chunk(ck, 1, qs1, qt1, s, RK4, KB, FUSED)
+        s = _score_chunk(ck, 2, qs2, qt2, s, RK4, KB, FUSED)
+        s = _score_chunk(ck, 3, qs3, qt3, s, RK4, KB, FUSED)
+        if FUSED:
             s = _pair_sum(s, 64)
-            kf = _rows(_run_consts(gl.constexpr(_RUNG8), 8, 1.0, 0.0625, 1.0, 0.0625), RK4)
-        elif FUSED:
-            s = mma_v2(_k_operand(M._staged_kw(ck, 0), KB), qs0, s)
-            s = mma_v2(_k_operand(M._staged_kw(ck, 1), KB), qs1, s)
-            s = mma_v2(_k_operand(M._staged_kw(ck, 2), KB), qs2, s)
-            s = mma_v2(_k_operand(M._staged_kw(ck, 3), KB), qs3, s)
-            s = _pair_sum(s, 64)
-            kf = _k_row_factors(True, KB)
-        elif RK4:
-            ka = RK.k_operand(ck, 0, gl.constexpr(_OPA))
-            s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
-            ka = RK.k_operand(ck, 1, gl.constexpr(_OPA))
-            s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
-            ka = RK.k_operand(ck, 2, gl.constexpr(_OPA))
-            s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
-            ka = RK.k_operand(ck, 3, gl.constexpr(_OPA))
-            s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
+        if RK4:
             kf = _rows(_run_consts(gl.constexpr(_RUNG8), 8, 1.0, 0.0625, 1.0, 0.0625), RK4)
         else:
-            ka = _k_operand(M._staged_kw(ck, 0), KB)
-            s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
-            ka = _k_operand(M._staged_kw(ck, 1), KB)
-            s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
-            ka = _k_operand(M._staged_kw(ck, 2), KB)
-            s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
-            ka = _k_operand(M._staged_kw(ck, 3), KB)
-            s = mma_v2(ka, qs3, mma_v2(ka, qt3, s))
             kf = _k_row_factors(True, KB)
         krs = _rows(skr.index(cst).slice(0, 8).load(_RUNG8), RK4) * kf
         if PAIR:
