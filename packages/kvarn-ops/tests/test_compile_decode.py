@@ -468,7 +468,7 @@ FUSED_CASES = [
 ]
 
 
-# compiled in a child process with the opt-in set at import (a kernel's globals are read when
+# compiled in a child process with the switch set at import (a kernel's globals are read when
 # it is first compiled in a process)
 _FUSED_CHILD = r"""
 import json, os, sys
@@ -492,17 +492,19 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.parametrize("switch", ["1", "0"], ids=["fused", "two_operands"])
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
-def test_mma_decode_fused_columns_compiles(case):
-    """``decode_mma_t.FUSED_COLUMNS`` (opt-in, ``KVARN_DECODE_FUSED_COLUMNS=1``): at most four
-    query rows, q's two fp16 parts in the columns of one score operand: 4 x (8 + 2) score and
-    zero-point MMAs a block instead of 4 x (16 + 4), one column select per operand register,
-    no spill frame (sm_90a and sm_120a)."""
+def test_mma_decode_fused_columns_compiles(case, switch):
+    """``decode_mma_t.FUSED_COLUMNS`` (the default; ``KVARN_DECODE_FUSED_COLUMNS=0`` turns it
+    off): at most four query rows, q's two fp16 parts in the columns of one score operand: 4 x
+    (8 + 2) score and zero-point MMAs a block instead of 4 x (16 + 4), one column select per
+    operand register, no spill frame (sm_90a and sm_120a); switched off, the two operands and
+    no select."""
     import json
     import subprocess
     import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="0", KVARN_DECODE_FUSED_COLUMNS="1")
+    env = dict(os.environ, TRITON_INTERPRET="0", KVARN_DECODE_FUSED_COLUMNS=switch)
     env.pop("KVARN_DECODE_SUBNORMAL", None)
     proc = subprocess.run(
         [sys.executable, "-c", _FUSED_CHILD, str(Path(__file__).parent), json.dumps(case)],
@@ -510,15 +512,16 @@ def test_mma_decode_fused_columns_compiles(case):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(case, got)
-    assert got["fused"] and not got["sub"]
+    print(case, switch, got)
+    fused = switch == "1"
+    assert got["fused"] == fused and not got["sub"]
     vb = KD._layout_consts(case[0], 128)["VB"]
     for arch in ("90", "120"):
         assert got[arch]["regs"] <= 255 and got[arch]["frame"] == 0, (arch, got[arch])
-        assert got[arch]["mma"] == 40 + 32 + (4 if vb == 2 else 0), (arch, got[arch])
+        assert got[arch]["mma"] == (40 if fused else 80) + 32 + (4 if vb == 2 else 0), got[arch]
         # the even / odd column select, one lop3 per register (4 a chunk): the block's score
         # operands and, once a program, the zero-point operand
-        assert got[arch]["sel"] == 2 * 16, (arch, got[arch])
+        assert got[arch]["sel"] == (2 * 16 if fused else 0), (arch, got[arch])
 
 
 def test_mma_decode_scope_and_splits():

@@ -37,7 +37,7 @@ token) does not use the lane-major K words: its codes are staged in record order
 copies and read by ``ldmatrix.trans`` (``decode_mma_rec.py``, 11-12% faster on an H100;
 ``KVARN_DECODE_RECORD_K=0`` turns it off). Head pairs, 2-bit K, the subnormal opt-in and the
 head_dim 256 kernel keep the words. With at most four query rows, q's two parts can share
-one score operand (:data:`FUSED_COLUMNS`, opt-in).
+one score operand (:data:`FUSED_COLUMNS`, the default).
 """
 
 from __future__ import annotations
@@ -125,14 +125,15 @@ RECORD_ORDER_K = os.environ.get("KVARN_DECODE_RECORD_K", "1") != "0"
 (read at import) keeps the lane-major words for every launch."""
 _REC_K: gl.constexpr = gl.constexpr(RECORD_ORDER_K)
 
-FUSED_COLUMNS = os.environ.get("KVARN_DECODE_FUSED_COLUMNS", "0") == "1"
-"""Opt-in (``KVARN_DECODE_FUSED_COLUMNS=1``, read at import; compiled and checked offline,
-not yet GPU-checked): with at most four query rows a KV head (GQA <= 4 at one query token),
-one KV head a program and offset code operands, each query row takes two MMA columns, q's
-fp16 high part in the even one and its low part in the odd one, so each code operand meets
-one score operand instead of two (the score and zero-point MMAs of a block 116 -> 76) and
-the pairs' sum fills both columns (the softmax is computed once per pair): the sm_90a block
-loop 1,151 -> 1,039 instructions with record-order 4-bit K, 1,222 -> 1,101 with 2-bit K."""
+FUSED_COLUMNS = os.environ.get("KVARN_DECODE_FUSED_COLUMNS", "1") != "0"
+"""With at most four query rows a KV head (GQA <= 4 at one query token), one KV head a program
+and offset code operands, each query row takes two MMA columns, q's fp16 high part in the even
+one and its low part in the odd one, so each code operand meets one score operand instead of
+two (the score and zero-point MMAs of a block 116 -> 76) and the pairs' sum fills both columns
+(the softmax is computed once per pair): the sm_90a block loop 1,151 -> 1,039 instructions
+with record-order 4-bit K, 1,222 -> 1,101 with 2-bit K; on the H200 7-10% faster at batch
+1-64 (BENCHMARKS.md "2026-12-06, last"). ``KVARN_DECODE_FUSED_COLUMNS=0`` (read at import)
+keeps two score operands."""
 _FUSED: gl.constexpr = gl.constexpr(FUSED_COLUMNS)
 
 SUBNORMAL_CODES = M.SUBNORMAL_CODES
