@@ -14,7 +14,14 @@ the same inputs (``bench_decode.make_inputs``):
 ``full - main`` is what the combine adds to a step; ``main`` against the blocks it reads is the
 main kernel's own fixed part. Timing only: the skipped launches leave outputs unwritten.
 
+``--sweep`` also times ``full`` on the first geometry for each split count and register cap
+of the main kernel in ``--splits`` x ``--maxnreg`` (``DECODE_MAX_SPLITS`` raised for the run
+where a count exceeds it; ``0``: no cap) and each combine warp count in ``--combine-warps``:
+at batch 1 the one-warp programs are held to about 10 per SM by their registers, so more
+splits only pay with fewer registers.
+
     python benchmarks/probe_decode_fixed.py --out results/probe_fixed.json [--geoms 0,4,1]
+        [--sweep --splits 128,256 --maxnreg 0,128 --combine-warps 8,4]
 """
 
 from __future__ import annotations
@@ -96,21 +103,63 @@ def time_variants(geom) -> dict:
     return {"ms": res, "bytes": nbytes}
 
 
+def sweep(geom, splits: list[int], maxnregs: list[int], warps: list[int]) -> list[dict]:
+    """``full`` of ``geom`` per (splits, maxnreg, combine warps)."""
+    args, nbytes = bd.make_inputs(*geom)
+    b, ctx, hq, hkv, d, fmt = geom
+    g = args[9].block_size
+    real_max, real_cfg = kd.DECODE_MAX_SPLITS, kd.combine_config
+    out = []
+    try:
+        kd.DECODE_MAX_SPLITS = max(real_max, *splits)
+        for s in splits:
+            ws = kd.decode_workspace(b, 1, hq, hkv, d, ctx, g, device="cuda", num_splits=s)
+            sargs = args[:12] + (ws,)
+            for r in maxnregs:
+                for w in warps:
+
+                    def cfg(*xs, _w=w):
+                        consts, opts = real_cfg(*xs)
+                        return consts, dict(opts, num_warps=_w)
+
+                    kd._MMA_MAXNREG = r or None
+                    kd.combine_config = cfg
+                    kd.decode(*sargs)
+                    torch.cuda.synchronize()
+                    ms = bd.bench(lambda a=sargs: kd.decode(*a), True)
+                    out.append(dict(splits=s, maxnreg=r, combine_warps=w, ms=ms, bytes=nbytes))
+                    print("sweep", out[-1], flush=True)
+    finally:
+        kd.DECODE_MAX_SPLITS, kd.combine_config, kd._MMA_MAXNREG = real_max, real_cfg, None
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--geoms", default="0,4,1", help="bench_decode.py GEOMS indices")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--splits", default="128,256")
+    ap.add_argument("--maxnreg", default="0,128")
+    ap.add_argument("--combine-warps", default="8,4")
     a = ap.parse_args()
     bw = bd.copy_bandwidth()
-    rows = []
-    for i in a.geoms.split(","):
-        geom = bd.GEOMS[int(i)]
-        r = time_variants(geom)
-        rows.append({"geom": list(geom), **r})
+    rows: list[dict] = []
+    swept: list[dict] = []
+    geoms = [bd.GEOMS[int(i)] for i in a.geoms.split(",")]
+
+    def save():
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(
-            json.dumps({"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows}, indent=1)
-        )
+        info = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw}
+        Path(a.out).write_text(json.dumps({**info, "rows": rows, "sweep": swept}, indent=1))
+
+    for geom in geoms:
+        rows.append({"geom": list(geom), **time_variants(geom)})
+        save()
+    if a.sweep:
+        ints = [[int(x) for x in v.split(",")] for v in (a.splits, a.maxnreg, a.combine_warps)]
+        swept += [{"geom": list(geoms[0]), **r} for r in sweep(geoms[0], *ints)]
+        save()
     names = ["full", "full_nopdl", "main", "combine"]
     print("geometry".ljust(34) + "".join(n.rjust(12) for n in names) + "  full %copy")
     for r in rows:
@@ -118,6 +167,12 @@ def main() -> None:
         key = f"B={b} {ctx // 1024}K {hq}/{hkv}/{d} {fmt[6:]}"
         cells = "".join(f"{r['ms'][n] * 1e3:10.1f}us" for n in names)
         print(key.ljust(34) + cells + f"  {100 * r['bytes'] / (r['ms']['full'] * 1e-3) / bw:.1f}")
+    for r in swept:
+        pct = 100 * r["bytes"] / (r["ms"] * 1e-3) / bw
+        print(
+            f"splits {r['splits']:>3} maxnreg {r['maxnreg'] or '-':>3} combine warps "
+            f"{r['combine_warps']}: {r['ms'] * 1e3:6.1f} us {pct:5.1f}%"
+        )
 
 
 if __name__ == "__main__":
