@@ -14,14 +14,15 @@ the same inputs (``bench_decode.make_inputs``):
 ``full - main`` is what the combine adds to a step; ``main`` against the blocks it reads is the
 main kernel's own fixed part. Timing only: the skipped launches leave outputs unwritten.
 
-``--sweep`` also times ``full`` on the first geometry for each split count and register cap
-of the main kernel in ``--splits`` x ``--maxnreg`` (``DECODE_MAX_SPLITS`` raised for the run
-where a count exceeds it; ``0``: no cap) and each combine warp count in ``--combine-warps``:
-at batch 1 the one-warp programs are held to about 10 per SM by their registers, so more
-splits only pay with fewer registers.
+``--sweep GEOM:SPLITS:MAXNREG:WARPS`` (repeatable, comma lists) also times ``full`` of one
+geometry for each split count and register cap of the main kernel (``0``: no cap) and each
+combine warp count (``DECODE_MAX_SPLITS`` raised for the run where a count exceeds it). The
+one-warp programs are held to about 10 per SM by their 187 registers and the default split
+count gives about 8 per SM, so more splits only pay with fewer registers: 3 splits at batch 64
+and a 168-register cap make 1,536 programs, 11.6 per SM, 12 resident.
 
     python benchmarks/probe_decode_fixed.py --out results/probe_fixed.json [--geoms 0,4,1]
-        [--sweep --splits 128,256 --maxnreg 0,128 --combine-warps 8,4]
+        [--sweep 0:128,256:0,128:8,4 --sweep 3:2,3:0,168:8]
 """
 
 from __future__ import annotations
@@ -138,10 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--geoms", default="0,4,1", help="bench_decode.py GEOMS indices")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--splits", default="128,256")
-    ap.add_argument("--maxnreg", default="0,128")
-    ap.add_argument("--combine-warps", default="8,4")
+    ap.add_argument("--sweep", action="append", default=[], help="GEOM:SPLITS:MAXNREG:WARPS")
     a = ap.parse_args()
     bw = bd.copy_bandwidth()
     rows: list[dict] = []
@@ -156,9 +154,13 @@ def main() -> None:
     for geom in geoms:
         rows.append({"geom": list(geom), **time_variants(geom)})
         save()
-    if a.sweep:
-        ints = [[int(x) for x in v.split(",")] for v in (a.splits, a.maxnreg, a.combine_warps)]
-        swept += [{"geom": list(geoms[0]), **r} for r in sweep(geoms[0], *ints)]
+    for spec in a.sweep:
+        gi, *lists = spec.split(":")
+        if len(lists) != 3:
+            raise SystemExit(f"--sweep {spec!r}: want GEOM:SPLITS:MAXNREG:WARPS")
+        geom = bd.GEOMS[int(gi)]
+        ints = [[int(x) for x in v.split(",")] for v in lists]
+        swept += [{"geom": list(geom), **r} for r in sweep(geom, *ints)]
         save()
     names = ["full", "full_nopdl", "main", "combine"]
     print("geometry".ljust(34) + "".join(n.rjust(12) for n in names) + "  full %copy")
@@ -169,8 +171,10 @@ def main() -> None:
         print(key.ljust(34) + cells + f"  {100 * r['bytes'] / (r['ms']['full'] * 1e-3) / bw:.1f}")
     for r in swept:
         pct = 100 * r["bytes"] / (r["ms"] * 1e-3) / bw
+        b, ctx = r["geom"][:2]
         print(
-            f"splits {r['splits']:>3} maxnreg {r['maxnreg'] or '-':>3} combine warps "
+            f"B={b} {ctx // 1024}K splits {r['splits']:>3} maxnreg {r['maxnreg'] or '-':>3} "
+            f"combine warps "
             f"{r['combine_warps']}: {r['ms'] * 1e3:6.1f} us {pct:5.1f}%"
         )
 
