@@ -479,10 +479,13 @@ from triton.backends.compiler import GPUTarget
 import test_compile_decode as T
 from cubin_info import cubin_resources
 from kvarn_ops.kernels import decode_mma_t
+from kvarn_ops.kernels import decode_mma_d256
 case = tuple(json.loads(sys.argv[2]))
-out = dict(fused=decode_mma_t.FUSED_COLUMNS, sub=decode_mma_t.SUBNORMAL_CODES)
+d = int(sys.argv[3])
+out = dict(fused=decode_mma_t.FUSED_COLUMNS, sub=decode_mma_t.SUBNORMAL_CODES,
+           fused256=decode_mma_d256.FUSED_COLUMNS_D256)
 for arch in (90, 120):
-    k = triton.compile(T._mma_source(*case, nbuf=2, transposed=True),
+    k = triton.compile(T._mma_source(*case, nbuf=2, transposed=True, d=d),
                        target=GPUTarget("cuda", arch, 32), options=dict(num_warps=1))
     regs, frame = cubin_resources(k.asm["cubin"])
     ptx = k.asm["ptx"]
@@ -490,6 +493,23 @@ for arch in (90, 120):
                      sel=ptx.count(", 0xd8;"))
 print(json.dumps(out))
 """
+
+
+def _compile_child(case, d, **switches):
+    """``_FUSED_CHILD``'s counts for ``case`` at head_dim ``d`` with ``switches`` set in the
+    child's environment."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", **switches)
+    env.pop("KVARN_DECODE_SUBNORMAL", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FUSED_CHILD, str(Path(__file__).parent), json.dumps(case), str(d)],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("switch", ["1", "0"], ids=["fused", "two_operands"])
@@ -500,18 +520,8 @@ def test_mma_decode_fused_columns_compiles(case, switch):
     (8 + 2) score and zero-point MMAs a block instead of 4 x (16 + 4), one column select per
     operand register, no spill frame (sm_90a and sm_120a); switched off, the two operands and
     no select."""
-    import json
-    import subprocess
-    import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="0", KVARN_DECODE_FUSED_COLUMNS=switch)
-    env.pop("KVARN_DECODE_SUBNORMAL", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", _FUSED_CHILD, str(Path(__file__).parent), json.dumps(case)],
-        env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = _compile_child(case, 128, KVARN_DECODE_FUSED_COLUMNS=switch)
     print(case, switch, got)
     fused = switch == "1"
     assert got["fused"] == fused and not got["sub"]
@@ -522,6 +532,32 @@ def test_mma_decode_fused_columns_compiles(case, switch):
         # the even / odd column select, one lop3 per register (4 a chunk): the block's score
         # operands and, once a program, the zero-point operand
         assert got[arch]["sel"] == (2 * 16 if fused else 0), (arch, got[arch])
+
+
+D256_FUSED_CASES = [
+    # Gemma's GQA 2 with 2-bit K; GQA 4 (at the four-row limit); 8 rows: never fused
+    ("kvarn_k2v2_g64", 2, 1, "*bf16"),
+    ("kvarn_k4v2_g64", 4, 1, "*bf16"),
+    ("kvarn_k4v2_g128", 8, 1, "*fp32"),
+]
+
+
+@pytest.mark.parametrize("case", D256_FUSED_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
+def test_mma_decode_d256_fused_columns_compiles(case):
+    """``decode_mma_d256.FUSED_COLUMNS_D256`` (opt-in, ``KVARN_DECODE_FUSED_COLUMNS_D256=1``):
+    at most four query rows, each half's score and zero-point MMAs 80 -> 40 a block (values
+    and the ones column unchanged), one column select per register of each chunk's score
+    operand and fused zero-point operand, no spill frame (sm_90a and sm_120a); 8 rows keep two
+    operands."""
+    got = _compile_child(case, 256, KVARN_DECODE_FUSED_COLUMNS_D256="1")
+    print(case, got)
+    assert got["fused256"] and got["fused"] and not got["sub"]
+    fused = case[1] * case[2] <= 4
+    ones = 4 if KD._layout_consts(case[0], 256)["VB"] == 2 else 0
+    for arch in ("90", "120"):
+        assert got[arch]["regs"] <= 255 and got[arch]["frame"] == 0, (arch, got[arch])
+        assert got[arch]["mma"] == 2 * (40 if fused else 80) + 64 + ones, (arch, got[arch])
+        assert got[arch]["sel"] == (8 * (4 + 4) if fused else 0), (arch, got[arch])
 
 
 def test_mma_decode_scope_and_splits():

@@ -19,6 +19,8 @@ shared memory and each chunk's are read (``ldmatrix``) where its score operand i
 
 from __future__ import annotations
 
+import os
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -30,6 +32,15 @@ __all__ = ["D256", "mma_decode_t256_kernel"]
 
 D256 = 256
 """The head_dim of this kernel."""
+
+FUSED_COLUMNS_D256 = os.environ.get("KVARN_DECODE_FUSED_COLUMNS_D256", "0") == "1"
+"""Opt-in (``KVARN_DECODE_FUSED_COLUMNS_D256=1``, read at import; compiled and checked offline,
+not yet run on a GPU): ``decode_mma_t.FUSED_COLUMNS`` in this kernel, where at most four query
+rows a KV head (Gemma's GQA 2 at one or two query tokens) take two MMA columns each, q's fp16
+high part in the even one and its low part in the odd one: one score MMA per code operand and
+one zero-point MMA per chunk instead of two (224 -> 144 MMAs a 64-token block, 228 -> 148
+with 2-bit V)."""
+_FUSED256: gl.constexpr = gl.constexpr(FUSED_COLUMNS_D256 and MT.FUSED_COLUMNS)
 
 _MMA = M._MMA
 _OPA = M._OPA
@@ -112,11 +123,14 @@ def _issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_he
 
 @gluon.jit
 def _q_rows256(q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr,
-               QL: gl.constexpr):  # fmt: skip
+               QL: gl.constexpr, PAIRED: gl.constexpr = False):  # fmt: skip
     """Query rows as two [8, 128] halves in ``QL``, scaled and rotated by ``H_256 / 16`` in
     fp32: each half by the 128-point transform (``H_128 / sqrt(128)``), then one butterfly
-    between them, over sqrt(2)."""
+    between them, over sqrt(2). With ``PAIRED`` (fused columns) row ``n`` holds query row
+    ``n >> 1``."""
     rq = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
+    if PAIRED:
+        rq = rq >> 1
     cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
     ok = rq < T * GQA
     qrow = ((b * T + rq // GQA) * num_q_heads + h * GQA + rq % GQA).to(gl.int64)
@@ -137,34 +151,42 @@ def _store_q_parts(sq, qrot, HF: gl.constexpr, QB: gl.constexpr):
 
 
 @gluon.jit
+def _chunk_qs(qz, sq, kc, kz, CQ: gl.constexpr, B: gl.constexpr, QB: gl.constexpr,
+              FUSED: gl.constexpr, lo_cols):  # fmt: skip
+    """``MT._qs_t`` of chunk ``CQ`` with its q parts read from ``sq`` (entries ``B + 2 CQ``
+    and ``B + 2 CQ + 1``); ``FUSED``: the fused zero-point operand formed from them."""
+    qh = sq.index(B + 2 * CQ).load(_OPB)
+    ql = sq.index(B + 2 * CQ + 1).load(_OPB)
+    qf = None
+    if FUSED:
+        qf = MT._fused_q(qh, ql, lo_cols, QB)
+    return MT._qs_t(qz, qh, ql, M._run8(kc, CQ), M._run8(kz, CQ), QB, qf, lo_cols)
+
+
+@gluon.jit
 def _half_scores(s, sq, ck, kc, kz, odd, HF: gl.constexpr, QB: gl.constexpr,
-                 KB: gl.constexpr = 4):  # fmt: skip
+                 KB: gl.constexpr = 4, FUSED: gl.constexpr = False,
+                 lo_cols=None):  # fmt: skip
     """``s`` plus half ``HF``'s score sums over its 128 channels: its zero-point term (odd
     nibble rows 16 times it; 2-bit K: each row ``1 / F`` times it), then each chunk's code
-    operand against both fp16 parts of ``q_rot * s_col_K`` (the q parts read from ``sq``)."""
+    operand against both fp16 parts of ``q_rot * s_col_K`` (the q parts read from ``sq``), or
+    against the one fused operand that holds both (``FUSED``; the caller sums the column
+    pairs)."""
     B: gl.constexpr = 8 * HF
     qz = gl.full([16, 8], 0.0, gl.float32, _MMA)
-    qs0, qt0, qz = MT._qs_t(qz, sq.index(B).load(_OPB), sq.index(B + 1).load(_OPB),
-                            M._run8(kc, 0), M._run8(kz, 0), QB)  # fmt: skip
-    qs1, qt1, qz = MT._qs_t(qz, sq.index(B + 2).load(_OPB), sq.index(B + 3).load(_OPB),
-                            M._run8(kc, 1), M._run8(kz, 1), QB)  # fmt: skip
-    qs2, qt2, qz = MT._qs_t(qz, sq.index(B + 4).load(_OPB), sq.index(B + 5).load(_OPB),
-                            M._run8(kc, 2), M._run8(kz, 2), QB)  # fmt: skip
-    qs3, qt3, qz = MT._qs_t(qz, sq.index(B + 6).load(_OPB), sq.index(B + 7).load(_OPB),
-                            M._run8(kc, 3), M._run8(kz, 3), QB)  # fmt: skip
+    qs0, qt0, qz = _chunk_qs(qz, sq, kc, kz, 0, B, QB, FUSED, lo_cols)
+    qs1, qt1, qz = _chunk_qs(qz, sq, kc, kz, 1, B, QB, FUSED, lo_cols)
+    qs2, qt2, qz = _chunk_qs(qz, sq, kc, kz, 2, B, QB, FUSED, lo_cols)
+    qs3, qt3, qz = _chunk_qs(qz, sq, kc, kz, 3, B, QB, FUSED, lo_cols)
     qzg = MT._equal_rows(qz) * MT._C_IN
     if KB == 2:
         s = s + MT._rows_like(qzg, 64) * MT._k_row_factors(False, KB)[:, None]
     else:
         s = s + gl.where(odd[:, None], MT._rows_like(16.0 * qzg, 64), MT._rows_like(qzg, 64))
-    ka = MT._k_operand(M._staged_kw(ck, 0), KB)
-    s = mma_v2(ka, qs0, mma_v2(ka, qt0, s))
-    ka = MT._k_operand(M._staged_kw(ck, 1), KB)
-    s = mma_v2(ka, qs1, mma_v2(ka, qt1, s))
-    ka = MT._k_operand(M._staged_kw(ck, 2), KB)
-    s = mma_v2(ka, qs2, mma_v2(ka, qt2, s))
-    ka = MT._k_operand(M._staged_kw(ck, 3), KB)
-    return mma_v2(ka, qs3, mma_v2(ka, qt3, s))
+    s = MT._score_chunk(ck, 0, qs0, qt0, s, False, KB, FUSED)
+    s = MT._score_chunk(ck, 1, qs1, qt1, s, False, KB, FUSED)
+    s = MT._score_chunk(ck, 2, qs2, qt2, s, False, KB, FUSED)
+    return MT._score_chunk(ck, 3, qs3, qt3, s, False, KB, FUSED)
 
 
 @gluon.jit
@@ -273,12 +295,21 @@ def mma_decode_t256_kernel(
                      num_kv_heads, h, rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF,
                      KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G, KB)  # fmt: skip
 
-    qlo, qhi = _q_rows256(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8))
+    # at most four query rows: column n of every [*, 8] tile is query row n >> 1, the score
+    # MMAs take q's hi part in the even columns and its lo part in the odd ones
+    FUSED: gl.constexpr = T * GQA <= 4 and not MT._SUB and _FUSED256
+    qlo, qhi = _q_rows256(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8), FUSED)
     _store_q_parts(sq, qlo, 0, QB)
     _store_q_parts(sq, qhi, 1, QB)
 
     rr = gl.arange(0, 8, layout=_QR)
-    row_ok = rr < T * GQA
+    lo_cols = None
+    if FUSED:
+        lo_cols = MT._odd_cols(QB)
+        row_ok = (rr < 2 * T * GQA) & ((rr & 1) == 0)  # one column of each pair stores
+        rr = rr >> 1
+    else:
+        row_ok = rr < T * GQA
     q_pos = seq_len - (T + LAG) + rr // GQA
     mt = gl.arange(0, 64, layout=_TOK)
     tok_of_row = (mt & 7) * 8 + (mt >> 4) * 2 + ((mt >> 3) & 1)
@@ -310,8 +341,12 @@ def mma_decode_t256_kernel(
         kc = skc.index(cst)
         kz = skz.index(cst)
         s = gl.full([64, 8], 0.0, gl.float32, _MMA)
-        s = _half_scores(s, sq, ck.slice(0, 32), kc.slice(0, 4), kz.slice(0, 4), odd, 0, QB, KB)
-        s = _half_scores(s, sq, ck.slice(32, 32), kc.slice(4, 4), kz.slice(4, 4), odd, 1, QB, KB)
+        s = _half_scores(s, sq, ck.slice(0, 32), kc.slice(0, 4), kz.slice(0, 4), odd, 0, QB, KB,
+                         FUSED, lo_cols)  # fmt: skip
+        s = _half_scores(s, sq, ck.slice(32, 32), kc.slice(4, 4), kz.slice(4, 4), odd, 1, QB, KB,
+                         FUSED, lo_cols)  # fmt: skip
+        if FUSED:
+            s = MT._pair_sum(s, 64)
         kf = MT._k_row_factors(True, KB)
         krs = MT._tok_rows(skr.index(cst).load(MT._RUNG8)) * kf
         s = s * krs[:, None]
