@@ -42,6 +42,7 @@ TOOL_TEST_FILES = {
     "test_parity_report.py": "gpu",
     "test_probe_flush_columns.py": "benchmarks",
     "test_probe_decode_levers.py": "benchmarks",
+    "test_probe_decode_fixed.py": "benchmarks",
 }
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
