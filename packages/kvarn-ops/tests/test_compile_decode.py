@@ -520,7 +520,6 @@ def test_mma_decode_fused_columns_compiles(case, switch):
     (8 + 2) score and zero-point MMAs a block instead of 4 x (16 + 4), one column select per
     operand register, no spill frame (sm_90a and sm_120a); switched off, the two operands and
     no select."""
-
     got = _compile_child(case, 128, KVARN_DECODE_FUSED_COLUMNS=switch)
     print(case, switch, got)
     fused = switch == "1"

@@ -131,7 +131,7 @@ and offset code operands, each query row takes two MMA columns, q's fp16 high pa
 one and its low part in the odd one, so each code operand meets one score operand instead of
 two (the score and zero-point MMAs of a block 116 -> 76) and the pairs' sum fills both columns
 (the softmax is computed once per pair): the sm_90a block loop 1,151 -> 1,039 instructions
-with record-order 4-bit K, 1,222 -> 1,101 with 2-bit K; on the H200 7-10% faster at batch
+with record-order 4-bit K, 1,222 -> 1,101 with 2-bit K; on the H200 6-9% faster at batch
 1-64 (BENCHMARKS.md "2026-12-06, last"). ``KVARN_DECODE_FUSED_COLUMNS=0`` (read at import)
 keeps two score operands."""
 _FUSED: gl.constexpr = gl.constexpr(FUSED_COLUMNS)
