@@ -14,20 +14,22 @@ the same inputs (``bench_decode.make_inputs``):
 ``full - main`` is what the combine adds to a step; ``main`` against the blocks it reads is the
 main kernel's own fixed part. Timing only: the skipped launches leave outputs unwritten.
 
-``--sweep GEOM:SPLITS:MAXNREG:WARPS`` (repeatable, comma lists) also times ``full`` of one
-geometry for each split count and register cap of the main kernel (``0``: no cap) and each
-combine warp count (``DECODE_MAX_SPLITS`` raised for the run where a count exceeds it). The
+``--sweep GEOM:SPLITS:MAXNREG:WARPS[:STAGES]`` (repeatable, comma lists) also times ``full`` of
+one geometry for each split count and register cap of the main kernel (``0``: no cap), each
+combine warp count and each pipeline depth of the main kernel's block loop (``NBUF``, default
+``decode._MMA_STAGES``; ``DECODE_MAX_SPLITS`` raised for the run where a count exceeds it). The
 one-warp programs are held to about 10 per SM by their 187 registers and the default split
 count gives about 8 per SM, so more splits only pay with fewer registers: 3 splits at batch 64
 and a 168-register cap make 1,536 programs, 11.6 per SM, 12 resident.
 
     python benchmarks/probe_decode_fixed.py --out results/probe_fixed.json [--geoms 0,4,1]
-        [--sweep 0:128,256:0,128:8,4 --sweep 3:2,3:0,168:8]
+        [--sweep 0:128,256:0,128:8,4 --sweep 3:2,3:0,168:8 --sweep 0:128:0:8:2,3]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -104,34 +106,39 @@ def time_variants(geom) -> dict:
     return {"ms": res, "bytes": nbytes}
 
 
-def sweep(geom, splits: list[int], maxnregs: list[int], warps: list[int]) -> list[dict]:
-    """``full`` of ``geom`` per (splits, maxnreg, combine warps)."""
+def sweep(
+    geom, splits: list[int], maxnregs: list[int], warps: list[int], stages: list[int] | None = None
+) -> list[dict]:
+    """``full`` of ``geom`` per (splits, maxnreg, combine warps, main-loop stages)."""
     args, nbytes = bd.make_inputs(*geom)
     b, ctx, hq, hkv, d, fmt = geom
     g = args[9].block_size
-    real_max, real_cfg = kd.DECODE_MAX_SPLITS, kd.combine_config
+    real_max, real_cfg, real_stages = kd.DECODE_MAX_SPLITS, kd.combine_config, kd._MMA_STAGES
     out = []
     try:
         kd.DECODE_MAX_SPLITS = max(real_max, *splits)
         for s in splits:
             ws = kd.decode_workspace(b, 1, hq, hkv, d, ctx, g, device="cuda", num_splits=s)
             sargs = args[:12] + (ws,)
-            for r in maxnregs:
-                for w in warps:
+            for r, w, n in itertools.product(maxnregs, warps, stages or [real_stages]):
 
-                    def cfg(*xs, _w=w):
-                        consts, opts = real_cfg(*xs)
-                        return consts, dict(opts, num_warps=_w)
+                def cfg(*xs, _w=w):
+                    consts, opts = real_cfg(*xs)
+                    return consts, dict(opts, num_warps=_w)
 
-                    kd._MMA_MAXNREG = r or None
-                    kd.combine_config = cfg
-                    kd.decode(*sargs)
-                    torch.cuda.synchronize()
-                    ms = bd.bench(lambda a=sargs: kd.decode(*a), True)
-                    out.append(dict(splits=s, maxnreg=r, combine_warps=w, ms=ms, bytes=nbytes))
-                    print("sweep", out[-1], flush=True)
+                kd._MMA_MAXNREG = r or None
+                kd._MMA_STAGES = n
+                kd.combine_config = cfg
+                kd.decode(*sargs)
+                torch.cuda.synchronize()
+                ms = bd.bench(lambda a=sargs: kd.decode(*a), True)
+                out.append(
+                    dict(splits=s, maxnreg=r, combine_warps=w, stages=n, ms=ms, bytes=nbytes)
+                )
+                print("sweep", out[-1], flush=True)
     finally:
         kd.DECODE_MAX_SPLITS, kd.combine_config, kd._MMA_MAXNREG = real_max, real_cfg, None
+        kd._MMA_STAGES = real_stages
     return out
 
 
@@ -139,7 +146,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--geoms", default="0,4,1", help="bench_decode.py GEOMS indices")
-    ap.add_argument("--sweep", action="append", default=[], help="GEOM:SPLITS:MAXNREG:WARPS")
+    ap.add_argument(
+        "--sweep", action="append", default=[], help="GEOM:SPLITS:MAXNREG:WARPS[:STAGES]"
+    )
     a = ap.parse_args()
     bw = bd.copy_bandwidth()
     rows: list[dict] = []
@@ -156,8 +165,8 @@ def main() -> None:
         save()
     for spec in a.sweep:
         gi, *lists = spec.split(":")
-        if len(lists) != 3:
-            raise SystemExit(f"--sweep {spec!r}: want GEOM:SPLITS:MAXNREG:WARPS")
+        if len(lists) not in (3, 4):
+            raise SystemExit(f"--sweep {spec!r}: want GEOM:SPLITS:MAXNREG:WARPS[:STAGES]")
         geom = bd.GEOMS[int(gi)]
         ints = [[int(x) for x in v.split(",")] for v in lists]
         swept += [{"geom": list(geom), **r} for r in sweep(geom, *ints)]
@@ -174,8 +183,8 @@ def main() -> None:
         b, ctx = r["geom"][:2]
         print(
             f"B={b} {ctx // 1024}K splits {r['splits']:>3} maxnreg {r['maxnreg'] or '-':>3} "
-            f"combine warps "
-            f"{r['combine_warps']}: {r['ms'] * 1e3:6.1f} us {pct:5.1f}%"
+            f"combine warps {r['combine_warps']} stages {r['stages']}: "
+            f"{r['ms'] * 1e3:6.1f} us {pct:5.1f}%"
         )
 
 
