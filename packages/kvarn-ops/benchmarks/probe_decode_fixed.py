@@ -18,9 +18,11 @@ main kernel's own fixed part. Timing only: the skipped launches leave outputs un
 one geometry for each split count and register cap of the main kernel (``0``: no cap), each
 combine warp count and each pipeline depth of the main kernel's block loop (``NBUF``, default
 ``decode._MMA_STAGES``; ``DECODE_MAX_SPLITS`` raised for the run where a count exceeds it). The
-one-warp programs are held to about 10 per SM by their 187 registers and the default split
-count gives about 8 per SM, so more splits only pay with fewer registers: 3 splits at batch 64
-and a 168-register cap make 1,536 programs, 11.6 per SM, 12 resident.
+one-warp programs are held to 8 per SM by their 187 registers (Nsight Compute's block limit:
+two warps in each scheduler's quarter of the register file) and the default split count gives
+about 8 per SM, so more splits only fit in one wave with fewer registers: 3 splits at batch 64
+and a 168-register cap make 1,536 programs, 11.6 per SM, 12 resident (measured on an H100:
+1.8% slower than 2 splits without the cap; BENCHMARKS.md "2026-12-07").
 
     python benchmarks/probe_decode_fixed.py --out results/probe_fixed.json [--geoms 0,4,1]
         [--sweep 0:128,256:0,128:8,4 --sweep 3:2,3:0,168:8 --sweep 0:128:0:8:2,3]

@@ -502,8 +502,13 @@ def _compile_child(case, d, **switches):
     import subprocess
     import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="0", **switches)
+    env = dict(os.environ, TRITON_INTERPRET="0")
     env.pop("KVARN_DECODE_SUBNORMAL", None)
+    for name, value in switches.items():  # None: unset, the module's default
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     proc = subprocess.run(
         [sys.executable, "-c", _FUSED_CHILD, str(Path(__file__).parent), json.dumps(case), str(d)],
         env=env, capture_output=True, text=True, check=False,
@@ -541,17 +546,19 @@ D256_FUSED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("switch", [None, "1", "0"], ids=["default", "fused", "two_operands"])
 @pytest.mark.parametrize("case", D256_FUSED_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-T{c[2]}")
-def test_mma_decode_d256_fused_columns_compiles(case):
-    """``decode_mma_d256.FUSED_COLUMNS_D256`` (opt-in, ``KVARN_DECODE_FUSED_COLUMNS_D256=1``):
-    at most four query rows, each half's score and zero-point MMAs 80 -> 40 a block (values
-    and the ones column unchanged), one column select per register of each chunk's score
-    operand and fused zero-point operand, no spill frame (sm_90a and sm_120a); 8 rows keep two
-    operands."""
-    got = _compile_child(case, 256, KVARN_DECODE_FUSED_COLUMNS_D256="1")
-    print(case, got)
-    assert got["fused256"] and got["fused"] and not got["sub"]
-    fused = case[1] * case[2] <= 4
+def test_mma_decode_d256_fused_columns_compiles(case, switch):
+    """``decode_mma_d256.FUSED_COLUMNS_D256`` (the default; ``KVARN_DECODE_FUSED_COLUMNS_D256=0``
+    turns it off): at most four query rows, each half's score and zero-point MMAs 80 -> 40 a
+    block (values and the ones column unchanged), one column select per register of each
+    chunk's score operand and fused zero-point operand, no spill frame (sm_90a and sm_120a);
+    8 rows keep two operands, as does every case with the switch at 0."""
+    got = _compile_child(case, 256, KVARN_DECODE_FUSED_COLUMNS_D256=switch)
+    print(case, switch, got)
+    on = switch != "0"
+    assert got["fused256"] == on and got["fused"] and not got["sub"]
+    fused = on and case[1] * case[2] <= 4
     ones = 4 if KD._layout_consts(case[0], 256)["VB"] == 2 else 0
     for arch in ("90", "120"):
         assert got[arch]["regs"] <= 255 and got[arch]["frame"] == 0, (arch, got[arch])

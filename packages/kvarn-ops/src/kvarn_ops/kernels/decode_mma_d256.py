@@ -33,13 +33,14 @@ __all__ = ["D256", "mma_decode_t256_kernel"]
 D256 = 256
 """The head_dim of this kernel."""
 
-FUSED_COLUMNS_D256 = os.environ.get("KVARN_DECODE_FUSED_COLUMNS_D256", "0") == "1"
-"""Opt-in (``KVARN_DECODE_FUSED_COLUMNS_D256=1``, read at import; compiled and checked offline,
-not yet run on a GPU): ``decode_mma_t.FUSED_COLUMNS`` in this kernel, where at most four query
-rows a KV head (Gemma's GQA 2 at one or two query tokens) take two MMA columns each, q's fp16
-high part in the even one and its low part in the odd one: one score MMA per code operand and
-one zero-point MMA per chunk instead of two (224 -> 144 MMAs a 64-token block, 228 -> 148
-with 2-bit V)."""
+FUSED_COLUMNS_D256 = os.environ.get("KVARN_DECODE_FUSED_COLUMNS_D256", "1") != "0"
+"""On by default (``KVARN_DECODE_FUSED_COLUMNS_D256=0``, read at import, turns it off; it
+also needs ``decode_mma_t.FUSED_COLUMNS``): the fused score columns in this kernel, where at
+most four query rows a KV head (Gemma's GQA 2 at one or two query tokens) take two MMA
+columns each, q's fp16 high part in the even one and its low part in the odd one: one score
+MMA per code operand and one zero-point MMA per chunk instead of two (224 -> 144 MMAs a
+64-token block, 228 -> 148 with 2-bit V). GPU parity of the d256 decode cases of at most four
+rows, and 3-4% faster at batch 32-64 on an H100 (BENCHMARKS.md "2026-12-07")."""
 _FUSED256: gl.constexpr = gl.constexpr(FUSED_COLUMNS_D256 and MT.FUSED_COLUMNS)
 
 _MMA = M._MMA
