@@ -1046,11 +1046,11 @@ def decode_num_splits(
     units = -(-max(1, max_seq_len) // block_size)
     # one wave of the MMA kernel's one-warp programs: 8 resident per SM at its 187 registers
     # (Nsight Compute's block limit from registers: two warps in each scheduler's quarter of
-    # the register file). H200, k4v2 d128, split counts swept: B=32 16K 4 splits 44.2% of copy bandwidth
-    # (8: 42.3%, 16: 40.1%), B=8 32K 16 splits 43.3% (33: 38.6%), B=64 32K 2 splits 53.8% (4:
-    # 53.2%). Swept again with the fused-column kernel (H100, BENCHMARKS.md "2026-12-07"):
-    # these counts stay best at batch 1-64: more splits under a 168-register cap (12 resident)
-    # lose 2-19%, more splits without it 15-67% (a second wave)
+    # the register file). H200, k4v2 d128, split counts swept: B=32 16K 4 splits 44.2% of
+    # copy bandwidth (8: 42.3%, 16: 40.1%), B=8 32K 16 splits 43.3% (33: 38.6%), B=64 32K 2
+    # splits 53.8% (4: 53.2%). Swept again with the fused-column kernel (H100, BENCHMARKS.md
+    # "2026-12-07"): these counts stay best at batch 1-64: more splits under a 168-register
+    # cap (12 resident) lose 2-19%, more splits without it 15-67% (a second wave)
     want = max(1, 8 * sms // max(1, batch * num_kv_heads))
     by_ctx = -(-units // DECODE_MIN_UNITS_PER_SPLIT)
     return max(1, min(DECODE_MAX_SPLITS, want, by_ctx))
