@@ -451,7 +451,7 @@ def test_combine_reads_splits_by_tiles(tail_in_combine, monkeypatch):
     """The combine's tile loop (taken when all partial rows exceed one tile: d >= 256 with many
     splits on a GPU), forced here with tiles of 2 splits over up to 11 live splits."""
     kd = importlib.import_module("kvarn_ops.kernels.decode")
-    monkeypatch.setattr(kd, "combine_config", lambda d, s: (dict(SC=2), dict(num_warps=4)))
+    monkeypatch.setattr(kd, "combine_config", lambda d, s, *_: (dict(SC=2), dict(num_warps=4)))
     monkeypatch.setattr(kd, "_TAIL_IN_COMBINE", tail_in_combine)
     rng = np.random.default_rng([SEED, 400 + tail_in_combine])
     run_and_check(rng, "kvarn_k4v2_g64", 64, 1, 2, 1, [2, 200, 700], torch.bfloat16, num_splits=64)

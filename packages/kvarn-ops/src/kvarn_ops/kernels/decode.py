@@ -1011,13 +1011,20 @@ def kernel_config(
     return consts, opts
 
 
-def combine_config(head_dim: int, num_splits: int) -> tuple[dict, dict]:
+def combine_config(
+    head_dim: int, num_splits: int, block_size: int = 64, tail: bool = False
+) -> tuple[dict, dict]:
     """Constexprs and launch options of the combine kernel: ``SC`` splits per partial-row tile,
     all of them in one tile when that is <= 16,384 fp32 elements (one memory round trip for
-    the whole row; 128 splits at d128), at 8 warps when a tile exceeds 4,096 (64 registers a
-    thread for the tile)."""
+    the whole row; 128 splits at d128), at 4 warps. Batch 1 with 128 splits (the largest
+    tile), on an H100, the step with the combine at 4 warps instead of 8: k4v2 d128 32K
+    18.4-18.7 -> 17.3-17.5 us, 128K 54.0 -> 52.9 us, k2v2 24.6 -> 22.5 us, d256 51.0 -> 48.4
+    us, d64 17.0 -> 16.8 us; 2 warps 19.0 us (BENCHMARKS.md "2026-12-07"). 8 warps where an
+    exact ``tail`` of 128-token records sits beside a tile of more than 4,096 elements (two
+    [128, head_dim] token tiles more: at 4 warps they spill)."""
     sc = max(1, min(_next_pow2(num_splits), 16384 // head_dim))
-    return dict(SC=sc), dict(num_warps=8 if sc * head_dim > 4096 else 4)
+    big = tail and block_size * head_dim > 8192 and sc * head_dim > 4096
+    return dict(SC=sc), dict(num_warps=8 if big else 4)
 
 
 def mma_heads_per_program(head_dim: int, rows: int) -> int:
@@ -1313,7 +1320,7 @@ def _launch(
             **consts,
             **opts,
         )
-    cc, copts = combine_config(d, num_splits)
+    cc, copts = combine_config(d, num_splits, consts["G"], tail_in_combine)
     _decode_combine_kernel[(b * t * hq,)](
         workspace,
         seq_lens,
