@@ -639,12 +639,20 @@ def _compile_transposed(case, target, d):
 def test_mma_decode_d256_compiles(target, case):
     """head_dim 256 (``decode_mma_d256``): a block as two 128-channel halves, scores of both
     into one accumulator, values into eight; the q parts read from shared memory in the loop
-    (``ldmatrix``), no spill (offline: 209-252 registers)."""
+    (``ldmatrix``), no spill (offline: 168-252 registers). With the fused score columns (the
+    default, at most four rows a KV head) each half's scores and zero points take 40 MMAs
+    instead of 80 (``test_mma_decode_d256_fused_columns_compiles`` has both builds)."""
+    from kvarn_ops.kernels import decode_mma_d256
+
     k, ptx, vb, mmas = _compile_transposed(case, target, 256)
     # a stage: twice the 128-channel record's words and channel vectors, one head's token
     # vectors; the q parts 16 x [32, 8] fp16
     assert k.metadata.shared == 2 * (8192 + 2048 * vb + 1024 + 512 + 3 * 128) + 8192
-    assert ptx.count("mma.sync.aligned.m16n8k16") == mmas + 80 + 32  # the second half
+    fused = decode_mma_d256._FUSED256.value and case[1] * case[2] <= 4
+    scores = 40 if fused else 80
+    # the first half (mmas: 80 score and zero-point MMAs, 32 value MMAs, the ones column),
+    # then the second half's scores and values
+    assert ptx.count("mma.sync.aligned.m16n8k16") == mmas - 80 + 2 * scores + 32
     assert ptx.count("ldmatrix") >= 16  # the q parts, in the loop
     assert "popc" not in ptx
 
