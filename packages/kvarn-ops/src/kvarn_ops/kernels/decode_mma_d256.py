@@ -40,7 +40,7 @@ most four query rows a KV head (Gemma's GQA 2 at one or two query tokens) take t
 columns each, q's fp16 high part in the even one and its low part in the odd one: one score
 MMA per code operand and one zero-point MMA per chunk instead of two (224 -> 144 MMAs a
 64-token block, 228 -> 148 with 2-bit V). GPU parity of the d256 decode cases of at most four
-rows, and 3-4% faster at batch 32-64 on an H100 (BENCHMARKS.md "2026-12-07")."""
+rows, and 3-5% faster at batch 8-64 on an H100 (BENCHMARKS.md "2026-12-07")."""
 _FUSED256: gl.constexpr = gl.constexpr(FUSED_COLUMNS_D256 and MT.FUSED_COLUMNS)
 
 _MMA = M._MMA
