@@ -788,34 +788,6 @@ def test_decode(gen, case):
     assert_decode_error(out, q, cache, scale, oracle)
 
 
-#: the Gluon main kernels' cases the Gluon combine serves (head_dim 128, 64-token blocks)
-GLUON_COMBINE_CASES = [
-    c
-    for c in sorted(MMA_DECODE_CASES)
-    if DECODE_GEOMETRIES[DECODE_CASES[c][1]][2] == 128 and DECODE_CASES[c][0].endswith("_g64")
-]
-
-
-@pytest.mark.parametrize("case", GLUON_COMBINE_CASES)
-def test_decode_gluon_combine(gen, monkeypatch, case):
-    """``test_decode``'s cases behind the Gluon main kernels at head_dim 128 and 64-token
-    blocks with the combine of ``decode_combine.py`` (``COMBINE_GLUON``), checked to be the
-    one launched."""
-    monkeypatch.setattr(kd, "COMBINE_GLUON", True)
-    fmt, geo, lens, t, q_dtype, pool_dtype = DECODE_CASES[case]
-    hq, hkv, d = DECODE_GEOMETRIES[geo]
-    cache = build_cache(gen, fmt, d, hkv, lens, pool_dtype)
-    q = torch.randn(len(lens), t, hq, d, generator=gen, device=DEVICE).to(q_dtype)
-    scale = 1 / math.sqrt(d)
-    assert kd._use_mma_kernel(fmt, q, hkv)
-    splits = kd.decode_num_splits(len(lens), hkv, max(lens), 64, DEVICE)
-    assert kd.gluon_combine_serves(d, 64, splits) == (splits >= 3)
-    out = _run_decode(cache, q, scale)
-    oracle = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
-    reference.decode(q, *cache.args(), scale, oracle, None, compute_dtype=torch.float64)
-    assert_decode_error(out, q, cache, scale, oracle)
-
-
 def assert_decode_error(out, q, cache, scale, oracle):
     # The kernel rounds softmax weights taken relative to a running max: the same error as
     # the emulation's, another realization. The yardstick is the largest of sixteen (why:
@@ -886,18 +858,6 @@ def test_decode_cuda_graph_replay(gen, d):
     cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, full)
     cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     q = torch.randn(len(lens), 1, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
-    _check_decode_replays(gen, cache, q, [13, 26, 39])
-
-
-def test_decode_gluon_combine_cuda_graph_replay(gen, monkeypatch):
-    """``test_decode_cuda_graph_replay`` at head_dim 128 with the Gluon combine."""
-    monkeypatch.setattr(kd, "COMBINE_GLUON", True)
-    lens = [5000, 70, 20000, 640]
-    full = [((n + 78) // 64 + 1) * 64 - 1 for n in lens]
-    cache = build_cache(gen, "kvarn_k4v2_g64", 128, 8, full)
-    cache.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-    q = torch.randn(len(lens), 1, 32, 128, generator=gen, device=DEVICE, dtype=torch.bfloat16)
-    assert kd.gluon_combine_serves(128, 64, kd.decode_num_splits(4, 8, 20000 + 78, 64, DEVICE))
     _check_decode_replays(gen, cache, q, [13, 26, 39])
 
 

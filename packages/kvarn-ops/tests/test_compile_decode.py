@@ -171,61 +171,6 @@ def test_combine_kernel_compiles_g128_tail(pool, target):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize(
-    ("tail", "pool", "splits"),
-    [(True, "bfloat16", 128), (True, "float8_e4m3fn", 128), (True, "float16", 37),
-     (True, "bfloat16", 4), (False, "bfloat16", 16)],
-)  # fmt: skip
-def test_gluon_combine_compiles(target, tail, pool, splits):
-    """The Gluon combine (``decode_combine.py``, ``KVARN_DECODE_COMBINE_GLUON=1``) compiles
-    for every configuration it serves without spilling, and after ``griddepcontrol.wait`` its
-    chain is what its docstring says: at most two barriers (the warps' exchange and the one
-    that orders it after the tail's scratch use), and the inverse Hadamard's five ``shfl.bfly``
-    stages on four values a lane as the only shuffles (the Triton combine: 17 barriers)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from kvarn_ops.kernels import decode_combine as C
-
-    pdl = target.arch >= 90
-    s_p2 = 1 << (splits - 1).bit_length()
-    assert C.gluon_combine_supported(128, 64, s_p2)
-    assert not C.gluon_combine_supported(128, 128, s_p2)
-    assert not C.gluon_combine_supported(256, 64, s_p2)
-    assert not C.gluon_combine_supported(128, 64, 2)
-    consts = dict(S=splits, S_P2=s_p2, MIN_UNITS=KD.DECODE_MIN_UNITS_PER_SPLIT, TAIL=tail, T=1,
-                  GQA=4, POOL_FP8=pool == "float8_e4m3fn", PDL=pdl, LAG=0)  # fmt: skip
-    types = {
-        "ws_ptr": "*fp32",
-        "seq_ptr": "*i32",
-        "out_ptr": "*bf16",
-        "lse_numel": "i32",
-        "rows_per_request": "i32",
-        "q_ptr": "*bf16",
-        "ek_ptr": POOL[pool],
-        "ev_ptr": POOL[pool],
-        "ks_ptr": "*fp32" if pool == "float8_e4m3fn" else POOL[pool],
-        "vs_ptr": "*fp32" if pool == "float8_e4m3fn" else POOL[pool],
-        "tail_ptr": "*i32",
-        "qk_scale": "fp32",
-        "num_kv_heads": "i32",
-        "num_q_heads": "i32",
-    }
-    names = C.combine_kernel.arg_names
-    sig = {n: "constexpr" if n in consts else types[n] for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"}
-    src = GluonASTSource(fn=C.combine_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=target, options=dict(num_warps=C.NUM_WARPS, launch_pdl=pdl))
-    regs, frame = cubin_resources(k.asm["cubin"])
-    print(f"gluon combine S{splits} tail={tail} {pool} sm{target.arch}: {regs} regs, {frame} B")
-    assert 0 < regs <= 255 and frame == 0
-    ptx = k.asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == int(pdl)
-    after = ptx.split("griddepcontrol.wait")[-1]
-    assert after.count("bar.sync") <= 2
-    assert after.count("shfl.sync") == 5 * 4
-
-
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
 def test_programmatic_dependent_launch_compiles(target):
     """sm_90+ launches the combine as the main kernel's programmatic dependent: every main
     kernel signals it (``griddepcontrol.launch_dependents``) and the combine waits for the main

@@ -1195,11 +1195,6 @@ _PDL_TRIGGER = True
 """With programmatic dependent launch: the main kernel's programs signal the combine at their
 start (``griddepcontrol.launch_dependents``), so its programs can be resident once the main
 grid's last wave is; False leaves the signal to each program's exit."""
-COMBINE_GLUON = os.environ.get("KVARN_DECODE_COMBINE_GLUON", "0") == "1"
-"""Behind the Gluon main kernels, head_dim 128 and 64-token blocks with at least 4 splits:
-the combine of ``decode_combine.py`` (each warp reduces its splits in registers, one
-shared-memory exchange, the inverse Hadamard by shuffles) instead of the Triton one (read at
-import; ``KVARN_DECODE_COMBINE_GLUON=1``)."""
 _TAIL_IN_COMBINE = False
 """Triton split kernel only: leave the exact tail to the combine kernel, as the MMA kernel
 always does (tests set it to check that combine path under the interpreter)."""
@@ -1218,20 +1213,6 @@ def _use_mma_kernel(format_name: str, q: torch.Tensor, hkv: int, t: int | None =
     mods = _mma_module()
     return mods is not None and mods[0].mma_decode_supported(
         c["KB"], c["VB"], c["G"], q.shape[3], rows
-    )
-
-
-@functools.cache
-def _combine_module():
-    return gluon_modules("decode_combine")
-
-
-def gluon_combine_serves(head_dim: int, block_size: int, num_splits: int) -> bool:
-    """Whether a step behind a Gluon main kernel takes the Gluon combine (``COMBINE_GLUON``
-    and a geometry ``decode_combine.gluon_combine_supported`` accepts)."""
-    mods = _combine_module() if COMBINE_GLUON else None
-    return mods is not None and mods[0].gluon_combine_supported(
-        head_dim, block_size, _next_pow2(num_splits)
     )
 
 
@@ -1339,37 +1320,6 @@ def _launch(
             **consts,
             **opts,
         )
-    s_p2 = _next_pow2(num_splits)
-    if mma and gluon_combine_serves(d, consts["G"], num_splits):
-        comb = _combine_module()[0]
-        comb.combine_kernel[(b * t * hq,)](
-            workspace,
-            seq_lens,
-            out,
-            lse_numel,
-            t * hq,
-            q,
-            exact_k,
-            exact_v,
-            ks,
-            vs,
-            tail_pool_block,
-            qk_scale,
-            hkv,
-            hq,
-            S=num_splits,
-            S_P2=s_p2,
-            MIN_UNITS=DECODE_MIN_UNITS_PER_SPLIT,
-            TAIL=tail_in_combine,
-            T=t,
-            GQA=hq // hkv,
-            POOL_FP8=pool_fp8,
-            PDL=pdl,
-            LAG=q_lag,
-            launch_pdl=pdl,
-            num_warps=comb.NUM_WARPS,
-        )
-        return
     cc, copts = combine_config(d, num_splits, consts["G"], tail_in_combine)
     _decode_combine_kernel[(b * t * hq,)](
         workspace,
