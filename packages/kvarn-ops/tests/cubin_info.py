@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import re
 import struct
-import subprocess
-import tempfile
 
-__all__ = ["cubin_resources", "sass_opcodes"]
+__all__ = ["cubin_resources"]
 
 
 def cubin_resources(cubin: bytes) -> tuple[int, int]:
@@ -38,21 +34,3 @@ def cubin_resources(cubin: bytes) -> tuple[int, int]:
                 found[attr] = struct.unpack_from("<II", data, pos + 4)[1]
             pos += 4 + size
     return found.get(0x2F, 0), found.get(0x11, 0)
-
-
-def sass_opcodes(cubin: bytes) -> list[str]:
-    """The kernel's SASS opcodes in program order (predicates dropped), by the ``nvdisasm``
-    that ships with triton's NVIDIA backend."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True)
-    ops = []
-    for line in text.stdout.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m:
-            ops.append(m.group(1))
-    return ops

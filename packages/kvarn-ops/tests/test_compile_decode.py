@@ -539,64 +539,6 @@ def test_mma_decode_fused_columns_compiles(case, switch):
         assert got[arch]["sel"] == (2 * 16 if fused else 0), (arch, got[arch])
 
 
-_PROLOGUE_CHILD = r"""
-import json, os, sys
-os.environ["TRITON_INTERPRET"] = "0"
-sys.path.insert(0, sys.argv[1])
-import triton
-from triton.backends.compiler import GPUTarget
-import test_compile_decode as T
-from cubin_info import cubin_resources, sass_opcodes
-from kvarn_ops.kernels import decode_mma_t
-case = tuple(json.loads(sys.argv[2]))
-out = dict(loop=decode_mma_t.PROLOGUE_LOOP, no_exit=decode_mma_t.NO_EARLY_EXIT)
-for arch in (90, 120):
-    k = triton.compile(T._mma_source(*case[:4], nbuf=2, transposed=True, d=case[4]),
-                       target=GPUTarget("cuda", arch, 32), options=dict(num_warps=1))
-    regs, frame = cubin_resources(k.asm["cubin"])
-    ops = sass_opcodes(k.asm["cubin"])
-    first = lambda p: next(i for i, o in enumerate(ops) if o.startswith(p))
-    out[arch] = dict(regs=regs, frame=frame, copy=first("LDGSTS"), shfl=first("SHFL"),
-                     exits=ops[: first("LDGSTS")].count("EXIT"))
-print(json.dumps(out))
-"""
-
-PROLOGUE_CASES = [
-    # record-order 4-bit K (fused columns), 2-bit K (lane-major words), head pairs at d64
-    ("kvarn_k4v2_g64", 4, 1, "*bf16", 128),
-    ("kvarn_k2v2_g64", 4, 1, "*fp16", 128),
-    ("kvarn_k4v2_g64", 4, 1, "*bf16", 64),
-]
-
-
-@pytest.mark.parametrize("no_exit", ["0", "1"], ids=["exits", "no_exits"])
-@pytest.mark.parametrize("case", PROLOGUE_CASES, ids=lambda c: f"{c[0]}-gqa{c[1]}-d{c[4]}")
-def test_mma_decode_prologue_loop_compiles(case, no_exit):
-    """``KVARN_DECODE_PROLOGUE_LOOP=1``: in the compiled kernel (sm_90a and sm_120a) the first
-    records' copies come before the query rotation's first shuffle (unrolled, the compiler
-    puts the whole rotation first), with ``KVARN_DECODE_NO_EARLY_EXIT=1`` no exit before
-    them, and no spill frame."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0", KVARN_DECODE_PROLOGUE_LOOP="1")
-    env["KVARN_DECODE_NO_EARLY_EXIT"] = no_exit
-    env.pop("KVARN_DECODE_SUBNORMAL", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROLOGUE_CHILD, str(Path(__file__).parent), json.dumps(case)],
-        env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(case, no_exit, got)
-    assert got["loop"] and got["no_exit"] == (no_exit == "1")
-    for arch in ("90", "120"):
-        assert got[arch]["regs"] <= 255 and got[arch]["frame"] == 0, (arch, got[arch])
-        assert got[arch]["copy"] < got[arch]["shfl"], (arch, got[arch])
-        assert got[arch]["exits"] == (0 if no_exit == "1" else 2), (arch, got[arch])
-
-
 D256_FUSED_CASES = [
     # Gemma's GQA 2 with 2-bit K; GQA 4 (at the four-row limit); 8 rows: never fused
     ("kvarn_k2v2_g64", 2, 1, "*bf16"),
