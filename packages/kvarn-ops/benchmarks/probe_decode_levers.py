@@ -23,11 +23,6 @@ one run:
   2-bit V paths change). Not yet GPU-checked on its own (BENCHMARKS.md "2026-12-06, night"):
   run its parity before trusting a timing (``PYTHONPATH=OUT/trees/record_v:... python3
   gpu/parity.py -k "dense_parity and test_decode"``).
-- ``unrolled_prologue`` / ``prologue_loop`` / ``early_q``: the prologue as it was (early
-  exits, the first copies unrolled: the compiler places the query's rotation before them),
-  the first copies in a loop the rotation cannot be moved above
-  (``KVARN_DECODE_PROLOGUE_LOOP=1``), and that plus no early exits with the query's loads
-  beside the sequence length's (``KVARN_DECODE_NO_EARLY_EXIT=1``);
 - ``lazy_rescale``: a diff in ``benchmarks/patches/``: the running softmax's rescale of the
   accumulators (32 multiplies, two ``ex2``) in a branch taken only in blocks where some row's
   maximum moves (a warp-uniform flag); elsewhere it multiplied by exactly 1, so the outputs
@@ -100,15 +95,6 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "copy16v": (_COPY16V, {}),
     "record_v": ([("diff", "record_v.diff", "")], {}),
     "lazy_rescale": ([("diff", "lazy_rescale.diff", "")], {}),
-    "unrolled_prologue": (
-        [],
-        {"KVARN_DECODE_NO_EARLY_EXIT": "0", "KVARN_DECODE_PROLOGUE_LOOP": "0"},
-    ),
-    "prologue_loop": (
-        [],
-        {"KVARN_DECODE_NO_EARLY_EXIT": "0", "KVARN_DECODE_PROLOGUE_LOOP": "1"},
-    ),
-    "early_q": ([], {"KVARN_DECODE_NO_EARLY_EXIT": "1", "KVARN_DECODE_PROLOGUE_LOOP": "1"}),
 }
 
 

@@ -468,11 +468,13 @@ def _q_rotated(q, QL: gl.constexpr):
 
 
 @gluon.jit
-def _q_load(
-    q_ptr, b, h, num_q_heads, T: gl.constexpr, GQA: gl.constexpr, QL: gl.constexpr,
+def _q_rows(
+    q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr, QL: gl.constexpr,
     PAIRED: gl.constexpr = False,
 ):  # fmt: skip
-    """The query rows of :func:`_q_rows` as stored (not scaled or rotated), in ``QL``."""
+    """Query rows ``r = t * GQA + g`` (token ``t`` of request ``b``, head ``h * GQA + g``) as
+    [R, 128] in ``QL``, scaled by ``qk_scale`` and rotated, fp32 (rows past T * GQA are 0);
+    with ``PAIRED`` row ``n`` holds query row ``n >> 1``."""
     R: gl.constexpr = QL.shape[0]
     rq = gl.arange(0, R, layout=gl.SliceLayout(1, QL))
     if PAIRED:
@@ -480,20 +482,7 @@ def _q_load(
     cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
     ok = rq < T * GQA
     qrow = ((b * T + rq // GQA) * num_q_heads + h * GQA + rq % GQA).to(gl.int64)
-    return gl.load(q_ptr + qrow[:, None] * 128 + cq[None, :], mask=ok[:, None], other=0.0)
-
-
-@gluon.jit
-def _q_rows(
-    q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr, QL: gl.constexpr,
-    PAIRED: gl.constexpr = False, q=None,
-):  # fmt: skip
-    """Query rows ``r = t * GQA + g`` (token ``t`` of request ``b``, head ``h * GQA + g``) as
-    [R, 128] in ``QL``, scaled by ``qk_scale`` and rotated, fp32 (rows past T * GQA are 0);
-    with ``PAIRED`` row ``n`` holds query row ``n >> 1``; ``q``: the rows as :func:`_q_load`
-    returns them, if loaded already."""
-    if q is None:
-        q = _q_load(q_ptr, b, h, num_q_heads, T, GQA, QL, PAIRED)
+    q = gl.load(q_ptr + qrow[:, None] * 128 + cq[None, :], mask=ok[:, None], other=0.0)
     return _q_rotated(q.to(gl.float32) * qk_scale, QL)
 
 

@@ -188,26 +188,17 @@ def row_heads(T: gl.constexpr, GQA: gl.constexpr, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def q_load(q_ptr, b, h, has2, num_q_heads, T: gl.constexpr, GQA: gl.constexpr,
+def q_rows(q_ptr, b, h, has2, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr,
            QL: gl.constexpr):  # fmt: skip
-    """The query rows of :func:`q_rows` as stored (not scaled or rotated), in ``QL``."""
+    """Both heads' query rows as [8, 128] virtual channels in ``QL`` (row ``r``: head ``h +
+    r // (T GQA)``, zero on the other head's 64 channels and on unused rows), scaled and each
+    half rotated, fp32. ``has2``: whether head ``h + 1`` exists."""
     hr, rr = row_heads(T, GQA, gl.SliceLayout(1, QL))
     cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
     ok = (hr == 0) | ((hr == 1) & has2)
     qrow = ((b * T + rr // GQA) * num_q_heads + (h + hr) * GQA + rr % GQA).to(gl.int64)
     m = ok[:, None] & ((cq >> 6)[None, :] == hr[:, None])
-    return gl.load(q_ptr + qrow[:, None] * 64 + (cq & 63)[None, :], mask=m, other=0.0)
-
-
-@gluon.jit
-def q_rows(q_ptr, b, h, has2, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr,
-           QL: gl.constexpr, q=None):  # fmt: skip
-    """Both heads' query rows as [8, 128] virtual channels in ``QL`` (row ``r``: head ``h +
-    r // (T GQA)``, zero on the other head's 64 channels and on unused rows), scaled and each
-    half rotated, fp32. ``has2``: whether head ``h + 1`` exists; ``q``: the rows as
-    :func:`q_load` returns them, if loaded already."""
-    if q is None:
-        q = q_load(q_ptr, b, h, has2, num_q_heads, T, GQA, QL)
+    q = gl.load(q_ptr + qrow[:, None] * 64 + (cq & 63)[None, :], mask=m, other=0.0)
     return _q_rotated64(q.to(gl.float32) * qk_scale, QL)
 
 

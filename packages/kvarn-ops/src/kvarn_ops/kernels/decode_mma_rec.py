@@ -185,28 +185,18 @@ def _butterfly(x, B: gl.constexpr):
 
 
 @gluon.jit
-def q_load(q_ptr, b, h, num_q_heads, T: gl.constexpr, GQA: gl.constexpr,
+def q_rows(q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr,
            PAIRED: gl.constexpr = False):  # fmt: skip
-    """The query rows of :func:`q_rows` as stored (not scaled or rotated), in :data:`QL_REC`."""
+    """Query rows [8, 128] (``M._q_rows``' rows, scaled and rotated in fp32) in
+    :data:`QL_REC`: register stages on channel bits 0, 3, 4, 5, 6, ``shfl`` stages on bits 1
+    and 2. With ``PAIRED`` (at most four rows) row ``n`` holds query row ``n >> 1``."""
     rq = gl.arange(0, 8, layout=gl.SliceLayout(1, QL_REC))
     if PAIRED:
         rq = rq >> 1
     cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL_REC))
     ok = rq < T * GQA
     qrow = ((b * T + rq // GQA) * num_q_heads + h * GQA + rq % GQA).to(gl.int64)
-    return gl.load(q_ptr + qrow[:, None] * 128 + cq[None, :], mask=ok[:, None], other=0.0)
-
-
-@gluon.jit
-def q_rows(q_ptr, b, h, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr,
-           PAIRED: gl.constexpr = False, q=None):  # fmt: skip
-    """Query rows [8, 128] (``M._q_rows``' rows, scaled and rotated in fp32) in
-    :data:`QL_REC`: register stages on channel bits 0, 3, 4, 5, 6, ``shfl`` stages on bits 1
-    and 2. With ``PAIRED`` (at most four rows) row ``n`` holds query row ``n >> 1``; ``q``:
-    the rows as :func:`q_load` returns them, if loaded already."""
-    if q is None:
-        q = q_load(q_ptr, b, h, num_q_heads, T, GQA, PAIRED)
-    cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL_REC))
+    q = gl.load(q_ptr + qrow[:, None] * 128 + cq[None, :], mask=ok[:, None], other=0.0)
     x = q.to(gl.float32) * qk_scale
     s1 = gl.full([8, 128], 1.0, gl.float32, QL_REC) - 2.0 * ((cq >> 1) & 1).to(gl.float32)[None, :]
     s2 = gl.full([8, 128], 1.0, gl.float32, QL_REC) - 2.0 * ((cq >> 2) & 1).to(gl.float32)[None, :]

@@ -136,22 +136,6 @@ with record-order 4-bit K, 1,222 -> 1,101 with 2-bit K; on the H200 6-9% faster 
 keeps two score operands."""
 _FUSED: gl.constexpr = gl.constexpr(FUSED_COLUMNS)
 
-NO_EARLY_EXIT = os.environ.get("KVARN_DECODE_NO_EARLY_EXIT", "0") == "1"
-"""A program with nothing to read (no full record, or a split past the request's last)
-runs no blocks and stores nothing instead of returning early, so the prologue is one
-straight-line block: the query's loads and rotation are not held behind the early exits
-and can overlap the sequence length's and the block-table entry's loads. Opt-in
-(``KVARN_DECODE_NO_EARLY_EXIT=1``, read at import; needs ``KVARN_DECODE_PROLOGUE_LOOP=1``)
-until timed on a GPU."""
-_NO_EXIT: gl.constexpr = gl.constexpr(NO_EARLY_EXIT)
-
-PROLOGUE_LOOP = os.environ.get("KVARN_DECODE_PROLOGUE_LOOP", "0") == "1"
-"""The first records' copies issued in a loop whose round count the compiler cannot see, so
-the query's rotation after it cannot be scheduled above them (in one straight-line block
-the compiler put the whole rotation before the copies). Opt-in
-(``KVARN_DECODE_PROLOGUE_LOOP=1``, read at import) until timed on a GPU."""
-_PRO_LOOP: gl.constexpr = gl.constexpr(PROLOGUE_LOOP)
-
 SUBNORMAL_CODES = M.SUBNORMAL_CODES
 """Opt-in (``KVARN_DECODE_SUBNORMAL=1``; ``decode_mma.SUBNORMAL_CODES`` says why it is off by
 default): K and 2-bit V codes as fp16 subnormals (``c * 2^-24`` and ``c 4^f 2^-24``, no offset
@@ -509,33 +493,6 @@ def _issue_rec(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_head
 
 
 @gluon.jit
-def _query_load(q_ptr, b, h, dh, num_q_heads, T: gl.constexpr, GQA: gl.constexpr,
-                RK4: gl.constexpr, PAIR: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
-    """The program's query rows as stored, in the layout :func:`_query_rows` rotates."""
-    if RK4:
-        return RK.q_load(q_ptr, b, h, num_q_heads, T, GQA, FUSED)
-    elif PAIR:
-        return P.q_load(q_ptr, b, h, dh > 0, num_q_heads, T, GQA, gl.constexpr(M._QL8))
-    else:
-        return M._q_load(q_ptr, b, h, num_q_heads, T, GQA, gl.constexpr(M._QL8), FUSED)
-
-
-@gluon.jit
-def _query_rows(q, q_ptr, b, h, dh, num_q_heads, qk_scale, T: gl.constexpr, GQA: gl.constexpr,
-                RK4: gl.constexpr, PAIR: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
-    """The program's query rows [8, 128], scaled and rotated in fp32, in the layout its score
-    operands are cut from (``RK.QL_REC`` for record-order K, else ``M._QL8``); ``q``: the rows
-    from :func:`_query_load`, or None to load them here."""
-    QL: gl.constexpr = M._QL8
-    if RK4:
-        return RK.q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, FUSED, q)
-    elif PAIR:
-        return P.q_rows(q_ptr, b, h, dh > 0, num_q_heads, qk_scale, T, GQA, QL, q)
-    else:
-        return M._q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, QL, FUSED, q)
-
-
-@gluon.jit
 def mma_decode_t_kernel(
     q_ptr,
     rec16_ptr,
@@ -597,6 +554,19 @@ def mma_decode_t_kernel(
         b = bh // num_kv_heads
         h = bh % num_kv_heads
         dh = 0
+    seq_len = gl.load(seq_ptr + b)
+    # splits of whole records (the combine's formula); the loop walks their 64-token halves
+    n_full = seq_len // G
+    if n_full == 0:
+        return
+    n_splits = gl.maximum(gl.minimum(S, (n_full + MIN_UNITS - 1) // MIN_UNITS), 1)
+    per = (n_full + n_splits - 1) // n_splits
+    n_live = (n_full + per - 1) // per
+    if split >= n_live:
+        return
+    u0 = split * per * (G // 64)
+    u1 = gl.minimum(split * per + per, n_full) * (G // 64)
+
     # records staged by cp.async NBUF - 1 blocks ahead; the first copies are issued before q
     # is loaded and rotated, which hides their latency
     HV: gl.constexpr = VB // 2
@@ -607,27 +577,6 @@ def mma_decode_t_kernel(
     # score MMAs take q's hi part in the even columns and its lo part in the odd ones (one
     # MMA per code operand instead of two; the column pairs summed after)
     FUSED: gl.constexpr = PAIR == 0 and T * GQA <= 4 and not _SUB and _FUSED
-    seq_len = gl.load(seq_ptr + b)
-    q_in = None
-    if _NO_EXIT:  # the query's loads beside the sequence length's (no exit between)
-        q_in = _query_load(q_ptr, b, h, dh, num_q_heads, T, GQA, RK4, PAIR, FUSED)
-    # splits of whole records (the combine's formula); the loop walks their 64-token halves
-    n_full = seq_len // G
-    if not _NO_EXIT:  # noqa: SIM102 (a compile-time switch around a run-time test)
-        if n_full == 0:
-            return
-    n_splits = gl.maximum(gl.minimum(S, (n_full + MIN_UNITS - 1) // MIN_UNITS), 1)
-    per = (n_full + n_splits - 1) // n_splits
-    if _NO_EXIT:
-        per = gl.maximum(per, 1)
-    n_live = (n_full + per - 1) // per
-    if not _NO_EXIT:  # noqa: SIM102 (as above)
-        if split >= n_live:
-            return
-    live = (n_full > 0) & (split < n_live)
-    u0 = split * per * (G // 64)
-    u1 = gl.minimum(split * per + per, n_full) * (G // 64)
-
     if RK4:
         sk = gl.allocate_shared_memory(gl.float16, [NBUF, 128, 16], RK.SH_K)
     else:
@@ -640,15 +589,7 @@ def mma_decode_t_kernel(
     svr = gl.allocate_shared_memory(gl.float16, [NBUF, 8 * NH, 8], _SH2)
     svz = gl.allocate_shared_memory(gl.float16, [NBUF, 8 * NH, 8], _SH2)
     bt_row = bt_ptr + b.to(gl.int64) * bt_stride
-    # a loop of NBUF - 1 rounds whose count the compiler cannot see: the query's rotation,
-    # below, cannot be moved above it, so the first copies are issued before the rotation
-    n_pro = gl.minimum(u1 - u0 + NBUF, NBUF) - 1
-    if not _PRO_LOOP:
-        gl.static_assert(not _NO_EXIT)  # a program with nothing to read must issue nothing
-        n_pro = NBUF - 1
-    if _NO_EXIT:  # a program with nothing to read (u1 <= u0: no blocks) issues no copies
-        n_pro = gl.where(live, n_pro, 0)
-    for st in range(n_pro):
+    for st in gl.static_range(NBUF - 1):
         _issue(
             sk.index(st),
             sv.index(st),
@@ -683,13 +624,21 @@ def mma_decode_t_kernel(
 
     # q rows [8, 128] (lane 4 n + t: row n, channels 32 t ..), scaled and rotated in fp32
     # (record-order K: physical channel order, lane 4 n + t: channels 2 t + {0, 1} + 8 j)
-    qrot = _query_rows(q_in, q_ptr, b, h, dh, num_q_heads, qk_scale, T, GQA, RK4, PAIR, FUSED)
     if RK4:
+        qrot = RK.q_rows(q_ptr, b, h, num_q_heads, qk_scale, T, GQA, FUSED)
         qr0 = RK.q_chunk(qrot, 0, QB)
         qr1 = RK.q_chunk(qrot, 1, QB)
         qr2 = RK.q_chunk(qrot, 2, QB)
         qr3 = RK.q_chunk(qrot, 3, QB)
     else:
+        if PAIR:
+            qrot = P.q_rows(
+                q_ptr, b, h, dh > 0, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8)
+            )
+        else:
+            qrot = M._q_rows(
+                q_ptr, b, h, num_q_heads, qk_scale, T, GQA, gl.constexpr(M._QL8), FUSED
+            )
         qr0 = _q_chunk(qrot, QB, 0)
         qr1 = _q_chunk(qrot, QB, 1)
         qr2 = _q_chunk(qrot, QB, 2)
@@ -877,8 +826,6 @@ def mma_decode_t_kernel(
     lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
     q_row = ((b * T + rr // GQA) * num_q_heads + (h + hr) * GQA + rr % GQA).to(gl.int64)
     ws_row = q_row * S + split
-    if _NO_EXIT:
-        row_ok = row_ok & live
     gl.store(ws_ptr + ws_row, lse, mask=row_ok)
     ws_rows = ws_ptr + lse_numel + ws_row * (64 if PAIR else 128)
     _store_t(a0, inv_l, ws_rows, row_ok, hr, 0, VB, PAIR)
