@@ -23,9 +23,6 @@ one run:
   2-bit V paths change). Not yet GPU-checked on its own (BENCHMARKS.md "2026-12-06, night"):
   run its parity before trusting a timing (``PYTHONPATH=OUT/trees/record_v:... python3
   gpu/parity.py -k "dense_parity and test_decode"``).
-- ``pdl_main``: ``KVARN_DECODE_PDL_MAIN=1``: each step's main kernel launched as the
-  programmatic dependent of the kernel before it (here the previous step's combine, which
-  releases it at its start; ``decode.PDL_MAIN``);
 - ``lazy_rescale``: a diff in ``benchmarks/patches/``: the running softmax's rescale of the
   accumulators (32 multiplies, two ``ex2``) in a branch taken only in blocks where some row's
   maximum moves (a warp-uniform flag); elsewhere it multiplied by exactly 1, so the outputs
@@ -98,7 +95,6 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "copy16v": (_COPY16V, {}),
     "record_v": ([("diff", "record_v.diff", "")], {}),
     "lazy_rescale": ([("diff", "lazy_rescale.diff", "")], {}),
-    "pdl_main": ([], {"KVARN_DECODE_PDL_MAIN": "1"}),
 }
 
 

@@ -209,36 +209,6 @@ def test_programmatic_dependent_launch_compiles(target):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
-@pytest.mark.parametrize(
-    "case", [("kvarn_k4v2_g64", 4, 1, "*bf16", 128), ("kvarn_k2v2_g64", 4, 1, "*fp16", 64)]
-)
-def test_main_kernel_as_programmatic_dependent_compiles(target, case):
-    """``decode.PDL_MAIN`` (opt-in): the transposed MMA kernel launched as the programmatic
-    dependent of the kernel before it waits (``griddepcontrol.wait``) after its sequence
-    length and first block-table entry and before any record copy, query load or workspace
-    store, then releases the combine (``launch_dependents`` after the wait); no spill frame."""
-    k = triton.compile(
-        _mma_source(*case[:4], nbuf=2, transposed=True, pdl=True, d=case[4], pdl_in=True),
-        target=target,
-        options={"num_warps": 1},
-    )
-    ptx = k.asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == 1
-    assert ptx.count("griddepcontrol.launch_dependents") == 1
-    wait = ptx.index("griddepcontrol.wait")
-    assert wait < ptx.index("griddepcontrol.launch_dependents")
-    before = ptx[:wait]
-    assert before.count("ld.global") == 2  # the sequence length and the block-table entry
-    assert "cp.async" not in before and "st.global" not in before
-    assert cubin_resources(k.asm["cubin"])[1] == 0
-    # the combine releases the next step's main kernel at its start (before its own wait)
-    ptx = _compile_combine(128, "bfloat16", True, "bfloat16", 128, target, 64, True, 0, True)
-    ptx = ptx.asm["ptx"]
-    assert ptx.count("griddepcontrol.launch_dependents") == 1
-    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
-
-
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"sm{t.arch}")
 def test_chunk_launches_compile(target):
     """The launches of a chunk of a long verify run (keys ending ``LAG`` tokens before the
     run's last): the Triton kernel's 32-row tile (``mma.sync``, never ``wgmma``, which computed
@@ -264,7 +234,7 @@ def test_chunk_launches_compile(target):
     _compile_combine(128, "bfloat16", True, "bfloat16", 16, target, 64, lag=4)
 
 
-def _compile_combine(d, out, tail, pool, splits, target, g, pdl=False, lag=0, pdl_out=False):
+def _compile_combine(d, out, tail, pool, splits, target, g, pdl=False, lag=0):
     cc, copts = KD.combine_config(d, splits, g, tail)
     if d == 128 and splits == 128:
         # the whole row in one round trip; 8 warps only beside a 128-token exact tail
@@ -281,7 +251,6 @@ def _compile_combine(d, out, tail, pool, splits, target, g, pdl=False, lag=0, pd
         POOL_FP8=pool == "float8_e4m3fn",
         PDL=pdl,
         LAG=lag,
-        PDL_OUT=pdl_out,
         **cc,
     )
     types = {
@@ -340,7 +309,7 @@ MMA_SPILL = {
 }
 
 
-def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0, d=128, pdl_in=False):
+def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0, d=128):
     """The Gluon MMA decode kernel's source (``d`` 64: the transposed kernel on head pairs)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -357,7 +326,6 @@ def _mma_source(fmt, gqa, t, qdt, nbuf=3, transposed=False, pdl=False, lag=0, d=
     )  # fmt: skip
     if transposed and d != 256:
         consts["PAIR"] = KD.mma_heads_per_program(d, t * gqa)
-        consts["PDL_IN"] = pdl_in
     if "KB" in kern.arg_names:
         consts["KB"] = c["KB"]
     for name in ("K_OFF", "KCS_OFF", "KZP_OFF", "KRS_OFF", "V_OFF", "VCS_OFF", "VRS_OFF"):

@@ -825,7 +825,6 @@ def _decode_combine_kernel(
     POOL_FP8: tl.constexpr,
     PDL: tl.constexpr = False,
     LAG: tl.constexpr = 0,
-    PDL_OUT: tl.constexpr = False,
 ):
     """One program per query row: merge the live splits' partial rows (and, with ``TAIL``, the
     exact tail's attention, computed here in fp32) and rotate back to the model frame.
@@ -837,8 +836,6 @@ def _decode_combine_kernel(
     kernel's programmatic dependent, sm_90+) the program may start while the main kernel
     runs: the tail's loads and its attention come first, then ``griddepcontrol.wait`` (the
     main kernel's writes become visible), then the workspace reads."""
-    if PDL_OUT:  # the next kernel, if launched as this grid's dependent, may start now
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     b = row // rows_per_request
     d = tl.arange(0, D)
@@ -1198,18 +1195,6 @@ _PDL_TRIGGER = True
 """With programmatic dependent launch: the main kernel's programs signal the combine at their
 start (``griddepcontrol.launch_dependents``), so its programs can be resident once the main
 grid's last wave is; False leaves the signal to each program's exit."""
-PDL_MAIN = os.environ.get("KVARN_DECODE_PDL_MAIN", "0") == "1"
-"""Opt-in (``KVARN_DECODE_PDL_MAIN=1``, read at import; sm_90+, with the combine's
-programmatic launch on): the transposed MMA kernel (head_dim 64 and 128, at most 8 query rows
-a KV head) is launched as the programmatic dependent of whatever kernel the stream ran before
-it, so its launch and its first metadata reads (the sequence length, the split, the first
-block-table entry) overlap that kernel's end; ``griddepcontrol.wait`` orders everything else
-after it, and its programs release the combine only after that wait. The combine then
-releases the next kernel at its start (``griddepcontrol.launch_dependents``; no effect on a
-kernel launched without the attribute), so in a run of decode steps each step's main kernel
-launches while the step before combines. Requires that the sequence lengths and the block
-table were written before that kernel started (true of vLLM's metadata, which is built
-before the layers run)."""
 _TAIL_IN_COMBINE = False
 """Triton split kernel only: leave the exact tail to the combine kernel, as the MMA kernel
 always does (tests set it to check that combine path under the interpreter)."""
@@ -1275,9 +1260,6 @@ def _launch(
         extra = {"PAIR": pair} if pair else {}
         if c["KB"] == 2:
             extra["KB"] = 2
-        if pdl and PDL_MAIN and kern is mod_t.mma_decode_t_kernel:
-            extra["PDL_IN"] = True
-            extra["launch_pdl"] = True
         kern[(num_splits, b * (-(-hkv // pair) if pair else hkv))](
             q,
             packed.view(torch.float16),
@@ -1365,7 +1347,6 @@ def _launch(
         POOL_FP8=pool_fp8,
         PDL=pdl,
         LAG=q_lag,
-        PDL_OUT=pdl and PDL_MAIN,
         launch_pdl=pdl,
         **cc,
         **copts,

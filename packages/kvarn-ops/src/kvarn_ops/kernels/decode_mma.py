@@ -195,21 +195,6 @@ def mma_decode_supported(k_bits: int, v_bits: int, block_size: int, head_dim: in
 
 
 @gluon.jit
-def grid_dependency_wait():
-    """``griddepcontrol.wait`` (sm_90+): in a grid launched as a programmatic dependent, waits
-    until the grid it depends on has completed and its memory is visible (returns at once in
-    a grid launched without the attribute)."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.wait; mov.b32 $0, 0;",
-        "=r",
-        [],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
 def launch_dependents():
     """``griddepcontrol.launch_dependents`` (sm_90+): the combine kernel, launched as this grid's
     programmatic dependent, may start once every program of this grid has executed it; the
@@ -907,16 +892,13 @@ def _stage_block(
 
 @gluon.jit
 def unit_record(uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC: gl.constexpr,
-                G: gl.constexpr, blk=None):  # fmt: skip
+                G: gl.constexpr):  # fmt: skip
     """Where 64-token unit ``uu`` of a request lies: its record's 32- and 16-bit base pointers
-    for KV head ``h`` (block-table entry ``uu // (G / 64)``, or ``blk`` where the caller has
-    loaded it; a unit past ``u1`` reads the last one's entry), whether it is to be read (``uu <
-    u1``) and its half in the record."""
+    for KV head ``h`` (block-table entry ``uu // (G / 64)``; a unit past ``u1`` reads the last
+    one's entry), whether it is to be read (``uu < u1``) and its half in the record."""
     HALVES: gl.constexpr = G // 64
     uc = gl.minimum(uu, u1 - 1)
-    if blk is None:
-        blk = gl.load(bt_row + uc // HALVES)
-    blk = blk.to(gl.int64)
+    blk = gl.load(bt_row + uc // HALVES).to(gl.int64)
     rbase = blk * num_kv_heads + h
     r32 = rec32_ptr + rbase * (REC // 4)
     r16 = rec16_ptr + rbase * (REC // 2)
@@ -953,15 +935,12 @@ def _issue_stage(
     G: gl.constexpr,
     T_LAYOUT: gl.constexpr,
     KB: gl.constexpr = 4,
-    blk=None,
 ):
     """Stage 64-token unit ``uu`` of the request (half ``uu % (G / 64)`` of the record of
-    block-table entry ``uu // (G / 64)``, ``blk`` if given; nothing is read from ``u1`` on)
-    into the given stage buffers and commit the copy group: the 16-row layout of the scale
-    vectors, or with ``T_LAYOUT`` the one of ``decode_mma_t``."""
-    r32, r16, ok, half = unit_record(
-        uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G, blk
-    )
+    block-table entry ``uu // (G / 64)``; nothing is read from ``u1`` on) into the given stage
+    buffers and commit the copy group: the 16-row layout of the scale vectors, or with
+    ``T_LAYOUT`` the one of ``decode_mma_t``."""
+    r32, r16, ok, half = unit_record(uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G)
     _stage_block(sk, sv, skc, skz, skr, svc, svr, svz, r32, r16, ok, half, K_OFF, KCS_OFF,
                  KZP_OFF, KRS_OFF, V_OFF, VCS_OFF, VRS_OFF, VZP_OFF, VB, G, T_LAYOUT,
                  KB)  # fmt: skip

@@ -150,13 +150,12 @@ def issue_stage(
     VB: gl.constexpr,
     G: gl.constexpr,
     KB: gl.constexpr = 4,
-    blk=None,
 ):
     """``decode_mma._issue_stage`` for the head pair ``h``, ``h + dh``: both records of the
     block into one stage (``dh`` 0 where the program has one head, the odd head out or 5-8
-    rows a head: the second half zero-filled; ``blk``: the block-table entry if loaded)."""
+    rows a head: the second half zero-filled)."""
     r32, r16, ok, half = M.unit_record(
-        uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G, blk
+        uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G
     )
     ok2 = ok & (dh > 0)  # one head: the second half of the stage zero-filled
     _stage_words(sk, sv, r32, r32 + dh * (REC // 4), ok, ok2, half, K_OFF, V_OFF, VB, G, KB)

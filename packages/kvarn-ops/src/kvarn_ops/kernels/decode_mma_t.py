@@ -453,22 +453,21 @@ def _issue(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h
            KZP_OFF: gl.constexpr, KRS_OFF: gl.constexpr, V_OFF: gl.constexpr,
            VCS_OFF: gl.constexpr, VRS_OFF: gl.constexpr, VZP_OFF: gl.constexpr,
            VB: gl.constexpr, G: gl.constexpr, PAIR: gl.constexpr,
-           KB: gl.constexpr = 4, blk=None):  # fmt: skip
+           KB: gl.constexpr = 4):  # fmt: skip
     """Stage unit ``uu``: one head's record (``decode_mma._issue_stage``, this kernel's
-    layout) or, with ``PAIR``, the records of heads ``h`` and ``h + dh`` (``blk``: the
-    unit's block-table entry where the caller has loaded it)."""
+    layout) or, with ``PAIR``, the records of heads ``h`` and ``h + dh``."""
     if PAIR:
         P.issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h, dh,
                       rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
-                      VCS_OFF, VRS_OFF, VZP_OFF, VB, G, KB, blk)  # fmt: skip
+                      VCS_OFF, VRS_OFF, VZP_OFF, VB, G, KB)  # fmt: skip
     elif KB == 4 and _REC_K and not _SUB:
         _issue_rec(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h,
                    rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF, VCS_OFF,
-                   VRS_OFF, VZP_OFF, VB, G, blk)  # fmt: skip
+                   VRS_OFF, VZP_OFF, VB, G)  # fmt: skip
     else:
         M._issue_stage(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_heads, h,
                        rec32_ptr, rec16_ptr, REC, K_OFF, KCS_OFF, KZP_OFF, KRS_OFF, V_OFF,
-                       VCS_OFF, VRS_OFF, VZP_OFF, VB, G, True, KB, blk)  # fmt: skip
+                       VCS_OFF, VRS_OFF, VZP_OFF, VB, G, True, KB)  # fmt: skip
 
 
 @gluon.jit
@@ -476,11 +475,11 @@ def _issue_rec(sk, sv, skc, skz, skr, svc, svr, svz, uu, u1, bt_row, num_kv_head
                rec16_ptr, REC: gl.constexpr, K_OFF: gl.constexpr, KCS_OFF: gl.constexpr,
                KZP_OFF: gl.constexpr, KRS_OFF: gl.constexpr, V_OFF: gl.constexpr,
                VCS_OFF: gl.constexpr, VRS_OFF: gl.constexpr, VZP_OFF: gl.constexpr,
-               VB: gl.constexpr, G: gl.constexpr, blk=None):  # fmt: skip
+               VB: gl.constexpr, G: gl.constexpr):  # fmt: skip
     """``M._issue_stage`` with the K codes in record order and the row vectors in
     ``decode_mma_rec``'s token order."""
     r32, r16, ok, half = M.unit_record(
-        uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G, blk
+        uu, u1, bt_row, num_kv_heads, h, rec32_ptr, rec16_ptr, REC, G
     )
     RK.stage_k(sk, r16, ok, half, K_OFF, G)
     M._stage_words(sk, sv, r32, ok, half, K_OFF, V_OFF, VB, G, 4, False)
@@ -526,16 +525,14 @@ def mma_decode_t_kernel(
     LAG: gl.constexpr = 0,
     PAIR: gl.constexpr = 0,
     KB: gl.constexpr = 4,
-    PDL_IN: gl.constexpr = False,
 ):
     """Same contract as ``decode_mma.mma_decode_kernel`` (T * GQA <= 8, NBUF >= 2), and 2-bit
-    K codes with ``KB = 2`` (without ``SUBNORMAL_CODES``). ``PDL_IN``: launched as the
-    programmatic dependent of the kernel before it (:data:`decode.PDL_MAIN`). With
+    K codes with ``KB = 2`` (without ``SUBNORMAL_CODES``). With
     ``PAIR`` the heads have 64 channels (``decode_mma_pair``; ``REC`` and the offsets are
     then the 64-channel record's): at ``PAIR = 2`` program ``(split, b * ceil(Hkv / 2) + j)``
     takes KV heads ``2 j`` and ``2 j + 1`` (T * GQA <= 4), at ``PAIR = 1`` one KV head
     (T * GQA <= 8; the second head's half of each stage zero-filled)."""
-    if PDL and not PDL_IN:
+    if PDL:
         M.launch_dependents()
     ROWS_MAX: gl.constexpr = 4 if PAIR == 2 else 8
     gl.static_assert(T * GQA <= ROWS_MAX)
@@ -592,17 +589,6 @@ def mma_decode_t_kernel(
     svr = gl.allocate_shared_memory(gl.float16, [NBUF, 8 * NH, 8], _SH2)
     svz = gl.allocate_shared_memory(gl.float16, [NBUF, 8 * NH, 8], _SH2)
     bt_row = bt_ptr + b.to(gl.int64) * bt_stride
-    blk0 = None
-    if PDL_IN:
-        # launched as the programmatic dependent of the kernel before it: the sequence
-        # length, the split and the first block-table entry (metadata written before that
-        # kernel started) are read while it finishes; the records, the query and the
-        # workspace only after it has. The combine is released only after this wait, so its
-        # reads of the exact tail (before its own wait) follow that kernel too.
-        blk0 = gl.load(bt_row + u0 // (G // 64))  # u0 < u1 here
-        M.grid_dependency_wait()
-        if PDL:
-            M.launch_dependents()
     for st in gl.static_range(NBUF - 1):
         _issue(
             sk.index(st),
@@ -634,7 +620,6 @@ def mma_decode_t_kernel(
             G,
             PAIR,
             KB,
-            blk0 if st == 0 else None,
         )
 
     # q rows [8, 128] (lane 4 n + t: row n, channels 32 t ..), scaled and rotated in fp32
