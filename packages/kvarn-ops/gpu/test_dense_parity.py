@@ -861,6 +861,60 @@ def test_decode_cuda_graph_replay(gen, d):
     _check_decode_replays(gen, cache, q, [13, 26, 39])
 
 
+@pytest.mark.parametrize("d", [128, 64], ids=["d128", "d64_pairs"])
+def test_decode_steps_back_to_back(gen, d):
+    """Six decode calls in one CUDA graph sharing one workspace, as a model's layers do: the
+    odd calls' queries computed in the graph from the previous call's output (a torch kernel
+    between them), the even calls following the previous decode directly. With programmatic
+    launches (the combine as the main kernel's dependent, reading the exact tail before its
+    wait) no call may read a query before it is written or overwrite the workspace while the
+    previous combine reads it: every output equals the same calls made one at a time with a
+    device sync between them, bit for bit."""
+    hq, hkv = 32, 8
+    lens = [9000, 70, 3000, 640]
+    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, lens)
+    steps = 6
+    qs = [
+        torch.randn(len(lens), 1, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+        for _ in range(steps)
+    ]
+    noise = [torch.randn(q.shape, generator=gen, device=DEVICE, dtype=q.dtype) for q in qs]
+    outs = [torch.empty_like(q) for q in qs]
+    ws = kernels.decode_workspace(len(lens), 1, hq, hkv, d, max(lens), 64, device=DEVICE)
+    scale = 1 / math.sqrt(d)
+
+    def run(sync):
+        for i in range(steps):
+            if i % 2 == 1:  # this step's query from the previous step's output
+                torch.add(outs[i - 1], noise[i], alpha=0.5, out=qs[i])
+            kernels.decode(qs[i], *cache.args(), scale, outs[i], ws)
+            if sync:
+                torch.cuda.synchronize()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(False)
+    for _ in range(3):
+        for o in outs:
+            poison_(o)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [o.clone() for o in outs]
+        for o in outs:
+            poison_(o)
+        run(True)
+        for i in range(steps):
+            assert torch.equal(got[i], outs[i]), f"step {i} differs from the synchronized calls"
+    ref = torch.empty_like(qs[-1], dtype=torch.float32)
+    reference.decode(qs[-1], *cache.args(), scale, ref, None, compute_dtype=torch.float64)
+    assert_decode_error(outs[-1], qs[-1], cache, scale, ref)
+
+
 @pytest.mark.parametrize(
     ("fmt", "geo", "lens", "out_dtype", "pool_dtype"),
     [
