@@ -66,6 +66,8 @@ def run_ptx(asm: str, args: list[np.ndarray], outputs: int = 1):
             regs[d] = val(ops[1]) & M32
         elif op == "shr.u32":
             regs[d] = val(ops[1]) >> _imm(ops[2])
+        elif op == "shr.b32":  # a logical shift, as shr.u32
+            regs[d] = val(ops[1]) >> _imm(ops[2])
         elif op == "shf.r.clamp.b32":
             sh = min(int(ops[3], 0), 32)
             wide = val(ops[1]) | (val(ops[2]) << np.uint64(32))

@@ -96,10 +96,15 @@ About 11% fewer instructions per block of the transposed kernel and 3-5% faster 
 GPU parity of dense decode passing, but not exact: the same operands in the MLA kernel raised
 its error on ill-conditioned latent records from 1.8e-3 to 6.1-7.5e-3 (three seeds, against
 an allowance of 5.9e-3): the tensor cores do not take every product with these operands
-exactly (the mechanism, presumably products of two subnormals such as a small low part of the
-score operand or a small softmax weight times a code, was not isolated). Those operands meet
-subnormal codes in the dense kernels too; until the loss is bounded there, the codes stay in
-the mantissas of 1024 and 1.0."""
+exactly. Isolated since on an H100 (BENCHMARKS.md "2026-12-07, night"): it is the code
+operand itself, whatever its partner. With codes ``c * 2^-24`` (mantissa bits 0-3) the
+``mma.sync`` and ``wgmma`` sums of 128 products reach relative errors of 1.2-1.5e-6 against
+normal operands' 2.4-4.4e-7 on O(1) partners (6e-6 against 6e-7 on partners spanning 2^-26 ..
+2^4); the loss halves with each bit the field moves up and is gone from ``c * 2^-20``. Codes
+at ``c * 2^-20`` in the record-order K path (three shifts and four masks per four operand
+registers instead of a shift, four masks and four subtractions; 56 fewer instructions a
+block) were measured no faster, from HBM or from L2, so the codes stay in the mantissas of
+1024 and 1.0."""
 _SUB: gl.constexpr = gl.constexpr(SUBNORMAL_CODES)
 _C_IN: gl.constexpr = gl.constexpr(2.0**-24 if SUBNORMAL_CODES else 1.0)
 """What the code operands carry per unit (the zero-point starts of the score sums take it)."""

@@ -118,18 +118,27 @@ def stage_tokens(skr, svr, svz, r16, ok, half, KRS_OFF: gl.constexpr, VRS_OFF: g
     async_copy.async_copy_global_to_shared(svz.reshape(sh), r16h + VZP_OFF // 2 + ot, mask=mt)
 
 
+NIBBLES4_ASM = (
+    "{ .reg .b32 h, o; mov.b32 o, 1677747200; shr.b32 h, $4, 8; "
+    "lop3.b32 $0, $4, 983055, 1677747200, 0xea; sub.f16x2 $0, $0, o; "  # 0x000F000F
+    "lop3.b32 $1, $4, 15728880, 1677747200, 0xea; sub.f16x2 $1, $1, o; "  # 0x00F000F0
+    "lop3.b32 $2, h, 983055, 1677747200, 0xea; sub.f16x2 $2, $2, o; "
+    "lop3.b32 $3, h, 15728880, 1677747200, 0xea; sub.f16x2 $3, $3, o; }"
+)
+"""The offset unpack of :func:`_nibbles4`: nibbles 0..3 of each 16-bit half of ``$4`` as the
+exact fp16 values ``c``, ``16 c``, ``c``, ``16 c`` (masked into the mantissa of 1024.0, 1024
+subtracted): one shift, four ``lop3``, four ``sub.f16x2``."""
+
+_ASM: gl.constexpr = gl.constexpr(NIBBLES4_ASM)
+
+
 @gluon.jit
 def _nibbles4(x):
     """The four nibbles of each 16-bit element of ``x`` (int16) as exact fp16 values ``c``,
     ``16 c``, ``c``, ``16 c`` (nibbles 0..3); one 32-bit register (two elements) gives four
-    operand registers: one shift, four ``lop3`` into the mantissa of 1024.0 and four
-    ``sub.f16x2``."""
+    operand registers (:data:`NIBBLES4_ASM`)."""
     return gl.inline_asm_elementwise(
-        "{ .reg .b32 h, o; mov.b32 o, 1677747200; shr.b32 h, $4, 8; "
-        "lop3.b32 $0, $4, 983055, 1677747200, 0xea; sub.f16x2 $0, $0, o; "  # 0x000F000F
-        "lop3.b32 $1, $4, 15728880, 1677747200, 0xea; sub.f16x2 $1, $1, o; "  # 0x00F000F0
-        "lop3.b32 $2, h, 983055, 1677747200, 0xea; sub.f16x2 $2, $2, o; "
-        "lop3.b32 $3, h, 15728880, 1677747200, 0xea; sub.f16x2 $3, $3, o; }",
+        _ASM,
         "=r,=r,=r,=r,r",
         [x],
         dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
