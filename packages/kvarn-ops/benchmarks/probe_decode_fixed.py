@@ -72,8 +72,8 @@ class _Mods:
         return tuple(out)
 
 
-def time_variants(geom) -> dict:
-    args, nbytes = bd.make_inputs(*geom)
+def time_variants(geom, tail: int = 0) -> dict:
+    args, nbytes = bd.make_inputs(*geom, tail=tail)
     real_combine, real_mods = kd._decode_combine_kernel, kd._mma_module
     res = {}
 
@@ -109,10 +109,15 @@ def time_variants(geom) -> dict:
 
 
 def sweep(
-    geom, splits: list[int], maxnregs: list[int], warps: list[int], stages: list[int] | None = None
+    geom,
+    splits: list[int],
+    maxnregs: list[int],
+    warps: list[int],
+    stages: list[int] | None = None,
+    tail: int = 0,
 ) -> list[dict]:
     """``full`` of ``geom`` per (splits, maxnreg, combine warps, main-loop stages)."""
-    args, nbytes = bd.make_inputs(*geom)
+    args, nbytes = bd.make_inputs(*geom, tail=tail)
     b, ctx, hq, hkv, d, fmt = geom
     g = args[9].block_size
     real_max, real_cfg, real_stages = kd.DECODE_MAX_SPLITS, kd.combine_config, kd._MMA_STAGES
@@ -151,7 +156,16 @@ def main() -> None:
     ap.add_argument(
         "--sweep", action="append", default=[], help="GEOM:SPLITS:MAXNREG:WARPS[:STAGES]"
     )
+    ap.add_argument(
+        "--tail",
+        type=int,
+        default=0,
+        help="exact tokens past the last full record of every request (the combine folds "
+        "them in); 0: contexts of whole records, as bench_decode.py",
+    )
     a = ap.parse_args()
+    if a.tail < 0:
+        raise SystemExit(f"--tail must be >= 0, got {a.tail}")
     bw = bd.copy_bandwidth()
     rows: list[dict] = []
     swept: list[dict] = []
@@ -163,7 +177,7 @@ def main() -> None:
         Path(a.out).write_text(json.dumps({**info, "rows": rows, "sweep": swept}, indent=1))
 
     for geom in geoms:
-        rows.append({"geom": list(geom), **time_variants(geom)})
+        rows.append({"geom": list(geom), "tail": a.tail, **time_variants(geom, a.tail)})
         save()
     for spec in a.sweep:
         gi, *lists = spec.split(":")
@@ -171,7 +185,8 @@ def main() -> None:
             raise SystemExit(f"--sweep {spec!r}: want GEOM:SPLITS:MAXNREG:WARPS[:STAGES]")
         geom = bd.GEOMS[int(gi)]
         ints = [[int(x) for x in v.split(",")] for v in lists]
-        swept += [{"geom": list(geom), **r} for r in sweep(geom, *ints)]
+        got = sweep(geom, *ints, tail=a.tail)
+        swept += [{"geom": list(geom), "tail": a.tail, **r} for r in got]
         save()
     names = ["full", "full_nopdl", "main", "combine"]
     print("geometry".ljust(34) + "".join(n.rjust(12) for n in names) + "  full %copy")

@@ -41,6 +41,9 @@ OPS = {
     "combine_b1": ("_decode_combine_kernel", "k4v2 g64, B=1, 32K, 32/8/128"),
     "mma_t_b64": ("mma_decode_t_kernel", "k4v2 g64, B=64, 32K, 32/8/128"),
     "combine_b64": ("_decode_combine_kernel", "k4v2 g64, B=64, 32K, 32/8/128"),
+    # the same main kernel with its records from L2 (probe_decode_compute: the block table
+    # folded onto 256 physical blocks): what its own work allows
+    "mma_t_b64_l2": ("mma_decode_t_kernel", "k4v2 g64, B=64, 32K, 32/8/128, records in L2"),
     # head_dim 64 on head pairs (decode_mma_pair.py) and 256 as two halves (decode_mma_d256.py)
     "mma_pair_b64": ("mma_decode_t_kernel", "k4v2 g64, B=64, 32K, 32/8/64"),
     "mma_d256_b64": ("mma_decode_t256_kernel", "k4v2 g64, B=64, 16K, 16/8/256"),
@@ -131,10 +134,15 @@ def run(op: str) -> None:
 
     bench_kernels.do_bench = _fake_do_bench
     if op.startswith(("decode_", "mma_t_", "combine_")):
-        b, ctx = {"b32": (32, 16384), "b1": (1, 32768), "b64": (64, 32768)}[op.rsplit("_", 1)[1]]
+        size = op.removesuffix("_l2").rsplit("_", 1)[1]
+        b, ctx = {"b32": (32, 16384), "b1": (1, 32768), "b64": (64, 32768)}[size]
         if op.startswith("decode_"):  # the Triton split kernel
             bench_decode.kd._use_mma_kernel = lambda *a, **k: False
         args, _ = bench_decode.make_inputs(b, ctx, 32, 8, 128, "kvarn_k4v2_g64")
+        if op.endswith("_l2"):
+            import probe_decode_compute
+
+            args = probe_decode_compute.fold_block_table(args, 256)
         _fake_do_bench(lambda: bench_decode.kd.decode(*args))
     elif op == "mma_pair_b64":
         args, _ = bench_decode.make_inputs(64, 32768, 32, 8, 64, "kvarn_k4v2_g64")

@@ -64,9 +64,7 @@ def run_ptx(asm: str, args: list[np.ndarray], outputs: int = 1):
         d = ops[0]
         if op == "mov.b32":
             regs[d] = val(ops[1]) & M32
-        elif op == "shr.u32":
-            regs[d] = val(ops[1]) >> _imm(ops[2])
-        elif op == "shr.b32":  # a logical shift, as shr.u32
+        elif op in ("shr.u32", "shr.b32"):  # logical shifts both
             regs[d] = val(ops[1]) >> _imm(ops[2])
         elif op == "shf.r.clamp.b32":
             sh = min(int(ops[3], 0), 32)

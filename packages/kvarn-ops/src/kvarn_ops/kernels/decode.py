@@ -1021,9 +1021,18 @@ def combine_config(
     18.4-18.7 -> 17.3-17.5 us, 128K 54.0 -> 52.9 us, k2v2 24.6 -> 22.5 us, d256 51.0 -> 48.4
     us, d64 17.0 -> 16.8 us; 2 warps 19.0 us (BENCHMARKS.md "2026-12-07"). 8 warps where an
     exact ``tail`` of 128-token records sits beside a tile of more than 4,096 elements (two
-    [128, head_dim] token tiles more: at 4 warps they spill)."""
+    [128, head_dim] token tiles more: at 4 warps they spill). 2 warps where the tile is at
+    most 512 elements (the 2-4 splits of batches of 32 and more at d128) and the exact tail
+    is at most [64, 128] (more spills at 2 warps): a row's few partials do not need 128
+    threads. On an H100, the combine's warps swept at batch 64 and 32 (BENCHMARKS.md
+    "2026-12-07, night"): with an empty tail 1 warp was fastest (B=64 32K step 681.9 ->
+    673.6 us, B=64 4K 111.2 -> 103.2, B=32 16K 184.1 -> 179.5) and 2 nearly so; with
+    the exact tail folded in (the MMA kernels' calls, nearly every step in serving) 1 warp
+    spills."""
     sc = max(1, min(_next_pow2(num_splits), 16384 // head_dim))
     big = tail and block_size * head_dim > 8192 and sc * head_dim > 4096
+    if sc * head_dim <= 512 and (not tail or block_size * head_dim <= 8192):
+        return dict(SC=sc), dict(num_warps=2)
     return dict(SC=sc), dict(num_warps=8 if big else 4)
 
 
