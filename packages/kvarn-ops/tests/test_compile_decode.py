@@ -166,21 +166,24 @@ def test_combine_kernel_compiles(d, out, tail, pool, splits, target):
 @pytest.mark.parametrize(
     "d,splits,tail,g,warps",
     [
-        # a few splits (batches of 32 and more): 2 warps, with and without the exact tail
+        # a few splits (batches of 32 and more) beside the MMA kernels' 64-token exact tail
+        # at head_dim 64 and 128: 2 warps
         (128, 2, True, 64, 2),
         (128, 4, True, 64, 2),
-        (128, 2, False, 64, 2),
         (64, 8, True, 64, 2),
-        # the tail's tiles too large for 2 warps, or the row tile: 4
+        # a larger tail, a larger row tile, or no tail (the Triton split kernel's calls): 4
         (256, 2, True, 64, 4),
         (128, 2, True, 128, 4),
+        (64, 2, True, 128, 4),
         (128, 8, True, 64, 4),
+        (128, 2, False, 64, 4),
     ],
 )
 def test_combine_warps_for_few_splits(d, splits, tail, g, warps, target):
     """``combine_config`` gives the combine 2 warps where a row's partial tile is at most 512
-    elements and the exact tail's tiles at most [64, 128], 4 elsewhere; every such choice
-    compiles without spilling (one warp would: 160 B of spill frame with a [64, 128] tail)."""
+    elements beside an exact tail of 64-token records at head_dim 64 or 128, 4 elsewhere;
+    every such choice compiles without spilling (one warp would: 160 B of spill frame with a
+    [64, 128] tail)."""
     assert KD.combine_config(d, splits, g, tail)[1]["num_warps"] == warps
     _compile_combine(d, "bfloat16", tail, "bfloat16", splits, target, g)
 

@@ -1022,8 +1022,9 @@ def combine_config(
     us, d64 17.0 -> 16.8 us; 2 warps 19.0 us (BENCHMARKS.md "2026-12-07"). 8 warps where an
     exact ``tail`` of 128-token records sits beside a tile of more than 4,096 elements (two
     [128, head_dim] token tiles more: at 4 warps they spill). 2 warps where the tile is at
-    most 512 elements (the 2-4 splits of batches of 32 and more at d128) and the exact tail
-    is at most [64, 128] (more spills at 2 warps): a row's few partials do not need 128
+    most 512 elements (the 2-4 splits of batches of 32 and more at d128) beside the MMA
+    kernels' exact tail of 64-token records at head_dim 64 or 128 (the configurations GPU
+    parity ran; larger tails spill at 2 warps): a row's few partials do not need 128
     threads. On an H100, the combine's warps swept at batch 64 and 32 (BENCHMARKS.md
     "2026-12-07, night"): with an empty tail 1 warp was fastest (B=64 32K step 681.9 ->
     673.6 us, B=64 4K 111.2 -> 103.2, B=32 16K 184.1 -> 179.5) and 2 nearly so; with
@@ -1031,7 +1032,7 @@ def combine_config(
     spills."""
     sc = max(1, min(_next_pow2(num_splits), 16384 // head_dim))
     big = tail and block_size * head_dim > 8192 and sc * head_dim > 4096
-    if sc * head_dim <= 512 and (not tail or block_size * head_dim <= 8192):
+    if sc * head_dim <= 512 and tail and block_size == 64 and head_dim <= 128:
         return dict(SC=sc), dict(num_warps=2)
     return dict(SC=sc), dict(num_warps=8 if big else 4)
 
