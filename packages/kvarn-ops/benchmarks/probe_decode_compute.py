@@ -86,15 +86,12 @@ def sweep(
     """``hbm`` and ``l2`` of ``geom`` per (splits, register cap of the main kernel (0: none),
     pipeline stages of its block loop)."""
     args, nbytes = bd.make_inputs(*geom)
-    b, ctx, hq, hkv, d, fmt = geom
-    g = args[9].block_size
     real_max, real_stages = kd.DECODE_MAX_SPLITS, kd._MMA_STAGES
     out = []
     try:
         kd.DECODE_MAX_SPLITS = max(real_max, *splits)
         for s in splits:
-            ws = kd.decode_workspace(b, 1, hq, hkv, d, ctx, g, device="cuda", num_splits=s)
-            sargs = args[:12] + (ws,)
+            sargs = pf.with_splits(args, s)
             for r, n in itertools.product(maxnregs, stages):
                 kd._MMA_MAXNREG = r or None
                 kd._MMA_STAGES = n

@@ -108,6 +108,19 @@ def time_variants(geom, tail: int = 0) -> dict:
     return {"ms": res, "bytes": nbytes}
 
 
+def with_splits(args: tuple, splits: int) -> tuple:
+    """``decode``'s arguments ``args`` (``bench_decode.make_inputs``) with a workspace sized
+    for ``splits`` splits (``decode.DECODE_MAX_SPLITS`` must admit the count)."""
+    q, layout, seq_lens = args[0], args[9], args[3]
+    b, t, hq, d = q.shape
+    hkv = args[1].shape[1]
+    ws = kd.decode_workspace(
+        b, t, hq, hkv, d, int(seq_lens.max()), layout.block_size, device="cuda",
+        num_splits=splits,
+    )  # fmt: skip
+    return args[:12] + (ws,)
+
+
 def sweep(
     geom,
     splits: list[int],
@@ -118,15 +131,12 @@ def sweep(
 ) -> list[dict]:
     """``full`` of ``geom`` per (splits, maxnreg, combine warps, main-loop stages)."""
     args, nbytes = bd.make_inputs(*geom, tail=tail)
-    b, ctx, hq, hkv, d, fmt = geom
-    g = args[9].block_size
     real_max, real_cfg, real_stages = kd.DECODE_MAX_SPLITS, kd.combine_config, kd._MMA_STAGES
     out = []
     try:
         kd.DECODE_MAX_SPLITS = max(real_max, *splits)
         for s in splits:
-            ws = kd.decode_workspace(b, 1, hq, hkv, d, ctx, g, device="cuda", num_splits=s)
-            sargs = args[:12] + (ws,)
+            sargs = with_splits(args, s)
             for r, w, n in itertools.product(maxnregs, warps, stages or [real_stages]):
 
                 def cfg(*xs, _w=w):

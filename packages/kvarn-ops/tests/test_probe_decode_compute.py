@@ -82,3 +82,28 @@ def test_tensor_probe_partners(gen):
     assert lo.abs().median() < 2.0**-10
     with pytest.raises(ValueError, match="kind"):
         tp.partners(2, 2, 2, "nope", g)
+
+
+def test_with_splits_sizes_the_workspace_for_the_inputs(monkeypatch):
+    """``probe_decode_fixed.with_splits`` (both probes' sweeps) asks ``decode_workspace`` for
+    the inputs' own geometry, longest context (tails included) and block size, and puts the
+    workspace last, leaving every other argument as it was."""
+    pf = _load("probe_decode_fixed")
+    import kvarn_formats as kf
+
+    seen = {}
+
+    def fake_workspace(*a, **kw):
+        seen["args"], seen["kw"] = a, kw
+        return "ws"
+
+    monkeypatch.setattr(pf.kd, "decode_workspace", fake_workspace)
+    lay = kf.dense_layout("kvarn_k4v2_g128", 64)
+    q = torch.zeros(5, 2, 12, 64)
+    packed = torch.zeros(7, 3, lay.record_bytes, dtype=torch.uint8)
+    seq = torch.tensor([100, 4133, 7, 9, 4100], dtype=torch.int32)
+    args = (q, packed, "bt", seq, "ek", "ev", None, None, "tail", lay, 0.1, "out", "old_ws")
+    out = pf.with_splits(args, 6)
+    assert out[:12] == args[:12] and out[12] == "ws"
+    assert seen["args"] == (5, 2, 12, 3, 64, 4133, 128)
+    assert seen["kw"] == {"device": "cuda", "num_splits": 6}
