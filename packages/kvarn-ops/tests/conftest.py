@@ -43,6 +43,7 @@ TOOL_TEST_FILES = {
     "test_probe_flush_columns.py": "benchmarks",
     "test_probe_decode_levers.py": "benchmarks",
     "test_probe_decode_fixed.py": "benchmarks",
+    "test_probe_decode_compute.py": "benchmarks",
 }
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
