@@ -1026,10 +1026,9 @@ def combine_config(
     kernels' exact tail of 64-token records at head_dim 64 or 128 (the configurations GPU
     parity ran; larger tails spill at 2 warps): a row's few partials do not need 128
     threads. On an H100, the combine's warps swept at batch 64 and 32 (BENCHMARKS.md
-    "2026-12-07, night"): with an empty tail 1 warp was fastest (B=64 32K step 681.9 ->
-    673.6 us, B=64 4K 111.2 -> 103.2, B=32 16K 184.1 -> 179.5) and 2 nearly so; with
-    the exact tail folded in (the MMA kernels' calls, nearly every step in serving) 1 warp
-    spills."""
+    "2026-12-07, night"), with 37-token exact tails 2 warps against 4: B=64 32K step 653.7
+    -> 649.1 us, B=64 4K 108.8 -> 104.0, B=32 16K 177.8 -> 174.1 (1 warp another 0.5-3%
+    faster, but it spills with the tail folded in: 160 B of spill frame)."""
     sc = max(1, min(_next_pow2(num_splits), 16384 // head_dim))
     big = tail and block_size * head_dim > 8192 and sc * head_dim > 4096
     if sc * head_dim <= 512 and tail and block_size == 64 and head_dim <= 128:

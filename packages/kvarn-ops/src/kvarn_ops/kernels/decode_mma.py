@@ -98,9 +98,10 @@ its error on ill-conditioned latent records from 1.8e-3 to 6.1-7.5e-3 (three see
 an allowance of 5.9e-3): the tensor cores do not take every product with these operands
 exactly. Isolated since on an H100 (BENCHMARKS.md "2026-12-07, night"): it is the code
 operand itself, whatever its partner. With codes ``c * 2^-24`` (mantissa bits 0-3) the
-``mma.sync`` and ``wgmma`` sums of 128 products reach relative errors of 1.2-1.5e-6 against
-normal operands' 2.4-4.4e-7 on O(1) partners (6e-6 against 6e-7 on partners spanning 2^-26 ..
-2^4); the loss halves with each bit the field moves up and is gone from ``c * 2^-20``. Codes
+``mma.sync`` and ``wgmma`` sums of 128 products reach relative errors of 1.3-1.5e-6 against
+normal operands' 2.2-4.4e-7 on O(1) partners (6.0-6.5e-6 against 4.7-7.3e-7 on partners
+spanning 2^-26 .. 2^4); the loss halves with each bit the field moves up and is gone from
+``c * 2^-20``. Codes
 at ``c * 2^-20`` in the record-order K path (three shifts and four masks per four operand
 registers instead of a shift, four masks and four subtractions; 56 fewer instructions a
 block) were measured no faster, from HBM or from L2, so the codes stay in the mantissas of
