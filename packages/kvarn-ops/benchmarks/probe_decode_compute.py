@@ -50,6 +50,15 @@ def fold_block_table(args: tuple, resident: int, share: float = 1.0) -> tuple:
     return args[:2] + (torch.where(fold, torch.remainder(bt, resident), bt),) + args[3:]
 
 
+def _timed(args, nbytes: int) -> dict:
+    """CUDA-graph replay median of ``decode(*args)`` (compiled first, outside the capture),
+    with the step's bytes over it."""
+    kd.decode(*args)
+    torch.cuda.synchronize()
+    ms = bd.bench(lambda: kd.decode(*args), True)
+    return {"ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12}
+
+
 def _arms(args, resident: int, shares: list[float]):
     yield "hbm", args
     for sh in shares:
@@ -62,18 +71,14 @@ def time_geom(geom, resident: int, shares: list[float], main_only: bool = False)
     args, nbytes = bd.make_inputs(*geom)
     out = {"bytes": nbytes}
     for name, a in _arms(args, resident, shares):
-        kd.decode(*a)  # compile outside the capture
-        torch.cuda.synchronize()
-        ms = bd.bench(lambda a=a: kd.decode(*a), True)
-        out[name] = {"ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12}
+        out[name] = _timed(a, nbytes)
         if main_only:
             real = kd._decode_combine_kernel
             kd._decode_combine_kernel = pf._Skip()
             try:
-                ms = bd.bench(lambda a=a: kd.decode(*a), True)
+                out[name + "_main"] = _timed(a, nbytes)
             finally:
                 kd._decode_combine_kernel = real
-            out[name + "_main"] = {"ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12}
     lay = args[9]
     out["resident_mb"] = resident * args[1].shape[1] * lay.record_bytes / 2**20
     return out
@@ -97,10 +102,7 @@ def sweep(
                 kd._MMA_STAGES = n
                 row = dict(geom=list(geom), splits=s, maxnreg=r, stages=n, bytes=nbytes)
                 for name, a in _arms(sargs, resident, shares):
-                    kd.decode(*a)
-                    torch.cuda.synchronize()
-                    ms = bd.bench(lambda a=a: kd.decode(*a), True)
-                    row[name] = {"ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12}
+                    row[name] = _timed(a, nbytes)
                 out.append(row)
                 print("sweep", json.dumps(row), flush=True)
     finally:
