@@ -52,6 +52,7 @@ __all__ = [
     "abs_max",
     "clamp_e4m3",
     "to_e4m3",
+    "tracing",
     "cast_rne",
     "check_device",
     "clip_codes",
@@ -137,10 +138,16 @@ def launch_or_op(op, launch, *args) -> None:
     mutated tensors, an aliasing check of the result): 26 us per call on a 2-core x86 host,
     tens of microseconds on the H200 machine's host (``benchmarks/host_overhead.py``), paid
     on every layer of every step by an attention backend outside CUDA graphs."""
-    if torch.compiler.is_compiling() or _dispatch_mode() is not None:
+    if tracing():
         op(*args)
     else:
         launch(*args)
+
+
+def tracing() -> bool:
+    """Whether ``torch.compile`` traces or a dispatch mode is active (ops must then be called
+    as registered custom ops, not launched directly)."""
+    return torch.compiler.is_compiling() or _dispatch_mode() is not None
 
 
 def exact_in_tf32(dtype: torch.dtype) -> bool:

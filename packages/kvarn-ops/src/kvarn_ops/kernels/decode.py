@@ -79,6 +79,7 @@ import triton.language as tl
 import kvarn_formats as kf
 from kvarn_ops import _validate as V
 from kvarn_ops.kernels._common import cuda_feature, f16_parts, gluon_modules, launch_or_op
+from kvarn_ops.kernels._fastlaunch import PlanCache, launch
 from kvarn_ops.reference.decode import MAX_GQA, MAX_QUERY_ROWS
 
 __all__ = [
@@ -1269,7 +1270,9 @@ def _launch(
         extra = {"PAIR": pair} if pair else {}
         if c["KB"] == 2:
             extra["KB"] = 2
-        kern[(num_splits, b * (-(-hkv // pair) if pair else hkv))](
+        launch(
+            kern,
+            (num_splits, b * (-(-hkv // pair) if pair else hkv)),
             q,
             packed.view(torch.float16),
             packed.view(torch.int32),
@@ -1307,7 +1310,9 @@ def _launch(
     else:
         tail_in_combine = _TAIL_IN_COMBINE
         consts["TAIL_IN_COMBINE"] = tail_in_combine
-        _decode_split_kernel[(num_splits, b * hkv)](
+        launch(
+            _decode_split_kernel,
+            (num_splits, b * hkv),
             q,
             packed,
             packed.view(torch.float16),
@@ -1330,7 +1335,9 @@ def _launch(
             **opts,
         )
     cc, copts = combine_config(d, num_splits, consts["G"], tail_in_combine)
-    _decode_combine_kernel[(b * t * hq,)](
+    launch(
+        _decode_combine_kernel,
+        (b * t * hq,),
         workspace,
         seq_lens,
         out,
@@ -1420,6 +1427,24 @@ def _decode_op_fake(
     return None
 
 
+def _decode_switches() -> tuple:
+    """What :func:`decode`'s path reads besides its arguments (part of every plan's
+    signature, :mod:`._fastlaunch`): the environment switches and the module settings and
+    functions that tests and benchmarks replace."""
+    env = os.environ.get
+    return (
+        env("KVARN_DECODE_MMA"), env("KVARN_DECODE_PDL"), _MMA_STAGES, _MMA_TRANSPOSED,
+        _MMA_MAXNREG, _PDL_TRIGGER, _TAIL_IN_COMBINE, DECODE_MMA_CHUNKS, DECODE_PROGRAM_ROWS,
+        DECODE_MAX_SPLITS, DECODE_MAX_ROWS, DECODE_MAX_QUERY_LEN, DECODE_MIN_UNITS_PER_SPLIT,
+        kernel_config, combine_config, _use_mma_kernel,
+        _mma_module, _decode_split_kernel, _decode_combine_kernel,
+    )  # fmt: skip
+
+
+_PLANS = PlanCache(_decode_switches)
+"""Recorded launches of :func:`decode` calls (host time: see :mod:`._fastlaunch`)."""
+
+
 def decode(
     q,
     packed,
@@ -1458,8 +1483,35 @@ def decode(
     Two kernel launches and no allocation when ``T * GQA`` fits one launch
     (:func:`chunk_tokens`); a longer run is computed in chunks of query tokens, each two
     launches into a contiguous copy of its queries and outputs. No host synchronization on
-    the GPU.
+    the GPU. A repeated call of one signature (shapes, strides, dtypes, alignment, layout,
+    scale) replays the launches of the first without its checks (:mod:`._fastlaunch`).
     """
+    tensors = (q, packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale,
+               tail_pool_block, out, workspace)  # fmt: skip
+    key = None
+    if type(softmax_scale) in (float, int):
+        key = _PLANS.key(tensors, (id(layout), softmax_scale))
+    if _PLANS.replay(key, tensors):
+        return
+    with _PLANS.recording(key, tensors, keep=(layout,)):
+        _decode(*tensors[:9], layout, softmax_scale, out, workspace)
+
+
+def _decode(
+    q,
+    packed,
+    block_table,
+    seq_lens,
+    exact_k,
+    exact_v,
+    k_scale,
+    v_scale,
+    tail_pool_block,
+    layout,
+    softmax_scale,
+    out,
+    workspace,
+) -> None:
     splits = _check_decode_args(
         q,
         packed,

@@ -41,6 +41,7 @@ from kvarn_ops.kernels._common import (
     scale_inv_sqrt,
     to_e4m3,
 )
+from kvarn_ops.kernels._fastlaunch import PlanCache, launch
 
 __all__ = ["store"]
 
@@ -258,7 +259,9 @@ def _launch(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
     # Without an fp8 pool the scale pointers are never dereferenced (FP8 is a constexpr).
     ks = k_scale if fp8 else exact_k
     vs = v_scale if fp8 else exact_v
-    _store_kernel[grid](
+    launch(
+        _store_kernel,
+        grid,
         k,
         v,
         pool_slots,
@@ -303,6 +306,17 @@ def _store_fake(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
     return None
 
 
+def _store_switches() -> tuple:
+    """The module settings :func:`store`'s launch reads (``benchmarks/tune_launch.py``
+    replaces them): part of every plan's signature (:mod:`._fastlaunch`)."""
+    return (tokens_per_program, tiles_per_program, pipeline_stages, warps_per_program,
+            native_dot, FP8_QUOTIENT, _store_kernel)  # fmt: skip
+
+
+_PLANS = PlanCache(_store_switches)
+"""Recorded launches of :func:`store` calls (host time: see :mod:`._fastlaunch`)."""
+
+
 def store(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -331,7 +345,19 @@ def store(
     ValueError
         Naming the bad argument; slots outside ``[-1, P*G)`` are reported for CPU tensors (on a
         GPU the kernel skips them instead of syncing to check).
+
+    A repeated call of one signature (shapes, strides, dtypes, alignment) replays the launch
+    of the first without its checks (:mod:`._fastlaunch`).
     """
+    tensors = (k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
+    key = _PLANS.key(tensors, ())
+    if _PLANS.replay(key, tensors):
+        return
+    with _PLANS.recording(key, tensors):
+        _store(*tensors)
+
+
+def _store(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
     p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
     dev = exact_k.device
     check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev, contiguous="rows")

@@ -1,0 +1,177 @@
+"""Where the host time of one decode or store call goes, without a profiler (CUDA GPU needed).
+
+``host_overhead.py`` profiles with ``cProfile``, which inflates every Python call. Here each
+op is called ``--calls`` times in five blocks (GPU synchronized after each block, the
+median block's mean kept) and, in separate blocks, with chosen functions wrapped by a
+``perf_counter_ns`` timer: the op's checks, its configuration helpers, Triton's
+``JITFunction.run`` (binding, cache lookup, launch) and the compiled launcher's
+``__call__`` (the C launch). Every op is measured with the recorded-launch fast path off
+(``KVARN_FAST_LAUNCH=0``) and on. Wrapping adds about half a microsecond per wrapped call, so
+the parts are approximate; the whole-call figure is taken unwrapped.
+
+    python benchmarks/host_breakdown.py --out results/host_breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _calls_us(fn, calls: int) -> float:
+    """Median over five blocks of the mean host microseconds per call."""
+    blocks = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        blocks.append(1e6 * (time.perf_counter() - t0) / calls)
+        torch.cuda.synchronize()
+    return statistics.median(blocks)
+
+
+class Timers:
+    """Wraps attributes of modules or classes with accumulating timers."""
+
+    def __init__(self):
+        self.ns: dict[str, int] = defaultdict(int)
+        self.n: dict[str, int] = defaultdict(int)
+        self._undo: list = []
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        orig = getattr(owner, attr)
+        ns, n = self.ns, self.n
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                ns[label] += time.perf_counter_ns() - t0
+                n[label] += 1
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, orig))
+
+    def restore(self) -> None:
+        for owner, attr, orig in reversed(self._undo):
+            setattr(owner, attr, orig)
+        self._undo.clear()
+
+    def per_call(self, calls: int) -> dict:
+        return {
+            k: {"us_per_call": self.ns[k] / 1e3 / calls, "calls_per_call": self.n[k] / calls}
+            for k in sorted(self.ns, key=lambda k: -self.ns[k])
+        }
+
+
+def _decode_fn(batch: int, context: int):
+    import bench_decode
+
+    from kvarn_ops import kernels
+
+    args, _ = bench_decode.make_inputs(batch, context, 32, 8, 128, "kvarn_k4v2_g64")
+    return lambda: kernels.decode(*args)
+
+
+def _store_fn():
+    import bench_kernels
+
+    from kvarn_ops import kernels
+
+    k = torch.randn(8, 8, 128, device="cuda", dtype=torch.bfloat16)  # one decode step, B=8
+    v = torch.randn_like(k)
+    ek, ev, ks, vs = bench_kernels._pool(64, 64, 8, 128, torch.bfloat16)
+    slots = torch.randperm(64 * 64, device="cuda")[:8].to(torch.int64)
+    return lambda: kernels.store(k, v, slots, ek, ev, ks, vs)
+
+
+OPS = {
+    "decode_b1_32k": lambda: _decode_fn(1, 32768),
+    "decode_b8_32k": lambda: _decode_fn(8, 32768),
+    "store_b8": _store_fn,
+}
+
+
+def _wrap_all(tm: Timers) -> None:
+    import importlib
+
+    from triton.backends.nvidia import driver as nvdriver
+    from triton.runtime import jit
+
+    from kvarn_ops import _validate
+    from kvarn_ops.kernels import _common, _fastlaunch
+
+    decode = importlib.import_module("kvarn_ops.kernels.decode")
+    store = importlib.import_module("kvarn_ops.kernels.store")
+    tm.wrap(jit.JITFunction, "run", "triton JITFunction.run (incl. launch)")
+    tm.wrap(nvdriver.CudaLauncher, "__call__", "triton launcher __call__ (C launch)")
+    tm.wrap(_fastlaunch.PlanCache, "key", "PlanCache.key")
+    tm.wrap(_fastlaunch.PlanCache, "replay", "PlanCache.replay (incl. launch)")
+    for name in ("_check_decode_args", "kernel_config", "combine_config", "_use_mma_kernel",
+                 "cuda_feature", "chunk_tokens", "launch_or_op", "_launch"):  # fmt: skip
+        tm.wrap(decode, name, f"decode.{name}")
+    for name in ("check_pool", "check_tensor", "check_index_range", "check_device", "_launch"):
+        tm.wrap(store, name, f"store.{name}")
+    tm.wrap(_validate, "check_tensor", "_validate.check_tensor (module attribute calls)")
+    tm.wrap(_common, "device_capability", "_common.device_capability")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--calls", type=int, default=300)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_breakdown: no CUDA device; this measurement needs a GPU", file=sys.stderr)
+        return 2
+    result = {}
+    for name in args.ops.split(","):
+        fn = OPS[name]()
+        for fast in ("0", "1"):
+            os.environ["KVARN_FAST_LAUNCH"] = fast
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            whole = [_calls_us(fn, args.calls) for _ in range(2)]
+            tm = Timers()
+            _wrap_all(tm)
+            try:
+                wrapped = _calls_us(fn, args.calls)
+                tm.ns.clear()
+                tm.n.clear()
+                for _ in range(args.calls):
+                    fn()
+                torch.cuda.synchronize()
+            finally:
+                tm.restore()
+            result[f"{name} fast={fast}"] = {
+                "host_us_per_call": whole,
+                "wrapped_us_per_call": wrapped,
+                "parts": tm.per_call(args.calls),
+            }
+    os.environ.pop("KVARN_FAST_LAUNCH", None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    for name, r in result.items():
+        w = " / ".join(f"{x:.1f}" for x in r["host_us_per_call"])
+        print(f"{name}: {w} us per call (wrapped {r['wrapped_us_per_call']:.1f})")
+        for k, v in r["parts"].items():
+            print(f"  {v['us_per_call']:7.1f} us {v['calls_per_call']:4.1f}x {k}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Recorded launches (``kernels/_fastlaunch.py``) on a GPU: a repeated call of one signature
+replays the first call's launches with the new inputs' pointers; its results must equal the
+full path's bit for bit and the reference within the usual bounds, and every change of
+signature (an unaligned pointer, a switch) must take the full path again."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+from cache_builder import build_cache
+from gpu_support import DEVICE, poison_, realistic_kv, rel_err
+from test_dense_parity import (
+    _assert_within_ulp,
+    _run_decode,
+    _tf32x3_atol,
+    assert_decode_error,
+)
+
+from kvarn_ops import kernels, reference
+
+kd = importlib.import_module("kvarn_ops.kernels.decode")
+ks = importlib.import_module("kvarn_ops.kernels.store")
+
+
+def _decode_case(gen, lens, hq=32, hkv=8, d=128):
+    cache = build_cache(gen, "kvarn_k4v2_g64", d, hkv, lens)
+    q = torch.randn(len(lens), 1, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    return cache, q
+
+
+def _oracle(cache, q, scale):
+    ref = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    reference.decode(q, *cache.args(), scale, ref, None, compute_dtype=torch.float64)
+    return ref
+
+
+def test_decode_replays_with_fresh_inputs(gen, monkeypatch):
+    """Three caches of one geometry (fresh tensors, fresh values): the first call records,
+    the next two replay; each output equals the full path's (``KVARN_FAST_LAUNCH=0``) bit for
+    bit and the fp64 oracle within the decode bound."""
+    kd._PLANS.clear()
+    lens = [3000, 130, 9000, 64]
+    scale = 1 / math.sqrt(128)
+    before = kd._PLANS.replays
+    for i in range(3):
+        cache, q = _decode_case(gen, lens)
+        fast = _run_decode(cache, q, scale)
+        assert kd._PLANS.replays == before + i, "call did not take the expected path"
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
+        full = _run_decode(cache, q, scale)
+        monkeypatch.delenv("KVARN_FAST_LAUNCH")
+        assert torch.equal(fast, full), f"call {i}: replay differs from the full path"
+        assert_decode_error(fast, q, cache, scale, _oracle(cache, q, scale))
+
+
+def test_decode_signature_changes_take_the_full_path(gen, monkeypatch):
+    """An unaligned query (Triton specializes on 16-byte alignment), another scale and a
+    switch each make a new signature: recorded anew, never served by the old plan."""
+    kd._PLANS.clear()
+    lens = [700, 2000]
+    cache, q = _decode_case(gen, lens)
+    scale = 1 / math.sqrt(128)
+    _run_decode(cache, q, scale)
+    n = kd._PLANS.replays
+    # the same values from a buffer 8 bytes off 16-byte alignment
+    buf = torch.empty(q.numel() + 4, dtype=q.dtype, device=DEVICE)
+    q_off = buf[4:].view(q.shape)
+    q_off.copy_(q)
+    assert q_off.data_ptr() % 16 != 0
+    out = _run_decode(cache, q_off, scale)
+    assert kd._PLANS.replays == n, "an unaligned query replayed an aligned plan"
+    assert torch.equal(out, _run_decode(cache, q, scale))
+    assert kd._PLANS.replays == n + 1
+    out2 = _run_decode(cache, q, 0.5 * scale)
+    assert kd._PLANS.replays == n + 1, "another scale replayed the old plan"
+    assert_decode_error(out2, q, cache, 0.5 * scale, _oracle(cache, q, 0.5 * scale))
+    # the Triton split kernel instead of the MMA kernel: a switch read at launch
+    monkeypatch.setenv("KVARN_DECODE_MMA", "0")
+    out3 = _run_decode(cache, q, scale)
+    assert kd._PLANS.replays == n + 1, "a switch change replayed the old plan"
+    assert_decode_error(out3, q, cache, scale, _oracle(cache, q, scale))
+    assert not torch.equal(out3, out), "the switch did not change the kernel"
+
+
+def _store_inputs(gen, tokens, pool_dtype):
+    hkv, d, g, blocks = 8, 128, 64, 32
+    k = realistic_kv(gen, (tokens, hkv, d), torch.bfloat16)
+    v = realistic_kv(gen, (tokens, hkv, d), torch.bfloat16)
+    slots = torch.randperm(blocks * g, generator=gen, device=DEVICE)[:tokens]
+    shape = (blocks, g, hkv, d)
+    fp8 = pool_dtype == torch.float8_e4m3fn
+    pools = []
+    for _ in range(3):
+        pools.append(
+            tuple(
+                poison_(torch.empty(s, dtype=dt, device=DEVICE)) if s is not None else None
+                for s, dt in (
+                    (shape, pool_dtype),
+                    (shape, pool_dtype),
+                    (shape[:3] if fp8 else None, torch.float32),
+                    (shape[:3] if fp8 else None, torch.float32),
+                )
+            )
+        )
+    for a, b in zip(pools[1], pools[2], strict=True):
+        if a is not None:
+            b.copy_(a)  # the same poison in both
+    return k, v, slots, pools
+
+
+def test_store_replays_with_fresh_inputs(gen, monkeypatch):
+    """A decode step's store (8 tokens) three times with fresh tensors: the replays write
+    exactly the bytes of the full path and of the reference."""
+    ks._PLANS.clear()
+    for pool_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        before = ks._PLANS.replays
+        for i in range(3):
+            k, v, slots, (fast, full, ref) = _store_inputs(gen, 8, pool_dtype)
+            kernels.store(k, v, slots, *fast)
+            assert ks._PLANS.replays == before + i
+            monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
+            kernels.store(k, v, slots, *full)
+            monkeypatch.delenv("KVARN_FAST_LAUNCH")
+            reference.store(k, v, slots, *ref)
+            rows = torch.zeros(fast[0].shape[0] * fast[0].shape[1], dtype=torch.bool, device=DEVICE)
+            rows[slots] = True
+            rows = rows.view(fast[0].shape[:2])
+            for a, b, r in zip(fast, full, ref, strict=True):
+                if a is None:
+                    continue
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"call {i}"
+                # the replay wrote the slots' rows (poison gone) and nothing else
+                assert torch.equal(a.view(torch.uint8)[~rows], r.view(torch.uint8)[~rows])
+                if a.dtype == torch.bfloat16:
+                    extra = _tf32x3_atol(k if a is fast[0] else v, 128, True)
+                    _assert_within_ulp(a[rows].float(), r[rows].float(), a.dtype, "store", extra)
+                elif a.dtype == torch.float32:  # fp8 pools' scales
+                    assert rel_err(a[rows], r[rows]) < 1e-6

@@ -1,0 +1,216 @@
+"""Replaying an op's kernel launches without its checks and Triton's per-call binding.
+
+An attention backend outside CUDA graphs pays an op's host time on every layer of every step;
+for a decode call most of it is the argument checks, the launch configuration and Triton's
+``JITFunction.run`` (binding every argument, the cache lookup, a driver query per pointer),
+not the launch itself (``benchmarks/host_breakdown.py``). A :class:`PlanCache` keeps, per
+call signature, what the first call with that signature launched: each compiled kernel, its
+grid and its argument list, with every tensor argument replaced by the index of the op's
+input it points at. A later call with the same signature calls the compiled launchers
+directly with the new inputs' data pointers.
+
+The signature is everything the checks and the configuration read: every input's shape,
+strides, dtype, device and whether its data pointer is 16-byte aligned (what Triton
+specializes pointers on), the op's other arguments, the switches the op reads at launch
+(environment variables and module settings, given by the op) and the current CUDA device.
+Integer kernel arguments are functions of these, so they are kept as recorded. Only CUDA
+tensors take the fast path (the checks that read values run on CPU tensors only), never
+while ``torch.compile`` traces or a dispatch mode is active, and never while Triton has a
+launch hook set (profilers) or ``KVARN_FAST_LAUNCH=0``. A call is recorded only when each
+of its kernels' tensor arguments points at exactly one of the op's inputs (views of them
+included); otherwise its signature is remembered as not replayable and takes the full path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvarn_ops.kernels._common import INTERPRET, tracing
+
+__all__ = ["PlanCache", "launch"]
+
+ENV_OFF = "KVARN_FAST_LAUNCH"
+MAX_PLANS = 256
+"""Signatures kept per op (a serving process sees a few per layer shape and batch size)."""
+
+_local = threading.local()
+
+
+class _Plan:
+    """The launches of one recorded call: ``(launcher, grid, function, metadata, args,
+    slots)``, ``slots`` the positions of ``args`` that take input ``i``'s data pointer."""
+
+    __slots__ = ("launches", "keep")
+
+    def __init__(self, launches: list, keep: tuple) -> None:
+        self.launches = launches
+        self.keep = keep  # objects whose id() is in the signature, kept alive with it
+
+
+class _Recorder:
+    def __init__(self, ptrs: Sequence[int | None]) -> None:
+        index: dict[int, int] = {}
+        self.ok = True
+        for i, p in enumerate(ptrs):
+            if p is None:
+                continue
+            if p in index:  # two inputs at one address: a pointer could not be attributed
+                self.ok = False
+            index[p] = i
+        self.index = index
+        self.launches: list = []
+
+    def add(self, kern, compiled, grid, args: tuple, kwargs: dict) -> None:
+        if not self.ok:
+            return
+        try:
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            params = kern.params
+            values = list(args)
+            for p in params[len(args) :]:
+                if p.name in kwargs:
+                    values.append(kwargs[p.name])
+                elif p.has_default:
+                    values.append(p.default)
+                else:
+                    raise TypeError(p.name)
+            slots = []
+            for pos, v in enumerate(values):
+                if isinstance(v, torch.Tensor):
+                    i = self.index.get(v.data_ptr())
+                    if i is None:
+                        self.ok = False
+                        return
+                    slots.append((pos, i))
+                    values[pos] = 0
+            g = tuple(grid) + (1, 1)
+            self.launches.append(
+                (compiled.run, g[0], g[1], g[2], compiled.function, compiled.packed_metadata,
+                 tuple(values), tuple(slots))
+            )  # fmt: skip
+        except Exception:  # another Triton's internals: no plan, the full path stays
+            self.ok = False
+
+
+def launch(kern, grid, *args, **kwargs):
+    """``kern[grid](*args, **kwargs)``, recorded when a :class:`PlanCache` records this call."""
+    compiled = kern[grid](*args, **kwargs)
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.add(kern, compiled, grid, args, kwargs)
+    return compiled
+
+
+def _current_stream(device: int) -> int:
+    """The raw handle of ``device``'s current CUDA stream (what Triton launches on)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _enabled() -> bool:
+    if INTERPRET or os.environ.get(ENV_OFF) == "0" or tracing():
+        return False
+    from triton import knobs
+
+    return _no_hooks(knobs.runtime.launch_enter_hook) and _no_hooks(knobs.runtime.launch_exit_hook)
+
+
+def _no_hooks(hook) -> bool:
+    """Triton 3.6 keeps launch hooks in a ``HookChain`` (empty unless a profiler adds one);
+    other versions use None for none."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+class PlanCache:
+    """Recorded launches of one op, by call signature.
+
+    ``switches()`` returns what else the op's path reads (environment variables, module
+    settings); it is part of every signature. Usage::
+
+        plans = PlanCache(lambda: (os.environ.get("X"), SETTING))
+
+        def op(a, b, n):
+            key = plans.key((a, b), (n,))
+            if plans.replay(key, (a, b)):
+                return
+            with plans.recording(key, (a, b)):
+                ...  # checks, configuration, launch(kernel, grid, ...)
+    """
+
+    def __init__(self, switches: Callable[[], tuple]) -> None:
+        self._switches = switches
+        self._plans: dict[Any, _Plan | None] = {}
+        self.replays = 0
+        """Calls served from a plan (tests read it)."""
+
+    def key(self, tensors: Sequence[torch.Tensor | None], extra: tuple) -> tuple | None:
+        """The call's signature, or None where the fast path does not apply."""
+        if not _enabled():
+            return None
+        meta = []
+        for t in tensors:
+            if t is None:
+                meta.append(None)
+                continue
+            dev = t.get_device()
+            if dev < 0:
+                return None
+            meta.append((t.shape, t.stride(), t.dtype, dev, t.data_ptr() & 15 == 0))
+        return (torch.cuda.current_device(), extra, self._switches(), tuple(meta))
+
+    def replay(self, key: tuple | None, tensors: Sequence[torch.Tensor | None]) -> bool:
+        """Launch the plan recorded for ``key``; False where there is none."""
+        if key is None:
+            return False
+        plan = self._plans.get(key)
+        if plan is None:
+            return False
+        ptrs = [None if t is None else t.data_ptr() for t in tensors]
+        stream = _current_stream(key[0])
+        for run, g0, g1, g2, fn, meta, values, slots in plan.launches:
+            args = list(values)
+            for pos, i in slots:
+                args[pos] = ptrs[i]
+            run(g0, g1, g2, stream, fn, meta, None, None, None, *args)
+        self.replays += 1
+        return True
+
+    def recording(self, key: tuple | None, tensors: Sequence[torch.Tensor | None], keep=()):
+        """Context of the full path: its :func:`launch` calls become the plan of ``key``
+        (nothing is recorded for a None key, or a key already known). ``keep``: objects
+        whose ``id`` the signature holds."""
+        return _Recording(self, key, tensors, tuple(keep))
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+class _Recording:
+    def __init__(self, cache: PlanCache, key, tensors, keep: tuple) -> None:
+        self.cache, self.key, self.keep = cache, key, keep
+        self.rec = None
+        if key is not None and key not in cache._plans:
+            self.rec = _Recorder([None if t is None else t.data_ptr() for t in tensors])
+
+    def __enter__(self):
+        self.prev = getattr(_local, "rec", None)
+        _local.rec = self.rec
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _local.rec = self.prev
+        if self.rec is None or exc_type is not None:
+            return
+        plans = self.cache._plans
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        ok = self.rec.ok and self.rec.launches
+        plans[self.key] = _Plan(self.rec.launches, self.keep) if ok else None

@@ -1,0 +1,169 @@
+"""The recorded-launch machinery (``kernels/_fastlaunch.py``) with stand-in kernels: which
+arguments become pointer slots, what makes a call unreplayable, and what a replay passes to
+the compiled launcher. (On a GPU, ``gpu/test_fast_launch.py`` checks the real ops.)"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from kvarn_ops.kernels import _fastlaunch as fl
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+        self.has_default = default is not inspect.Parameter.empty
+
+
+class _Compiled:
+    """A compiled kernel whose launcher records its calls."""
+
+    def __init__(self, calls):
+        self.function, self.packed_metadata = "fn", ("meta",)
+        self.calls = calls
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _Kernel:
+    """A JIT function: parameters ``x, y, n, BLOCK`` (BLOCK defaults to 4)."""
+
+    params = [_Param("x"), _Param("y"), _Param("n"), _Param("BLOCK", 4)]
+
+    def __init__(self):
+        self.calls = []
+        self.launched = []
+
+    def __getitem__(self, grid):
+        def go(*args, **kwargs):
+            self.launched.append((grid, args, kwargs))
+            return _Compiled(self.calls)
+
+        return go
+
+
+@pytest.fixture
+def stream(monkeypatch):
+    monkeypatch.setattr(fl, "_current_stream", lambda dev: 1234)
+
+
+def _tensors(n=3):
+    return tuple(torch.arange(8, dtype=torch.int32) + i for i in range(n))
+
+
+def test_replay_passes_new_pointers_in_parameter_order(stream):
+    cache = fl.PlanCache(lambda: ())
+    kern = _Kernel()
+    a, b, c = _tensors()
+    key = ("sig",)
+    with cache.recording(key, (a, b, c)):
+        # y is a view of c (another dtype): its slot is c's; BLOCK from kwargs, num_warps an
+        # option (not a parameter)
+        fl.launch(kern, (5, 2), a, c.view(torch.float32), 77, BLOCK=8, num_warps=1)
+    assert len(kern.launched) == 1 and kern.calls == []
+    a2, b2, c2 = _tensors()
+    assert cache.replay(key, (a2, b2, c2))
+    assert cache.replays == 1
+    (call,) = kern.calls
+    assert call == (5, 2, 1, 1234, "fn", ("meta",), None, None, None,
+                    a2.data_ptr(), c2.data_ptr(), 77, 8)  # fmt: skip
+    assert len(kern.launched) == 1, "a replay went through the JIT function"
+
+
+def test_defaults_fill_missing_parameters(stream):
+    cache = fl.PlanCache(lambda: ())
+    kern = _Kernel()
+    a, b, c = _tensors()
+    with cache.recording(("k",), (a, b, c)):
+        fl.launch(kern, (1,), b, a, 3)
+    assert cache.replay(("k",), (a, b, c))
+    assert kern.calls[0][-4:] == (b.data_ptr(), a.data_ptr(), 3, 4)
+    assert kern.calls[0][:3] == (1, 1, 1)
+
+
+def test_unattributable_pointers_leave_no_plan(stream):
+    cache = fl.PlanCache(lambda: ())
+    kern = _Kernel()
+    a, b, c = _tensors()
+    other = torch.zeros(4)
+    with cache.recording(("foreign",), (a, b, c)):
+        fl.launch(kern, (1,), a, other, 1)  # a tensor that is not one of the inputs
+    with cache.recording(("alias",), (a, a[:4], c)):
+        fl.launch(kern, (1,), a, c, 1)  # two inputs at one address
+    with cache.recording(("none",), (a, b, c)):
+        pass  # launched nothing
+    for key in (("foreign",), ("alias",), ("none",)):
+        assert not cache.replay(key, (a, b, c))
+    assert kern.calls == [] and cache.replays == 0
+
+
+def test_a_failing_call_records_nothing(stream):
+    cache = fl.PlanCache(lambda: ())
+    kern = _Kernel()
+    a, b, c = _tensors()
+
+    def failing():
+        with cache.recording(("k",), (a, b, c)):
+            fl.launch(kern, (1,), a, b, 1)
+            raise ValueError("a check after the launch")
+
+    with pytest.raises(ValueError, match="after the launch"):
+        failing()
+    assert not cache.replay(("k",), (a, b, c))
+    assert ("k",) not in cache._plans
+
+
+def test_recording_is_scoped(stream):
+    """A launch outside any recording, or inside a nested one, goes to the right plan."""
+    cache = fl.PlanCache(lambda: ())
+    kern = _Kernel()
+    a, b, c = _tensors()
+    fl.launch(kern, (1,), a, b, 1)  # not recorded anywhere
+    with cache.recording(("outer",), (a, b, c)):
+        with cache.recording(("inner",), (a, b, c)):
+            fl.launch(kern, (2,), b, c, 2)
+        fl.launch(kern, (3,), c, a, 3)
+    assert cache.replay(("outer",), (a, b, c)) and cache.replay(("inner",), (a, b, c))
+    assert [call[0] for call in kern.calls] == [3, 2]
+
+
+def test_no_signature_for_cpu_tensors_or_when_switched_off(monkeypatch):
+    cache = fl.PlanCache(lambda: ())
+    monkeypatch.setattr(fl, "_enabled", lambda: True)
+    assert cache.key(_tensors(), ()) is None  # CPU tensors: the checks that read values run
+    monkeypatch.undo()
+    monkeypatch.setattr(fl, "INTERPRET", False)
+    assert fl._enabled()
+    monkeypatch.setenv(fl.ENV_OFF, "0")
+    assert not fl._enabled()
+    monkeypatch.setattr(fl, "INTERPRET", True)
+    monkeypatch.delenv(fl.ENV_OFF)
+    assert not fl._enabled()
+    monkeypatch.setattr(fl, "INTERPRET", False)
+    from triton import knobs
+
+    def hook(*a):
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)  # a profiler's hook: every launch must see it
+    try:
+        assert not fl._enabled()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert fl._enabled()
+
+
+def test_the_cache_is_bounded(stream, monkeypatch):
+    monkeypatch.setattr(fl, "MAX_PLANS", 3)
+    cache = fl.PlanCache(lambda: ())
+    kern = _Kernel()
+    a, b, c = _tensors()
+    for i in range(5):
+        with cache.recording((i,), (a, b, c)):
+            fl.launch(kern, (1,), a, b, i)
+    assert len(cache._plans) <= 3
+    assert cache.replay((4,), (a, b, c))
