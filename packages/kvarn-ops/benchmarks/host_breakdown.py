@@ -85,22 +85,37 @@ def _decode_fn(batch: int, context: int):
     return lambda: kernels.decode(*args)
 
 
-def _store_fn():
+def _store_fn(tokens: int = 8):
     import bench_kernels
 
     from kvarn_ops import kernels
 
-    k = torch.randn(8, 8, 128, device="cuda", dtype=torch.bfloat16)  # one decode step, B=8
+    k = torch.randn(tokens, 8, 128, device="cuda", dtype=torch.bfloat16)  # one decode step
     v = torch.randn_like(k)
     ek, ev, ks, vs = bench_kernels._pool(64, 64, 8, 128, torch.bfloat16)
-    slots = torch.randperm(64 * 64, device="cuda")[:8].to(torch.int64)
+    slots = torch.randperm(64 * 64, device="cuda")[:tokens].to(torch.int64)
     return lambda: kernels.store(k, v, slots, ek, ev, ks, vs)
+
+
+def _layer_fn(batch: int):
+    """A decode step's attention of one layer as the vLLM backend makes it: the new tokens'
+    store, then the decode over 32K tokens each (eager: host time and GPU time overlap, the
+    larger one is the step's)."""
+    store, decode = _store_fn(batch), _decode_fn(batch, 32768)
+
+    def step():
+        store()
+        decode()
+
+    return step
 
 
 OPS = {
     "decode_b1_32k": lambda: _decode_fn(1, 32768),
     "decode_b8_32k": lambda: _decode_fn(8, 32768),
     "store_b8": _store_fn,
+    "layer_b1_32k": lambda: _layer_fn(1),
+    "layer_b8_32k": lambda: _layer_fn(8),
 }
 
 
