@@ -40,6 +40,7 @@ def test_decode_replays_with_fresh_inputs(gen, monkeypatch):
     """Three caches of one geometry (fresh tensors, fresh values): the first call records,
     the next two replay; each output equals the full path's (``KVARN_FAST_LAUNCH=0``) bit for
     bit and the fp64 oracle within the decode bound."""
+    monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
     kd._PLANS.clear()
     lens = [3000, 130, 9000, 64]
     scale = 1 / math.sqrt(128)
@@ -50,7 +51,7 @@ def test_decode_replays_with_fresh_inputs(gen, monkeypatch):
         assert kd._PLANS.replays == before + i, "call did not take the expected path"
         monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
         full = _run_decode(cache, q, scale)
-        monkeypatch.delenv("KVARN_FAST_LAUNCH")
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
         assert torch.equal(fast, full), f"call {i}: replay differs from the full path"
         assert_decode_error(fast, q, cache, scale, _oracle(cache, q, scale))
 
@@ -58,6 +59,7 @@ def test_decode_replays_with_fresh_inputs(gen, monkeypatch):
 def test_decode_signature_changes_take_the_full_path(gen, monkeypatch):
     """An unaligned query (Triton specializes on 16-byte alignment), another scale and a
     switch each make a new signature: recorded anew, never served by the old plan."""
+    monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
     kd._PLANS.clear()
     lens = [700, 2000]
     cache, q = _decode_case(gen, lens)
@@ -113,6 +115,7 @@ def _store_inputs(gen, tokens, pool_dtype):
 def test_store_replays_with_fresh_inputs(gen, monkeypatch):
     """A decode step's store (8 tokens) three times with fresh tensors: the replays write
     exactly the bytes of the full path and of the reference."""
+    monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
     ks._PLANS.clear()
     for pool_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         before = ks._PLANS.replays
@@ -122,7 +125,7 @@ def test_store_replays_with_fresh_inputs(gen, monkeypatch):
             assert ks._PLANS.replays == before + i
             monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
             kernels.store(k, v, slots, *full)
-            monkeypatch.delenv("KVARN_FAST_LAUNCH")
+            monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
             reference.store(k, v, slots, *ref)
             rows = torch.zeros(fast[0].shape[0] * fast[0].shape[1], dtype=torch.bool, device=DEVICE)
             rows[slots] = True

@@ -16,9 +16,10 @@ specializes pointers on), the op's other arguments, the switches the op reads at
 Integer kernel arguments are functions of these, so they are kept as recorded. Only CUDA
 tensors take the fast path (the checks that read values run on CPU tensors only), never
 while ``torch.compile`` traces or a dispatch mode is active, and never while Triton has a
-launch hook set (profilers) or ``KVARN_FAST_LAUNCH=0``. A call is recorded only when each
-of its kernels' tensor arguments points at exactly one of the op's inputs (views of them
-included); otherwise its signature is remembered as not replayable and takes the full path.
+launch hook set (profilers) or ``KVARN_FAST_LAUNCH=0`` (see :data:`DEFAULT_ON`). A call is
+recorded only when each of its kernels' tensor arguments points at exactly one of the op's
+inputs (views of them included); otherwise its signature is remembered as not replayable and
+takes the full path.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from kvarn_ops.kernels._common import INTERPRET, tracing
 __all__ = ["PlanCache", "launch"]
 
 ENV_OFF = "KVARN_FAST_LAUNCH"
+DEFAULT_ON = True
+"""Whether calls replay recorded launches unless ``KVARN_FAST_LAUNCH`` is ``0`` (when False,
+only ``KVARN_FAST_LAUNCH=1`` turns them on)."""
 MAX_PLANS = 256
 """Signatures kept per op (a serving process sees a few per layer shape and batch size)."""
 
@@ -116,7 +120,8 @@ def _current_stream(device: int) -> int:
 
 
 def _enabled() -> bool:
-    if INTERPRET or os.environ.get(ENV_OFF) == "0" or tracing():
+    env = os.environ.get(ENV_OFF)
+    if INTERPRET or env == "0" or (env != "1" and not DEFAULT_ON) or tracing():
         return False
     from triton import knobs
 
