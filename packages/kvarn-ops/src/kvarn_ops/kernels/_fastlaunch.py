@@ -160,7 +160,7 @@ class PlanCache:
         """The call's signature, or None where the fast path does not apply."""
         if not _enabled():
             return None
-        meta = []
+        meta: list[tuple | None] = []
         for t in tensors:
             if t is None:
                 meta.append(None)
