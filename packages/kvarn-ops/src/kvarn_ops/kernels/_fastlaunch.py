@@ -3,11 +3,12 @@
 An attention backend outside CUDA graphs pays an op's host time on every layer of every step;
 for a decode call most of it is the argument checks, the launch configuration and Triton's
 ``JITFunction.run`` (binding every argument, the cache lookup, a driver query per pointer),
-not the launch itself (``benchmarks/host_breakdown.py``). A :class:`PlanCache` keeps, per
-call signature, what the first call with that signature launched: each compiled kernel, its
-grid and its argument list, with every tensor argument replaced by the index of the op's
-input it points at. A later call with the same signature calls the compiled launchers
-directly with the new inputs' data pointers.
+not the launch itself (``benchmarks/host_breakdown.py``: 110-220 us a decode call on an
+H100 machine's host, 26 us replayed; BENCHMARKS.md "2026-12-07, late night"). A
+:class:`PlanCache` keeps, per call signature, what the first call with that signature
+launched: each compiled kernel, its grid and its argument list, with every tensor argument
+replaced by the index of the op's input it points at. A later call with the same signature
+calls the compiled launchers directly with the new inputs' data pointers.
 
 The signature is everything the checks and the configuration read: every input's shape,
 strides, dtype, device and whether its data pointer is 16-byte aligned (what Triton
