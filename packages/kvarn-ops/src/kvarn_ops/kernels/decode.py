@@ -1494,61 +1494,43 @@ def decode(
     if _PLANS.replay(key, tensors):
         return
     with _PLANS.recording(key, tensors, keep=(layout,)):
-        _decode(*tensors[:9], layout, softmax_scale, out, workspace)
-
-
-def _decode(
-    q,
-    packed,
-    block_table,
-    seq_lens,
-    exact_k,
-    exact_v,
-    k_scale,
-    v_scale,
-    tail_pool_block,
-    layout,
-    softmax_scale,
-    out,
-    workspace,
-) -> None:
-    splits = _check_decode_args(
-        q,
-        packed,
-        block_table,
-        seq_lens,
-        exact_k,
-        exact_v,
-        k_scale,
-        v_scale,
-        tail_pool_block,
-        layout,
-        softmax_scale,
-        out,
-        workspace,
-    )
-    if splits == 0:
-        return  # empty batch
-    t = q.shape[1]
-    step = chunk_tokens(layout.format_name, q, packed.shape[1])
-    cache = (packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block)
-    scale = float(softmax_scale)
-    if step >= t:
-        launch_or_op(
-            _decode_op, _launch, q, *cache, layout.format_name, scale, out, workspace, splits, 0
+        splits = _check_decode_args(
+            q,
+            packed,
+            block_table,
+            seq_lens,
+            exact_k,
+            exact_v,
+            k_scale,
+            v_scale,
+            tail_pool_block,
+            layout,
+            softmax_scale,
+            out,
+            workspace,
         )
-        return
-    # chunks of query tokens; each one's keys end ``t - t1`` tokens before the run's last
-    # (the workspace is sized for all T rows, so each chunk fits, and they run in order)
-    for t0 in range(0, t, step):
-        t1 = min(t, t0 + step)
-        qc = q[:, t0:t1].contiguous()
-        oc = torch.empty(qc.shape, dtype=out.dtype, device=out.device)
-        launch_or_op(
-            _decode_op, _launch, qc, *cache, layout.format_name, scale, oc, workspace, splits,
-            t - t1,
-        )  # fmt: skip
-        out[:, t0:t1].copy_(oc)
+        if splits == 0:
+            return  # empty batch
+        t = q.shape[1]
+        step = chunk_tokens(layout.format_name, q, packed.shape[1])
+        cache = (packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block)
+        scale = float(softmax_scale)
+        if step >= t:
+            launch_or_op(
+                _decode_op, _launch, q, *cache, layout.format_name, scale, out, workspace, splits, 0
+            )
+            return
+        # chunks of query tokens; each one's keys end ``t - t1`` tokens before the run's last
+        # (the workspace is sized for all T rows, so each chunk fits, and they run in order)
+        for t0 in range(0, t, step):
+            t1 = min(t, t0 + step)
+            qc = q[:, t0:t1].contiguous()
+            oc = torch.empty(qc.shape, dtype=out.dtype, device=out.device)
+            launch_or_op(
+                _decode_op, _launch, qc, *cache, layout.format_name, scale, oc, workspace, splits,
+                t - t1,
+            )  # fmt: skip
+            out[:, t0:t1].copy_(oc)
 
 
 def chunk_tokens(format_name: str, q: torch.Tensor, num_kv_heads: int) -> int:

@@ -354,17 +354,13 @@ def store(
     if _PLANS.replay(key, tensors):
         return
     with _PLANS.recording(key, tensors):
-        _store(*tensors)
-
-
-def _store(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale) -> None:
-    p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
-    dev = exact_k.device
-    check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev, contiguous="rows")
-    t = k.shape[0]
-    check_tensor("k", k, shape=(t, hkv, d), contiguous="rows")
-    check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev, contiguous="rows")
-    check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
-    check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
-    check_device(exact_k)
-    launch_or_op(_store_op, _launch, k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
+        p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
+        dev = exact_k.device
+        check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev, contiguous="rows")
+        t = k.shape[0]
+        check_tensor("k", k, shape=(t, hkv, d), contiguous="rows")
+        check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev, contiguous="rows")
+        check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
+        check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
+        check_device(exact_k)
+        launch_or_op(_store_op, _launch, k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
