@@ -1,4 +1,4 @@
-"""Where the host time of one decode or store call goes, without a profiler (CUDA GPU needed).
+"""Where the host time of one kvarn-ops call goes, without a profiler (CUDA GPU needed).
 
 ``host_overhead.py`` profiles with ``cProfile``, which inflates every Python call. Here each
 op is called ``--calls`` times in five blocks (GPU synchronized after each block, the
@@ -15,6 +15,7 @@ the parts are approximate; the whole-call figure is taken unwrapped.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -110,18 +111,65 @@ def _layer_fn(batch: int):
     return step
 
 
+def _flush_fn(blocks: int = 1):
+    """A decode step's flush: ``blocks`` full blocks (k4v2, D 128, 8 KV heads, bf16 pool),
+    the first a request's first (its sink row marked)."""
+    import bench_kernels
+
+    import kvarn_formats as kf
+    from kvarn_ops import kernels
+
+    layout = kf.dense_layout("kvarn_k4v2_g64", 128)
+    ek, ev, ks, vs = bench_kernels._pool(64, 64, 8, 128, torch.bfloat16)
+    src = torch.arange(blocks, dtype=torch.int32, device="cuda")
+    dst = torch.arange(blocks, dtype=torch.int32, device="cuda") + 3
+    rows = torch.full((blocks,), -1, dtype=torch.int32, device="cuda")
+    rows[0] = 0
+    packed = torch.zeros(16, 8, layout.record_bytes, dtype=torch.uint8, device="cuda")
+    return lambda: kernels.flush(ek, ev, ks, vs, src, dst, packed, layout, sink_rows=rows)
+
+
+def _mla_decode_fn(batch: int, heads: int, context: int):
+    import bench_mla
+
+    mla_decode = importlib.import_module("kvarn_ops.kernels.mla_decode")
+    per = -(-context // 64)
+    layout, packed, pl, ps, pr = bench_mla.random_cache(4, batch * per, 8, torch.bfloat16)
+    bt = torch.arange(batch * per, device="cuda", dtype=torch.int32).view(batch, -1)
+    seq = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    bmap = torch.full((batch * per,), -1, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+    ws = mla_decode.mla_decode_workspace(batch, heads, device="cuda")
+    return lambda: mla_decode.mla_decode(
+        q, packed, bt, seq, bmap, pl, ps, pr, layout, 0.07, out, ws
+    )
+
+
+def _mla_scatter_fn(tokens: int = 8):
+    scatter = importlib.import_module("kvarn_ops.kernels.mla_scatter")
+    lat = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    rope = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+    pl = torch.empty(64, 64, 512, device="cuda", dtype=torch.bfloat16)
+    pr = torch.empty(64, 64, 64, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 64, device="cuda")[:tokens]
+    return lambda: scatter.mla_exact_scatter(lat, rope, slots, pl, pr)
+
+
 OPS = {
     "decode_b1_32k": lambda: _decode_fn(1, 32768),
     "decode_b8_32k": lambda: _decode_fn(8, 32768),
     "store_b8": _store_fn,
     "layer_b1_32k": lambda: _layer_fn(1),
     "layer_b8_32k": lambda: _layer_fn(8),
+    "flush_1block": _flush_fn,
+    "mla_decode_b8_16h_8k": lambda: _mla_decode_fn(8, 16, 8192),
+    "mla_decode_b8_128h_8k": lambda: _mla_decode_fn(8, 128, 8192),
+    "mla_scatter_8": _mla_scatter_fn,
 }
 
 
 def _wrap_all(tm: Timers) -> None:
-    import importlib
-
     from triton.backends.nvidia import driver as nvdriver
     from triton.runtime import jit
 
@@ -139,6 +187,12 @@ def _wrap_all(tm: Timers) -> None:
         tm.wrap(decode, name, f"decode.{name}")
     for name in ("check_pool", "check_tensor", "check_index_range", "check_device", "_launch"):
         tm.wrap(store, name, f"store.{name}")
+    flush = importlib.import_module("kvarn_ops.kernels.flush")
+    for name in ("check_config", "check_pool", "check_tensor", "check_index_range", "_launch"):
+        tm.wrap(flush, name, f"flush.{name}")
+    mla = importlib.import_module("kvarn_ops.kernels.mla_decode")
+    for name in ("check_decode_args", "launch_or_op", "_use_wgmma_kernel", "live_splits"):
+        tm.wrap(mla, name, f"mla_decode.{name}")
     tm.wrap(_validate, "check_tensor", "_validate.check_tensor (module attribute calls)")
     tm.wrap(_common, "device_capability", "_common.device_capability")
 

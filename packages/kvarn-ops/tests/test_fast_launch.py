@@ -101,6 +101,47 @@ def test_unattributable_pointers_leave_no_plan(stream):
     assert kern.calls == [] and cache.replays == 0
 
 
+def test_scratch_is_allocated_anew_at_every_replay(stream, monkeypatch):
+    """A buffer the call allocates through ``scratch`` takes a slot past the inputs; each
+    replay allocates one of the same size, dtype and device (zeroed where it was) and passes
+    its pointer; outside a recording ``scratch`` only allocates."""
+    cache = fl.PlanCache(lambda: ())
+    kern = _Kernel()
+    a, b, c = _tensors()
+    made = []
+    real_empty, real_zeros = torch.empty, torch.zeros
+
+    def spy(real, zero):
+        def alloc(*args, **kwargs):
+            t = real(*args, **kwargs)
+            made.append((zero, t.numel(), t.dtype, t.device, t.data_ptr()))
+            return t
+
+        return alloc
+
+    monkeypatch.setattr(torch, "empty", spy(real_empty, False))
+    monkeypatch.setattr(torch, "zeros", spy(real_zeros, True))
+    with cache.recording(("k",), (a, b, c)):
+        counters = fl.scratch(6, torch.int32, a.device, zero=True)
+        work = fl.scratch(10, torch.float32, a.device)
+        assert torch.equal(counters, real_zeros(6, dtype=torch.int32))
+        fl.launch(kern, (1,), work, counters.view(torch.float32), 5)
+        fl.launch(kern, (2,), b, work, 6)
+    assert [m[:4] for m in made] == [(True, 6, torch.int32, a.device),
+                                     (False, 10, torch.float32, a.device)]  # fmt: skip
+    made.clear()
+    assert cache.replay(("k",), (a, b, c))
+    assert [m[:4] for m in made] == [(True, 6, torch.int32, a.device),
+                                     (False, 10, torch.float32, a.device)]  # fmt: skip
+    cnt_ptr, work_ptr = made[0][4], made[1][4]
+    first, second = kern.calls
+    assert first[-4:] == (work_ptr, cnt_ptr, 5, 4)
+    assert second[-4:] == (b.data_ptr(), work_ptr, 6, 4)
+    made.clear()
+    fl.scratch(3, torch.float32, a.device)  # not recording: an allocation, nothing else
+    assert len(made) == 1 and ("k",) in cache._plans
+
+
 def test_a_failing_call_records_nothing(stream):
     cache = fl.PlanCache(lambda: ())
     kern = _Kernel()

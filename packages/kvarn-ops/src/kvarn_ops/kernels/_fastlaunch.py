@@ -19,8 +19,9 @@ tensors take the fast path (the checks that read values run on CPU tensors only)
 while ``torch.compile`` traces or a dispatch mode is active, and never while Triton has a
 launch hook set (profilers) or ``KVARN_FAST_LAUNCH=0`` (see :data:`DEFAULT_ON`). A call is
 recorded only when each of its kernels' tensor arguments points at exactly one of the op's
-inputs (views of them included); otherwise its signature is remembered as not replayable and
-takes the full path.
+inputs (views of them included) or at a transient buffer the call allocated through
+:func:`scratch` (allocated anew, zeroed where it was, at every replay); otherwise its signature
+is remembered as not replayable and takes the full path.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from kvarn_ops.kernels._common import INTERPRET, tracing
 
-__all__ = ["PlanCache", "launch"]
+__all__ = ["PlanCache", "launch", "scratch"]
 
 ENV_OFF = "KVARN_FAST_LAUNCH"
 DEFAULT_ON = True
@@ -48,13 +49,16 @@ _local = threading.local()
 
 class _Plan:
     """The launches of one recorded call: ``(launcher, grid, function, metadata, args,
-    slots)``, ``slots`` the positions of ``args`` that take input ``i``'s data pointer."""
+    slots)``, ``slots`` the positions of ``args`` that take pointer ``i``: input ``i``'s
+    data pointer, or for ``i`` past the inputs that of scratch buffer ``i - len(inputs)``
+    (``scratch``: its ``(numel, dtype, zero, device)``, in order of allocation)."""
 
-    __slots__ = ("launches", "keep")
+    __slots__ = ("launches", "keep", "scratch")
 
-    def __init__(self, launches: list, keep: tuple) -> None:
+    def __init__(self, launches: list, keep: tuple, scratch: tuple) -> None:
         self.launches = launches
         self.keep = keep  # objects whose id() is in the signature, kept alive with it
+        self.scratch = scratch
 
 
 class _Recorder:
@@ -68,7 +72,17 @@ class _Recorder:
                 self.ok = False
             index[p] = i
         self.index = index
+        self.inputs = len(ptrs)
         self.launches: list = []
+        self.scratch: list[tuple[int, torch.dtype, bool, torch.device]] = []
+
+    def add_scratch(self, t: torch.Tensor, zero: bool) -> None:
+        p = t.data_ptr()
+        if p in self.index:  # freed memory of an input? never seen, but never misattributed
+            self.ok = False
+            return
+        self.index[p] = self.inputs + len(self.scratch)
+        self.scratch.append((t.numel(), t.dtype, zero, t.device))
 
     def add(self, kern, compiled, grid, args: tuple, kwargs: dict) -> None:
         if not self.ok:
@@ -110,6 +124,17 @@ def launch(kern, grid, *args, **kwargs):
     if rec is not None:
         rec.add(kern, compiled, grid, args, kwargs)
     return compiled
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False):
+    """A transient buffer for an op's launches (``torch.empty``, or ``torch.zeros`` with
+    ``zero``). A recorded call's plan allocates it anew at every replay, on the op's stream
+    (the caching allocator's order keeps it private to the call, as in the full path)."""
+    t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.add_scratch(t, zero)
+    return t
 
 
 def _current_stream(device: int) -> int:
@@ -180,6 +205,12 @@ class PlanCache:
         if plan is None:
             return False
         ptrs = [None if t is None else t.data_ptr() for t in tensors]
+        bufs = []
+        if plan.scratch:
+            for numel, dtype, zero, dev in plan.scratch:
+                buf = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=dev)
+                bufs.append(buf)
+                ptrs.append(buf.data_ptr())
         stream = _current_stream(key[0])
         for run, g0, g1, g2, fn, meta, values, slots in plan.launches:
             args = list(values)
@@ -219,4 +250,5 @@ class _Recording:
         if len(plans) >= MAX_PLANS:
             plans.clear()
         ok = self.rec.ok and self.rec.launches
-        plans[self.key] = _Plan(self.rec.launches, self.keep) if ok else None
+        plan = _Plan(self.rec.launches, self.keep, tuple(self.rec.scratch))
+        plans[self.key] = plan if ok else None

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kvarn_ops.kernels._common import cuda_feature, frexp_exponent, gluon_modules, pow2
+from kvarn_ops.kernels._fastlaunch import launch
 from kvarn_ops.kernels.flush_math import clip_search_plan, normalize_tile
 
 __all__ = [
@@ -318,7 +319,9 @@ def launch_plan(
     stride = plan_stride(g, d)
     common = dict(ITERS=iters, STD_FLOOR=std_floor, STRIDE=stride, MARKED=marked)
     if engine == "triton":
-        _plan_kernel[(n, hkv, 2)](
+        launch(
+            _plan_kernel,
+            (n, hkv, 2),
             exact_k,
             exact_v,
             ks,
@@ -351,7 +354,9 @@ def launch_plan(
     for (which, pool, scale, r, c, consts), bits, rnd in zip(
         kinds, (k_bits, v_bits), (k_round, v_round), strict=True
     ):
-        rows.plan_kernel[(n, hkv)](
+        launch(
+            rows.plan_kernel,
+            (n, hkv),
             pool,
             scale,
             src_pool_blocks,
@@ -408,7 +413,9 @@ def launch_onepass(
         _tile_kinds(rows, exact_k, exact_v, ks, vs), fields, (k_round, v_round), strict=True
     ):
         side, codes, row_scale, row_zp, col_scale = names
-        one.flush_kernel[(n, hkv)](
+        launch(
+            one.flush_kernel,
+            (n, hkv),
             pool,
             scale,
             src_pool_blocks,

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kvarn_ops._validate import MODEL_DTYPES, check_index_range, check_tensor
 from kvarn_ops.kernels._common import check_device, launch_or_op, rotate_rows, round_to_bf16
+from kvarn_ops.kernels._fastlaunch import PlanCache, launch
 from kvarn_ops.kernels.mla_common import pool_cast, pool_round, pool_views
 from kvarn_ops.reference.mla import GROUP, LATENT_DIM, ROPE_DIM, check_mla_pool
 
@@ -70,7 +71,9 @@ def _launch(latent, rope, slots, pool_latent, pool_rope, pool_scale) -> None:
         return
     pl, ps, pr, fp8 = pool_views(pool_latent, pool_scale, pool_rope)
     grid = (triton.cdiv(t, BLOCK_T),)
-    _mla_scatter_kernel[grid](
+    launch(
+        _mla_scatter_kernel,
+        grid,
         latent,
         rope,
         slots,
@@ -105,6 +108,16 @@ def _scatter_fake(latent, rope, slots, pool_latent, pool_rope, pool_scale) -> No
     return None
 
 
+def _scatter_switches() -> tuple:
+    """The module settings :func:`mla_exact_scatter`'s launch reads (part of every plan's
+    signature, :mod:`._fastlaunch`)."""
+    return (BLOCK_T, _mla_scatter_kernel)
+
+
+_PLANS = PlanCache(_scatter_switches)
+"""Recorded launches of :func:`mla_exact_scatter` calls."""
+
+
 def mla_exact_scatter(latent, rope, slots, pool_latent, pool_rope, pool_scale=None) -> None:
     """Triton ``mla_exact_scatter``; same contract as
     :func:`kvarn_ops.reference.mla.mla_exact_scatter`.
@@ -117,14 +130,22 @@ def mla_exact_scatter(latent, rope, slots, pool_latent, pool_rope, pool_scale=No
         CPU they raise).
     pool_latent : [P, 64, 512] bfloat16 or float8_e4m3fn; pool_rope : bfloat16 [P, 64, 64];
     pool_scale : float32 [P, 64] for an fp8 pool, else None.
+
+    A repeated call of one signature (shapes, strides, dtypes, alignment) replays the launch
+    of the first without its checks (:mod:`._fastlaunch`).
     """
-    p = check_mla_pool(pool_latent, pool_scale, pool_rope)
-    dev = pool_latent.device
-    check_tensor("latent", latent, dtypes=MODEL_DTYPES, ndim=2, device=dev)
-    t = latent.shape[0]
-    check_tensor("latent", latent, shape=(t, LATENT_DIM))
-    check_tensor("rope", rope, dtypes=MODEL_DTYPES, shape=(t, ROPE_DIM), device=dev)
-    check_tensor("slots", slots, dtypes=torch.int64, shape=(t,), device=dev)
-    check_index_range("slots", slots, p * GROUP, sentinel=-1)
-    check_device(pool_latent)
-    launch_or_op(_scatter_op, _launch, latent, rope, slots, pool_latent, pool_rope, pool_scale)
+    tensors = (latent, rope, slots, pool_latent, pool_rope, pool_scale)
+    key = _PLANS.key(tensors, ())
+    if _PLANS.replay(key, tensors):
+        return
+    with _PLANS.recording(key, tensors):
+        p = check_mla_pool(pool_latent, pool_scale, pool_rope)
+        dev = pool_latent.device
+        check_tensor("latent", latent, dtypes=MODEL_DTYPES, ndim=2, device=dev)
+        t = latent.shape[0]
+        check_tensor("latent", latent, shape=(t, LATENT_DIM))
+        check_tensor("rope", rope, dtypes=MODEL_DTYPES, shape=(t, ROPE_DIM), device=dev)
+        check_tensor("slots", slots, dtypes=torch.int64, shape=(t,), device=dev)
+        check_index_range("slots", slots, p * GROUP, sentinel=-1)
+        check_device(pool_latent)
+        launch_or_op(_scatter_op, _launch, latent, rope, slots, pool_latent, pool_rope, pool_scale)

@@ -1,0 +1,92 @@
+"""Recorded launches of the MLA scatter and decode on a GPU (``kernels/_fastlaunch.py``): a
+repeated call of one signature replays the first call's launches with the new inputs'
+pointers; the results must equal the full path's bit for bit and the reference within the
+bounds of ``test_mla_parity.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from gpu_support import DEVICE, poison_, rel_err
+from test_mla_parity import BF16, FP8, G, _decode_cache, _latent, _pool, kdec, kscat
+
+from kvarn_ops.reference import mla as ref
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+def test_scatter_replays_with_fresh_inputs(gen, monkeypatch, dtype):
+    """A decode step's scatter (16 tokens, one skipped) three times with fresh tokens and
+    pools: each replay writes exactly the full path's bytes, and the RoPE rows equal the
+    reference's."""
+    monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+    kscat._PLANS.clear()
+    p, n = 40, 16
+    before = kscat._PLANS.replays
+    for i in range(3):
+        slots = torch.randperm(p * G, generator=gen, device=DEVICE)[:n]
+        slots[3] = -1
+        lat = _latent(gen, n).to(BF16)
+        rope = torch.randn(n, 64, generator=gen, device=DEVICE)
+        fast, full, want = _pool(p, dtype), _pool(p, dtype), _pool(p, dtype)
+        kscat.mla_exact_scatter(lat, rope, slots, fast[0], fast[2], fast[1])
+        assert kscat._PLANS.replays == before + i, "call did not take the expected path"
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
+        kscat.mla_exact_scatter(lat, rope, slots, full[0], full[2], full[1])
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+        ref.mla_exact_scatter(lat, rope, slots, want[0], want[2], want[1])
+        for a, b in zip(fast, full, strict=True):
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"call {i}"
+        assert torch.equal(fast[2].view(torch.int16), want[2].view(torch.int16))
+
+
+MLA_CASES = [  # (bits, pool dtype, seq_lens, heads, sparse)
+    (4, BF16, [3000, 65, 9000], 16, False),  # the 16-head kernel (wgmma on sm_90)
+    (5, FP8, [20000, 777], 128, False),  # the 64-head kernel on sm_90
+    (2, BF16, [2100, 4097], 16, True),  # sparse: the Triton kernel, indices an input
+]
+
+
+@pytest.mark.parametrize(("bits", "dtype", "lens", "heads", "sparse"), MLA_CASES)
+def test_decode_replays_with_fresh_inputs(gen, monkeypatch, bits, dtype, lens, heads, sparse):
+    """Three caches of one geometry with fresh values and block tables: the first call
+    records, the next two replay; each output equals the full path's bit for bit and the
+    fp64 oracle within the decode bound; another scale is recorded anew."""
+    monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+    kdec._PLANS.clear()
+    b = len(lens)
+    scale = 1 / math.sqrt(576)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ws = kdec.mla_decode_workspace(b, heads, device=DEVICE)
+    before = kdec._PLANS.replays
+    for i in range(3):
+        layout, pool, packed, table, pool_map = _decode_cache(gen, bits, dtype, lens)
+        q = torch.randn(b, heads, 576, generator=gen, device=DEVICE).to(BF16)
+        indices = None
+        if sparse:
+            indices = torch.full((b, 2048), -1, dtype=torch.int32, device=DEVICE)
+            for r, n in enumerate(lens):
+                sel = torch.randperm(n, generator=gen, device=DEVICE)[:2048]
+                indices[r, : sel.numel()] = sel.to(torch.int32)
+        args = (packed, table, seq, pool_map, *pool, layout, scale)
+        fast, full = (poison_(torch.empty(b, heads, 512, dtype=BF16, device=DEVICE)) for _ in "ab")
+        kdec.mla_decode(q, *args, fast, ws, indices)
+        assert kdec._PLANS.replays == before + i, "call did not take the expected path"
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
+        kdec.mla_decode(q, *args, full, ws, indices)
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+        assert torch.equal(fast, full), f"call {i}: replay differs from the full path"
+        oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
+        ref.mla_decode(q, *args, oracle, None, indices)
+        err = rel_err(fast, oracle)
+        assert err <= 2 * 2**-10 + 2**-8, f"call {i}: MLA decode error {err:.2e}"
+    n = kdec._PLANS.replays
+    args = (packed, table, seq, pool_map, *pool, layout, 0.5 * scale)
+    half = poison_(torch.empty(b, heads, 512, dtype=BF16, device=DEVICE))
+    kdec.mla_decode(q, *args, half, ws, indices)
+    assert kdec._PLANS.replays == n, "another scale replayed the old plan"
+    oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
+    ref.mla_decode(q, *args, oracle, None, indices)
+    assert rel_err(half, oracle) <= 2 * 2**-10 + 2**-8
