@@ -1,7 +1,7 @@
-"""Recorded launches of the MLA scatter and decode on a GPU (``kernels/_fastlaunch.py``): a
-repeated call of one signature replays the first call's launches with the new inputs'
-pointers; the results must equal the full path's bit for bit and the reference within the
-bounds of ``test_mla_parity.py``."""
+"""Recorded launches of the MLA scatter, pack, rehydrate and decode on a GPU
+(``kernels/_fastlaunch.py``): a repeated call of one signature replays the first call's
+launches with the new inputs' pointers; the results must equal the full path's bit for bit
+and the reference within the bounds of ``test_mla_parity.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,21 @@ import math
 import pytest
 import torch
 from gpu_support import DEVICE, poison_, rel_err
-from test_mla_parity import BF16, FP8, G, _decode_cache, _latent, _pool, kdec, kscat
+from test_mla_parity import (
+    BF16,
+    FP8,
+    G,
+    _check_pack,
+    _decode_cache,
+    _filled_pool,
+    _latent,
+    _pool,
+    kdec,
+    kpack,
+    kscat,
+)
 
+import kvarn_formats as kf
 from kvarn_ops.reference import mla as ref
 
 
@@ -40,6 +53,43 @@ def test_scatter_replays_with_fresh_inputs(gen, monkeypatch, dtype):
             if a is not None:
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"call {i}"
         assert torch.equal(fast[2].view(torch.int16), want[2].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+@pytest.mark.parametrize("n", [1, 300])
+def test_pack_and_rehydrate_replay_with_fresh_inputs(gen, monkeypatch, dtype, n):
+    """A decode step's pack (1 block: the split kernel, whose counters must be zero at every
+    launch) and a bulk pack (300 blocks), then a rehydrate of the records, three times with
+    fresh pools and indices: each replay writes the full path's bytes, the packs within the
+    reference's bound, the rehydrates byte-exact."""
+    monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+    kpack._PACK_PLANS.clear()
+    kpack._REHYDRATE_PLANS.clear()
+    layout = kf.mla_layout("kvarn_mla_k4_g64")
+    p, nb = (8, 12) if n == 1 else (320, 400)
+    before = kpack._PACK_PLANS.replays, kpack._REHYDRATE_PLANS.replays
+    for i in range(3):
+        pool = _filled_pool(gen, p, dtype)
+        src = torch.randperm(p, generator=gen, device=DEVICE)[:n].to(torch.int32)
+        dst = torch.randperm(nb, generator=gen, device=DEVICE)[:n].to(torch.int32)
+        got = poison_(torch.empty(nb, layout.record_bytes, dtype=torch.uint8, device=DEVICE))
+        full, want = got.clone(), got.clone()
+        kpack.mla_pack(*pool, src, dst, got, layout)
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
+        kpack.mla_pack(*pool, src, dst, full, layout)
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+        assert torch.equal(got, full), f"call {i}: pack replay differs from the full path"
+        ref.mla_pack(*pool, src, dst, want, layout)
+        _check_pack(got, want, dst, layout)
+        into = torch.randperm(p, generator=gen, device=DEVICE)[:n].to(torch.int32)
+        back, back_ref = _pool(p, dtype), _pool(p, dtype)
+        kpack.mla_rehydrate(want, dst, into, *back, layout)
+        ref.mla_rehydrate(want, dst, into, *back_ref, layout)
+        for a, b in zip(back, back_ref, strict=True):
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"call {i}"
+        now = kpack._PACK_PLANS.replays, kpack._REHYDRATE_PLANS.replays
+        assert now == (before[0] + i, before[1] + i), "a call did not take the expected path"
 
 
 MLA_CASES = [  # (bits, pool dtype, seq_lens, heads, sparse)

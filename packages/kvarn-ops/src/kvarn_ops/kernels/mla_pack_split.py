@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvarn_ops.kernels import _fastlaunch as fl
 from kvarn_ops.kernels._common import INTERPRET, apply_log_scales, frexp_exponent, pow2
 from kvarn_ops.kernels.flush_math import normalize_split
 from kvarn_ops.kernels.flush_sync import exchange, fence
@@ -169,9 +170,11 @@ def launch(pl, ps, pr, src, dst, packed, parts: int, iters: int, std_floor: floa
                 "programs a split MLA pack keeps resident"
             )
     stride = scratch_stride(parts, iters)
-    counters = torch.zeros(n, dtype=torch.int32, device=dev)
-    scratch = torch.empty(n * stride, dtype=torch.float32, device=dev)
-    _mla_pack_split_kernel[(n, parts)](
+    counters = fl.scratch(n, torch.int32, dev, zero=True)
+    scratch = fl.scratch(n * stride, torch.float32, dev)
+    fl.launch(
+        _mla_pack_split_kernel,
+        (n, parts),
         pl,
         ps,
         pr,
