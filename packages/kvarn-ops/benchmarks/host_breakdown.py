@@ -156,6 +156,17 @@ def _mla_scatter_fn(tokens: int = 8):
     return lambda: scatter.mla_exact_scatter(lat, rope, slots, pl, pr)
 
 
+def _mla_pack_fn(blocks: int = 1):
+    """A decode step's MLA pack: ``blocks`` full latent blocks (k4, bf16 pool)."""
+    import bench_mla
+
+    pack = importlib.import_module("kvarn_ops.kernels.mla_pack")
+    layout, packed, pl, ps, pr = bench_mla.random_cache(4, 16, 8, torch.bfloat16)
+    src = torch.arange(blocks, dtype=torch.int32, device="cuda")
+    dst = src + 3
+    return lambda: pack.mla_pack(pl, ps, pr, src, dst, packed, layout)
+
+
 OPS = {
     "decode_b1_32k": lambda: _decode_fn(1, 32768),
     "decode_b8_32k": lambda: _decode_fn(8, 32768),
@@ -166,6 +177,7 @@ OPS = {
     "mla_decode_b8_16h_8k": lambda: _mla_decode_fn(8, 16, 8192),
     "mla_decode_b8_128h_8k": lambda: _mla_decode_fn(8, 128, 8192),
     "mla_scatter_8": _mla_scatter_fn,
+    "mla_pack_1block": _mla_pack_fn,
 }
 
 
