@@ -150,3 +150,26 @@ def test_chunking_and_decoding_give_the_same_outputs(fmt, pool_dtype):
     err = (got - whole).abs().amax(dim=(1, 2)) / whole.abs().amax(dim=(1, 2))
     assert err[:130].max() < 1e-6, "prefill chunks disagree with one prefill"
     assert err.max() < 2e-2, f"decode disagrees with prefill: {err.max():.3g}"
+
+
+def test_decode_workspace_is_allocated_once_per_step():
+    """Every MLA layer of a step decodes with the step's one workspace per geometry (the
+    layers run in stream order); another geometry, or the next step, gets its own."""
+    from kvarn_vllm.mla_pool import MlaPoolManager
+
+    calls = []
+
+    def make(batch, heads, device):
+        calls.append((batch, heads, device))
+        return torch.empty(batch, heads, device=device)
+
+    mgr = MlaPoolManager(num_slots=8, num_blocks=64)
+    step = _plan(mgr, [3], [3], [[4]])
+    cpu = torch.device("cpu")
+    first = step.decode_workspace(make, 2, 16, cpu)
+    assert step.decode_workspace(make, 2, 16, cpu) is first  # the next layer of the step
+    assert calls == [(2, 16, cpu)]
+    other = step.decode_workspace(make, 2, 128, cpu)
+    assert other is not first and calls[-1] == (2, 128, cpu)
+    nxt = _plan(mgr, [1], [4], [[4]], num_decodes=1)
+    assert nxt.decode_workspace(make, 2, 16, cpu) is not first and len(calls) == 3

@@ -180,7 +180,7 @@ class KvarnMlaImpl(CPUMLAImpl):
         out = torch.empty(b, h, self.kv_lora_rank, dtype=q.dtype, device=q.device)
         workspace = None
         if self.ops.name != "reference":
-            workspace = self.ops.mla_decode_workspace(b, h, device=q.device)
+            workspace = step.decode_workspace(self.ops.mla_decode_workspace, b, h, q.device)
         self.ops.mla_decode(
             q,
             self.packed_view(kv_c_and_k_pe_cache),

@@ -16,7 +16,7 @@ first, then prefills) still builds its own metadata, which the layer uses to spl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,20 @@ class MlaStep:
     prefills: list[MlaPrefill] = field(default_factory=list)
     context_full_slots: torch.Tensor | None = None  # int64 [K] physical slot or -1
     context_exact_slots: torch.Tensor | None = None  # int64 [K] physical slot or -1
+    # decode scratch of the step, keyed by geometry: shared by the layers, which run one after
+    # another on one stream (filled by the first decode of the step)
+    workspaces: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def decode_workspace(self, make: Callable[..., Any], batch: int, heads: int, device) -> Any:
+        """The step's MLA decode workspace for ``batch`` requests of ``heads`` heads:
+        ``make(batch, heads, device=device)`` on the step's first decode of that geometry,
+        the same object for every later layer (one allocation a step instead of one a
+        layer)."""
+        key = (batch, heads, device)
+        ws = self.workspaces.get(key)
+        if ws is None:
+            ws = self.workspaces[key] = make(batch, heads, device=device)
+        return ws
 
 
 def _read_map(entries: dict[int, int], num_blocks: int, device: torch.device) -> torch.Tensor:
