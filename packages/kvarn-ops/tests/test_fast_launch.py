@@ -174,7 +174,7 @@ def test_recording_is_scoped(stream):
 
 def test_no_signature_for_cpu_tensors_or_when_switched_off(monkeypatch):
     cache = fl.PlanCache(lambda: ())
-    monkeypatch.setattr(fl, "_enabled", lambda: True)
+    monkeypatch.setattr(fl, "_enabled", lambda default_on=True: True)
     assert cache.key(_tensors(), ()) is None  # CPU tensors: the checks that read values run
     monkeypatch.undo()
     monkeypatch.delenv(fl.ENV_OFF, raising=False)
@@ -186,6 +186,10 @@ def test_no_signature_for_cpu_tensors_or_when_switched_off(monkeypatch):
     monkeypatch.setenv(fl.ENV_OFF, "1")
     assert fl._enabled()
     monkeypatch.setattr(fl, "DEFAULT_ON", True)
+    monkeypatch.delenv(fl.ENV_OFF)
+    assert not fl._enabled(default_on=False)  # an op not yet checked on a GPU: opt-in
+    monkeypatch.setenv(fl.ENV_OFF, "1")
+    assert fl._enabled(default_on=False)
     monkeypatch.setenv(fl.ENV_OFF, "0")
     assert not fl._enabled()
     monkeypatch.setattr(fl, "INTERPRET", True)

@@ -145,9 +145,9 @@ def _current_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _enabled() -> bool:
+def _enabled(default_on: bool = True) -> bool:
     env = os.environ.get(ENV_OFF)
-    if INTERPRET or env == "0" or (env != "1" and not DEFAULT_ON) or tracing():
+    if INTERPRET or env == "0" or (env != "1" and not (DEFAULT_ON and default_on)) or tracing():
         return False
     from triton import knobs
 
@@ -176,15 +176,18 @@ class PlanCache:
                 ...  # checks, configuration, launch(kernel, grid, ...)
     """
 
-    def __init__(self, switches: Callable[[], tuple]) -> None:
+    def __init__(self, switches: Callable[[], tuple], default_on: bool = True) -> None:
         self._switches = switches
+        self.default_on = default_on
+        """False: this op replays only with ``KVARN_FAST_LAUNCH=1`` (an op whose replays
+        have not yet been checked on a GPU)."""
         self._plans: dict[Any, _Plan | None] = {}
         self.replays = 0
         """Calls served from a plan (tests read it)."""
 
     def key(self, tensors: Sequence[torch.Tensor | None], extra: tuple) -> tuple | None:
         """The call's signature, or None where the fast path does not apply."""
-        if not _enabled():
+        if not _enabled(self.default_on):
             return None
         meta: list[tuple | None] = []
         for t in tensors:
