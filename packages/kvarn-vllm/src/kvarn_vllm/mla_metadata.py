@@ -59,7 +59,9 @@ class MlaStep:
     # another on one stream (filled by the first decode of the step)
     workspaces: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def decode_workspace(self, make: Callable[..., Any], batch: int, heads: int, device) -> Any:
+    def decode_workspace(
+        self, make: Callable[..., Any], batch: int, heads: int, device: torch.device
+    ) -> Any:
         """The step's MLA decode workspace for ``batch`` requests of ``heads`` heads:
         ``make(batch, heads, device=device)`` on the step's first decode of that geometry,
         the same object for every later layer (one allocation a step instead of one a
