@@ -22,6 +22,14 @@ recorded only when each of its kernels' tensor arguments points at exactly one o
 inputs (views of them included) or at a transient buffer the call allocated through
 :func:`scratch` (allocated anew, zeroed where it was, at every replay); otherwise its signature
 is remembered as not replayable and takes the full path.
+
+A replay calls each compiled kernel's launcher as Triton's own ``JITFunction.run`` does:
+``(grid x, y, z, stream, function, packed metadata, launch metadata, enter hook, exit hook,
+*every parameter's value)``, with None for the launch metadata and hooks (replays never run
+with a hook set). That convention is the same in the sources of Triton 3.6 (the GPU tests'
+version) and 3.9 (the newest release when this was written); a Triton that renamed the
+compiled kernel's ``run``, ``function`` or ``packed_metadata`` records nothing (the full path
+stays).
 """
 
 from __future__ import annotations
