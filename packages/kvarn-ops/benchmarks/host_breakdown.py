@@ -197,10 +197,10 @@ def _wrap_all(tm: Timers) -> None:
     for name in ("_check_decode_args", "kernel_config", "combine_config", "_use_mma_kernel",
                  "cuda_feature", "chunk_tokens", "launch_or_op", "_launch"):  # fmt: skip
         tm.wrap(decode, name, f"decode.{name}")
-    for name in ("check_pool", "check_tensor", "check_index_range", "check_device", "_launch"):
+    for name in ("check_store_args", "check_device", "_launch"):
         tm.wrap(store, name, f"store.{name}")
     flush = importlib.import_module("kvarn_ops.kernels.flush")
-    for name in ("check_config", "check_pool", "check_tensor", "check_index_range", "_launch"):
+    for name in ("check_config", "check_flush_args", "_launch"):
         tm.wrap(flush, name, f"flush.{name}")
     mla = importlib.import_module("kvarn_ops.kernels.mla_decode")
     for name in ("check_decode_args", "launch_or_op", "_use_wgmma_kernel", "live_splits"):

@@ -63,12 +63,6 @@ import triton
 import triton.language as tl
 
 import kvarn_formats as kf
-from kvarn_ops._validate import (
-    check_dense_layout,
-    check_index_range,
-    check_pool,
-    check_tensor,
-)
 from kvarn_ops.kernels import flush_plan
 from kvarn_ops.kernels._common import (
     INTERPRET,
@@ -93,6 +87,7 @@ from kvarn_ops.kernels.flush_plan import (
 from kvarn_ops.kernels.flush_sink import apply_sink, sink_override
 from kvarn_ops.kernels.flush_sink_key import pin_search
 from kvarn_ops.kernels.flush_sync import fence
+from kvarn_ops.reference.cache import check_flush_args
 from kvarn_ops.reference.quantize import DEFAULT_CONFIG, NormalizeConfig
 from kvarn_ops.reference.rounding import CLIP_SEARCHES, ROUNDING_MODES
 from kvarn_ops.reference.sink_key import SINK_KEY_BITS
@@ -965,20 +960,17 @@ def flush(
         return
     with _PLANS.recording(key, tensors, keep=(layout,)):
         k_rounding, v_rounding = check_config(config)
-        check_dense_layout("layout", layout)
-        p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale, layout=layout)
-        dev = exact_k.device
-        check_tensor("packed", packed, dtypes=torch.uint8, ndim=3, device=dev)
-        nb = packed.shape[0]
-        check_tensor("packed", packed, shape=(nb, hkv, layout.record_bytes))
-        check_tensor("src_pool_blocks", src_pool_blocks, dtypes=torch.int32, ndim=1, device=dev)
-        n = src_pool_blocks.shape[0]
-        check_tensor("dst_blocks", dst_blocks, dtypes=torch.int32, shape=(n,), device=dev)
-        check_index_range("src_pool_blocks", src_pool_blocks, p)
-        check_index_range("dst_blocks", dst_blocks, nb)
-        if sink_rows is not None:
-            check_tensor("sink_rows", sink_rows, dtypes=torch.int32, shape=(n,), device=dev)
-            check_index_range("sink_rows", sink_rows, g, sentinel=-1)
+        check_flush_args(
+            exact_k,
+            exact_v,
+            k_scale,
+            v_scale,
+            src_pool_blocks,
+            dst_blocks,
+            packed,
+            layout,
+            sink_rows,
+        )
         check_device(exact_k)
         launch_or_op(
             _flush_op,

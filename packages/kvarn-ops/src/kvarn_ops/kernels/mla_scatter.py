@@ -12,11 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_ops._validate import MODEL_DTYPES, check_index_range, check_tensor
 from kvarn_ops.kernels._common import check_device, launch_or_op, rotate_rows, round_to_bf16
 from kvarn_ops.kernels._fastlaunch import PlanCache, launch
 from kvarn_ops.kernels.mla_common import pool_cast, pool_round, pool_views
-from kvarn_ops.reference.mla import GROUP, LATENT_DIM, ROPE_DIM, check_mla_pool
+from kvarn_ops.reference.mla import GROUP, check_scatter_args
 
 __all__ = ["mla_exact_scatter"]
 
@@ -139,13 +138,6 @@ def mla_exact_scatter(latent, rope, slots, pool_latent, pool_rope, pool_scale=No
     if _PLANS.replay(key, tensors):
         return
     with _PLANS.recording(key, tensors):
-        p = check_mla_pool(pool_latent, pool_scale, pool_rope)
-        dev = pool_latent.device
-        check_tensor("latent", latent, dtypes=MODEL_DTYPES, ndim=2, device=dev)
-        t = latent.shape[0]
-        check_tensor("latent", latent, shape=(t, LATENT_DIM))
-        check_tensor("rope", rope, dtypes=MODEL_DTYPES, shape=(t, ROPE_DIM), device=dev)
-        check_tensor("slots", slots, dtypes=torch.int64, shape=(t,), device=dev)
-        check_index_range("slots", slots, p * GROUP, sentinel=-1)
+        check_scatter_args(latent, rope, slots, pool_latent, pool_rope, pool_scale)
         check_device(pool_latent)
         launch_or_op(_scatter_op, _launch, latent, rope, slots, pool_latent, pool_rope, pool_scale)

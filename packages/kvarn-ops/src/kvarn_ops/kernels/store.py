@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_ops._validate import MODEL_DTYPES, check_index_range, check_pool, check_tensor
 from kvarn_ops.kernels._common import (
     INTERPRET,
     abs_max,
@@ -42,6 +41,7 @@ from kvarn_ops.kernels._common import (
     to_e4m3,
 )
 from kvarn_ops.kernels._fastlaunch import PlanCache, launch
+from kvarn_ops.reference.cache import check_store_args
 
 __all__ = ["store"]
 
@@ -354,13 +354,6 @@ def store(
     if _PLANS.replay(key, tensors):
         return
     with _PLANS.recording(key, tensors):
-        p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
-        dev = exact_k.device
-        check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev, contiguous="rows")
-        t = k.shape[0]
-        check_tensor("k", k, shape=(t, hkv, d), contiguous="rows")
-        check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev, contiguous="rows")
-        check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
-        check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
+        check_store_args(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
         check_device(exact_k)
         launch_or_op(_store_op, _launch, k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)

@@ -32,6 +32,8 @@ from kvarn_ops.reference.records import decode_records, encode_records
 
 __all__ = [
     "check_context_args",
+    "check_flush_args",
+    "check_store_args",
     "flush",
     "gather_context",
     "materialize",
@@ -80,6 +82,42 @@ def read_pool_blocks(
     return vals
 
 
+def check_store_args(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale):
+    """The argument checks of ``store`` (this reference and the Triton kernel): ValueError
+    naming the bad argument; the pool's ``(P, G, Hkv, D)``."""
+    p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
+    dev = exact_k.device
+    check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev, contiguous="rows")
+    t = k.shape[0]
+    check_tensor("k", k, shape=(t, hkv, d), contiguous="rows")
+    check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev, contiguous="rows")
+    check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
+    check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
+    return p, g, hkv, d
+
+
+def check_flush_args(
+    exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, layout, sink_rows
+) -> tuple[int, int, int, int]:
+    """The argument checks of ``flush`` (this reference and the Triton kernel): ValueError
+    naming the bad argument; ``(N, G, Hkv, D)``."""
+    check_dense_layout("layout", layout)
+    p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale, layout=layout)
+    dev = exact_k.device
+    check_tensor("packed", packed, dtypes=torch.uint8, ndim=3, device=dev)
+    nb = packed.shape[0]
+    check_tensor("packed", packed, shape=(nb, hkv, layout.record_bytes))
+    check_tensor("src_pool_blocks", src_pool_blocks, dtypes=torch.int32, ndim=1, device=dev)
+    n = src_pool_blocks.shape[0]
+    check_tensor("dst_blocks", dst_blocks, dtypes=torch.int32, shape=(n,), device=dev)
+    check_index_range("src_pool_blocks", src_pool_blocks, p)
+    check_index_range("dst_blocks", dst_blocks, nb)
+    if sink_rows is not None:
+        check_tensor("sink_rows", sink_rows, dtypes=torch.int32, shape=(n,), device=dev)
+        check_index_range("sink_rows", sink_rows, g, sentinel=-1)
+    return n, g, hkv, d
+
+
 def store(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -107,14 +145,7 @@ def store(
     token's scale is 1.0 (its amax is NaN, which is not > 0); with an infinite element the
     scale is inf, that element NaN and the others 0. fp16 pools overflow to Inf above 65504.
     """
-    p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
-    dev = exact_k.device
-    check_tensor("k", k, dtypes=MODEL_DTYPES, ndim=3, device=dev, contiguous="rows")
-    t = k.shape[0]
-    check_tensor("k", k, shape=(t, hkv, d), contiguous="rows")
-    check_tensor("v", v, dtypes=MODEL_DTYPES, shape=(t, hkv, d), device=dev, contiguous="rows")
-    check_tensor("pool_slots", pool_slots, dtypes=torch.int64, shape=(t,), device=dev)
-    check_index_range("pool_slots", pool_slots, p * g, sentinel=-1)
+    p, g, hkv, d = check_store_args(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale)
     sel = pool_slots >= 0
     slots = pool_slots[sel]
     blk, off = slots // g, slots % g
@@ -150,20 +181,9 @@ def flush(
         first block), -1 for none: its V row is kept almost exact in every head's record
         (``reference/sink.py``). None: no block has one.
     """
-    check_dense_layout("layout", layout)
-    p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale, layout=layout)
-    dev = exact_k.device
-    check_tensor("packed", packed, dtypes=torch.uint8, ndim=3, device=dev)
-    nb = packed.shape[0]
-    check_tensor("packed", packed, shape=(nb, hkv, layout.record_bytes))
-    check_tensor("src_pool_blocks", src_pool_blocks, dtypes=torch.int32, ndim=1, device=dev)
-    n = src_pool_blocks.shape[0]
-    check_tensor("dst_blocks", dst_blocks, dtypes=torch.int32, shape=(n,), device=dev)
-    check_index_range("src_pool_blocks", src_pool_blocks, p)
-    check_index_range("dst_blocks", dst_blocks, nb)
-    if sink_rows is not None:
-        check_tensor("sink_rows", sink_rows, dtypes=torch.int32, shape=(n,), device=dev)
-        check_index_range("sink_rows", sink_rows, g, sentinel=-1)
+    n, g, hkv, d = check_flush_args(
+        exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, layout, sink_rows
+    )
     if n == 0:
         return
     kt = read_pool_blocks(exact_k, k_scale, src_pool_blocks).permute(0, 2, 1, 3)

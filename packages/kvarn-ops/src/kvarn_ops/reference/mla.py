@@ -297,6 +297,19 @@ def decode_mla_records(records: torch.Tensor, layout) -> tuple[torch.Tensor, tor
 # ops
 
 
+def check_scatter_args(latent, rope, slots, pool_latent, pool_rope, pool_scale) -> None:
+    """The argument checks of ``mla_exact_scatter`` (this reference and the Triton kernel):
+    ValueError naming the bad argument."""
+    p = check_mla_pool(pool_latent, pool_scale, pool_rope)
+    dev = pool_latent.device
+    check_tensor("latent", latent, dtypes=MODEL_DTYPES, ndim=2, device=dev)
+    t = latent.shape[0]
+    check_tensor("latent", latent, shape=(t, LATENT_DIM))
+    check_tensor("rope", rope, dtypes=MODEL_DTYPES, shape=(t, ROPE_DIM), device=dev)
+    check_tensor("slots", slots, dtypes=torch.int64, shape=(t,), device=dev)
+    check_index_range("slots", slots, p * GROUP, sentinel=-1)
+
+
 def mla_exact_scatter(latent, rope, slots, pool_latent, pool_rope, pool_scale=None) -> None:
     """Rotate new tokens' latents by ``H_512`` and write them with their RoPE into the pool.
 
@@ -308,14 +321,7 @@ def mla_exact_scatter(latent, rope, slots, pool_latent, pool_rope, pool_scale=No
         ``-1`` skips the token. Duplicate slots: which token lands is unspecified.
     pool_latent, pool_rope, pool_scale : the exact pool (written at those rows only).
     """
-    p = check_mla_pool(pool_latent, pool_scale, pool_rope)
-    dev = pool_latent.device
-    check_tensor("latent", latent, dtypes=MODEL_DTYPES, ndim=2, device=dev)
-    t = latent.shape[0]
-    check_tensor("latent", latent, shape=(t, LATENT_DIM))
-    check_tensor("rope", rope, dtypes=MODEL_DTYPES, shape=(t, ROPE_DIM), device=dev)
-    check_tensor("slots", slots, dtypes=torch.int64, shape=(t,), device=dev)
-    check_index_range("slots", slots, p * GROUP, sentinel=-1)
+    check_scatter_args(latent, rope, slots, pool_latent, pool_rope, pool_scale)
     sel = slots >= 0
     blk, off = slots[sel] // GROUP, slots[sel] % GROUP
     vals, scale = quantize_pool_latent(hadamard(latent[sel]), pool_latent.dtype)
