@@ -82,7 +82,15 @@ def read_pool_blocks(
     return vals
 
 
-def check_store_args(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale):
+def check_store_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool_slots: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[int, int, int, int]:
     """The argument checks of ``store`` (this reference and the Triton kernel): ValueError
     naming the bad argument; the pool's ``(P, G, Hkv, D)``."""
     p, g, hkv, d = check_pool(exact_k, exact_v, k_scale, v_scale)
@@ -97,7 +105,15 @@ def check_store_args(k, v, pool_slots, exact_k, exact_v, k_scale, v_scale):
 
 
 def check_flush_args(
-    exact_k, exact_v, k_scale, v_scale, src_pool_blocks, dst_blocks, packed, layout, sink_rows
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    src_pool_blocks: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    packed: torch.Tensor,
+    layout: RecordLayout,
+    sink_rows: torch.Tensor | None,
 ) -> tuple[int, int, int, int]:
     """The argument checks of ``flush`` (this reference and the Triton kernel): ValueError
     naming the bad argument; ``(N, G, Hkv, D)``."""
