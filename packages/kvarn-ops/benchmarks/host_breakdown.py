@@ -167,6 +167,42 @@ def _mla_pack_fn(blocks: int = 1):
     return lambda: pack.mla_pack(pl, ps, pr, src, dst, packed, layout)
 
 
+def _mla_stage_fn(tokens: int = 2048):
+    """A sparse-MLA decode step's gathers for one request: ``tokens`` selected latents staged
+    as fp8 records, after the remap of their logical indices (k4, bf16 pool)."""
+    import bench_mla
+
+    gat = importlib.import_module("kvarn_ops.kernels.mla_gather")
+    layout, packed, pl, ps, pr = bench_mla.random_cache(4, 256, 8, torch.bfloat16)
+    bmap = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    table = torch.randperm(256, device="cuda").to(torch.int32).view(1, 256)
+    idx = torch.randperm(256 * 64, device="cuda")[:tokens].to(torch.int32).view(1, tokens)
+    req = torch.zeros(1, dtype=torch.int32, device="cuda")
+    slots = torch.empty(1, tokens, dtype=torch.int64, device="cuda")
+    out = torch.empty(tokens, 656, dtype=torch.uint8, device="cuda")
+
+    def step():
+        gat.mla_remap_indices(idx, req, table, slots)
+        gat.mla_stage_fp8(packed, bmap, pl, ps, pr, slots.view(-1), layout, out)
+
+    return step
+
+
+def _materialize_fn(batch: int = 4, context: int = 2048):
+    """A prefill chunk's dense materialize: ``batch`` requests of ``context`` cached tokens
+    (k4v2 g64, D 128, 8 KV heads, bf16 pool)."""
+    import bench_decode
+
+    from kvarn_ops import kernels
+
+    args, _ = bench_decode.make_inputs(batch, context, 32, 8, 128, "kvarn_k4v2_g64")
+    cache = args[1:10]  # packed .. layout, as decode takes them after q
+    k_out = torch.empty(batch * context, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_out = torch.empty_like(k_out)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * context
+    return lambda: kernels.materialize(*cache, k_out, v_out, cu)
+
+
 OPS = {
     "decode_b1_32k": lambda: _decode_fn(1, 32768),
     "decode_b8_32k": lambda: _decode_fn(8, 32768),
@@ -178,6 +214,8 @@ OPS = {
     "mla_decode_b8_128h_8k": lambda: _mla_decode_fn(8, 128, 8192),
     "mla_scatter_8": _mla_scatter_fn,
     "mla_pack_1block": _mla_pack_fn,
+    "mla_remap_stage_2048": _mla_stage_fn,
+    "materialize_b4_2k": _materialize_fn,
 }
 
 

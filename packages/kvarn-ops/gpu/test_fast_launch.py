@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import math
 
+import pytest
 import torch
 from cache_builder import build_cache
 from gpu_support import DEVICE, poison_, realistic_kv, rel_err
@@ -137,3 +138,41 @@ def test_store_replays_with_fresh_inputs(gen, monkeypatch):
                     _assert_within_ulp(a[rows].float(), r[rows].float(), a.dtype, "store", extra)
                 elif a.dtype == torch.float32:  # fp8 pools' scales
                     assert rel_err(a[rows], r[rows]) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("fmt", "d", "pool_dtype"),
+    [
+        ("kvarn_k4v2_g64", 128, torch.bfloat16),  # the Gluon kernel, then the tails' kernel
+        ("kvarn_k4v4_g128", 64, torch.float8_e4m3fn),  # head pairs, an fp8 pool's scales
+        ("kvarn_k5v5_g64", 128, torch.bfloat16),  # the Triton kernel alone
+    ],
+)
+def test_materialize_replays_with_fresh_inputs(gen, monkeypatch, fmt, d, pool_dtype):
+    """Three caches of one geometry: the first materialize records (the sign table a
+    constant of its plan), the next two replay; each output equals the full path's byte for
+    byte and the reference within one ulp, and rows past the contexts stay poisoned."""
+    km = importlib.import_module("kvarn_ops.kernels.materialize")
+    monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+    km._PLANS.clear()
+    lens, hkv = [700, 64, 3000, 5], 8
+    total = sum(lens) + 7
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    before = km._PLANS.replays
+    for i in range(3):
+        cache = build_cache(gen, fmt, d, hkv, lens, pool_dtype)
+        fast, full, want = (
+            [poison_(torch.empty(total, hkv, d, dtype=torch.bfloat16, device=DEVICE)) for _ in "kv"]
+            for _ in range(3)
+        )
+        kernels.materialize(*cache.args(), fast[0], fast[1], cu)
+        assert km._PLANS.replays == before + i, "call did not take the expected path"
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
+        kernels.materialize(*cache.args(), full[0], full[1], cu)
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+        reference.materialize(*cache.args(), want[0], want[1], cu)
+        n = sum(lens)
+        for got, same, ref in zip(fast, full, want, strict=True):
+            assert torch.equal(got.view(torch.uint8), same.view(torch.uint8)), f"call {i}"
+            assert torch.equal(got[n:].view(torch.uint8), ref[n:].view(torch.uint8))
+            _assert_within_ulp(got[:n].float(), ref[:n].float(), torch.bfloat16, "materialize")

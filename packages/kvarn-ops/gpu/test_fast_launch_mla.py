@@ -1,4 +1,4 @@
-"""Recorded launches of the MLA scatter, pack, rehydrate and decode on a GPU
+"""Recorded launches of the MLA scatter, pack, rehydrate, decode and gathers on a GPU
 (``kernels/_fastlaunch.py``): a repeated call of one signature replays the first call's
 launches with the new inputs' pointers; the results must equal the full path's bit for bit
 and the reference within the bounds of ``test_mla_parity.py``."""
@@ -14,12 +14,15 @@ from test_mla_parity import (
     BF16,
     FP8,
     G,
+    _bf16_ulp,
     _check_pack,
     _decode_cache,
     _filled_pool,
     _latent,
+    _packed_cache,
     _pool,
     kdec,
+    kgat,
     kpack,
     kscat,
 )
@@ -140,3 +143,63 @@ def test_decode_replays_with_fresh_inputs(gen, monkeypatch, bits, dtype, lens, h
     oracle = torch.empty(b, heads, 512, dtype=torch.float32, device=DEVICE)
     ref.mla_decode(q, *args, oracle, None, indices)
     assert rel_err(half, oracle) <= 2 * 2**-10 + 2**-8
+
+
+@pytest.mark.parametrize(("bits", "dtype"), [(4, BF16), (5, FP8)])
+def test_gathers_replay_with_fresh_inputs(gen, monkeypatch, bits, dtype):
+    """``mla_stage_fp8``, ``mla_materialize`` and ``mla_remap_indices`` three times with fresh
+    caches, pool maps, slots and indices: the first call of each records, the next two
+    replay; every replay writes the full path's bytes, the staged records and remapped slots
+    equal the reference's, the materialized rows are within a bf16 ulp of it, and rows of
+    slot -1 are left as they were."""
+    monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+    kgat._GATHER_PLANS.clear()
+    kgat._REMAP_PLANS.clear()
+    n, nb, reqs, width = 3000, 300, 4, 512
+    before = kgat._GATHER_PLANS.replays, kgat._REMAP_PLANS.replays
+    for i in range(3):
+        layout, pool, packed = _packed_cache(gen, bits, dtype, num_blocks=nb, pool_blocks=40)
+        pool_map = torch.full((nb,), -1, dtype=torch.int32, device=DEVICE)
+        mapped = torch.randperm(nb, generator=gen, device=DEVICE)[:40]
+        pool_map[mapped] = torch.arange(40, dtype=torch.int32, device=DEVICE)
+        slots = torch.randint(0, nb * G, (n,), generator=gen, device=DEVICE)
+        slots[torch.rand(n, generator=gen, device=DEVICE) < 0.05] = -1
+        args = (packed, pool_map, *pool, slots, layout)
+        staged = poison_(torch.empty(n, 656, dtype=torch.uint8, device=DEVICE))
+        staged_full, staged_ref = staged.clone(), staged.clone()
+        rows = poison_(torch.empty(n, 576, dtype=BF16, device=DEVICE))
+        rows_full, rows_ref = rows.clone(), rows.clone()
+        table = torch.randperm(nb, generator=gen, device=DEVICE)[: reqs * 64].view(reqs, 64)
+        table = table.to(torch.int32).contiguous()
+        indices = torch.randint(-1, 64 * G, (8, width), generator=gen, device=DEVICE)
+        indices = indices.to(torch.int32)
+        req_ids = torch.randint(0, reqs, (8,), generator=gen, device=DEVICE).to(torch.int32)
+        remapped = torch.full((8, width), -7, dtype=torch.int64, device=DEVICE)
+        remapped_full, remapped_ref = remapped.clone(), remapped.clone()
+
+        kgat.mla_stage_fp8(*args, staged)
+        kgat.mla_materialize(*args, rows)
+        kgat.mla_remap_indices(indices, req_ids, table, remapped)
+        now = kgat._GATHER_PLANS.replays, kgat._REMAP_PLANS.replays
+        assert now == (before[0] + 2 * i, before[1] + i), "a call did not take the expected path"
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "0")
+        kgat.mla_stage_fp8(*args, staged_full)
+        kgat.mla_materialize(*args, rows_full)
+        kgat.mla_remap_indices(indices, req_ids, table, remapped_full)
+        monkeypatch.setenv("KVARN_FAST_LAUNCH", "1")
+        assert torch.equal(staged, staged_full), f"call {i}: staged replay differs"
+        assert torch.equal(rows.view(torch.int16), rows_full.view(torch.int16)), f"call {i}"
+        assert torch.equal(remapped, remapped_full), f"call {i}: remap replay differs"
+
+        ref.mla_stage_fp8(*args, staged_ref)
+        assert torch.equal(staged, staged_ref), (
+            f"call {i}: staged records differ from the reference"
+        )
+        ref.mla_materialize(*args, rows_ref)
+        ok = slots >= 0
+        assert torch.equal(rows[~ok].view(torch.int16), rows_ref[~ok].view(torch.int16))
+        a, b = rows[ok].double(), rows_ref[ok].double()
+        atol = 8 * torch.finfo(torch.float32).eps * float(b.abs().max())
+        assert ((a - b).abs() <= _bf16_ulp(b) * 1.0001 + atol).all(), f"call {i}"
+        ref.mla_remap_indices(indices, req_ids, table, remapped_ref)
+        assert torch.equal(remapped, remapped_ref), f"call {i}: remapped slots differ"

@@ -219,3 +219,28 @@ def test_the_cache_is_bounded(stream, monkeypatch):
             fl.launch(kern, (1,), a, b, i)
     assert len(cache._plans) <= 3
     assert cache.replay((4,), (a, b, c))
+
+
+def test_constant_tables_keep_their_address(stream):
+    """A table declared with ``constant`` is passed to every replay at its own address (no
+    slot) and held by the plan; a constant at an input's address makes the call
+    unreplayable; outside a recording ``constant`` returns its tensor and notes nothing."""
+    cache = fl.PlanCache(lambda: ())
+    kern = _Kernel()
+    a, b, c = _tensors()
+    table = torch.arange(4, dtype=torch.int16)
+    with cache.recording(("k",), (a, b, c)):
+        fl.launch(kern, (1,), a, fl.constant(table).view(torch.uint8), 3)
+    a2, b2, c2 = _tensors()
+    assert cache.replay(("k",), (a2, b2, c2))
+    (call,) = kern.calls
+    assert call[-4:] == (a2.data_ptr(), table.data_ptr(), 3, 4)
+    assert any(t is table for t in cache._plans[("k",)].keep), "the plan must hold the table"
+    with cache.recording(("alias",), (a, b, c)):
+        fl.launch(kern, (1,), a, fl.constant(b), 3)
+    assert not cache.replay(("alias",), (a, b, c))
+    with cache.recording(("unknown",), (a, b, c)):
+        fl.launch(kern, (1,), a, table, 3)  # not declared: its pointer cannot be attributed
+    assert not cache.replay(("unknown",), (a, b, c))
+    assert fl.constant(table) is table
+    assert len(kern.calls) == 1

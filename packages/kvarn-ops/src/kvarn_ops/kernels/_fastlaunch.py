@@ -19,9 +19,11 @@ tensors take the fast path (the checks that read values run on CPU tensors only)
 while ``torch.compile`` traces or a dispatch mode is active, and never while Triton has a
 launch hook set (profilers) or ``KVARN_FAST_LAUNCH=0`` (see :data:`DEFAULT_ON`). A call is
 recorded only when each of its kernels' tensor arguments points at exactly one of the op's
-inputs (views of them included) or at a transient buffer the call allocated through
-:func:`scratch` (allocated anew, zeroed where it was, at every replay); otherwise its signature
-is remembered as not replayable and takes the full path.
+inputs (views of them included), at a transient buffer the call allocated through
+:func:`scratch` (allocated anew, zeroed where it was, at every replay) or at a table the op
+keeps for the process's life and declares with :func:`constant` (its address kept, the tensor
+held by the plan); otherwise its signature is remembered as not replayable and takes the
+full path.
 
 A replay calls each compiled kernel's launcher as Triton's own ``JITFunction.run`` does:
 ``(grid x, y, z, stream, function, packed metadata, launch metadata, enter hook, exit hook,
@@ -43,7 +45,7 @@ import torch
 
 from kvarn_ops.kernels._common import INTERPRET, tracing
 
-__all__ = ["PlanCache", "launch", "scratch"]
+__all__ = ["PlanCache", "constant", "launch", "scratch"]
 
 ENV_OFF = "KVARN_FAST_LAUNCH"
 DEFAULT_ON = True
@@ -83,6 +85,14 @@ class _Recorder:
         self.inputs = len(ptrs)
         self.launches: list = []
         self.scratch: list[tuple[int, torch.dtype, bool, torch.device]] = []
+        self.constants: dict[int, torch.Tensor] = {}
+
+    def add_constant(self, t: torch.Tensor) -> None:
+        p = t.data_ptr()
+        if p in self.index:  # an input at a constant's address: never misattributed
+            self.ok = False
+            return
+        self.constants[p] = t
 
     def add_scratch(self, t: torch.Tensor, zero: bool) -> None:
         p = t.data_ptr()
@@ -110,12 +120,16 @@ class _Recorder:
             slots = []
             for pos, v in enumerate(values):
                 if isinstance(v, torch.Tensor):
-                    i = self.index.get(v.data_ptr())
-                    if i is None:
+                    p = v.data_ptr()
+                    i = self.index.get(p)
+                    if i is not None:
+                        slots.append((pos, i))
+                        values[pos] = 0
+                    elif p in self.constants:
+                        values[pos] = p  # the table's address, for the plan's life
+                    else:
                         self.ok = False
                         return
-                    slots.append((pos, i))
-                    values[pos] = 0
             g = tuple(grid) + (1, 1)
             self.launches.append(
                 (compiled.run, g[0], g[1], g[2], compiled.function, compiled.packed_metadata,
@@ -142,6 +156,16 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = F
     rec = getattr(_local, "rec", None)
     if rec is not None:
         rec.add_scratch(t, zero)
+    return t
+
+
+def constant(t: torch.Tensor) -> torch.Tensor:
+    """Declare ``t`` (returned unchanged) a table that the op keeps for the process's life
+    and never writes (a cached per-device constant): a recording passes its address to every
+    replay as it is and its plan holds a reference to it."""
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.add_constant(t)
     return t
 
 
@@ -261,5 +285,6 @@ class _Recording:
         if len(plans) >= MAX_PLANS:
             plans.clear()
         ok = self.rec.ok and self.rec.launches
-        plan = _Plan(self.rec.launches, self.keep, tuple(self.rec.scratch))
+        keep = self.keep + tuple(self.rec.constants.values())
+        plan = _Plan(self.rec.launches, keep, tuple(self.rec.scratch))
         plans[self.key] = plan if ok else None

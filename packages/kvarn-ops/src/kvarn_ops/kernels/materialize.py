@@ -59,6 +59,7 @@ from kvarn_ops.kernels._common import (
     scale_inv_sqrt,
     unpack_codes_load,
 )
+from kvarn_ops.kernels._fastlaunch import PlanCache, constant, launch
 from kvarn_ops.reference.cache import check_context_args
 from kvarn_ops.reference.hadamard import hadamard_matrix
 
@@ -462,14 +463,16 @@ def _launch(
     ks = k_scale if fp8 else exact_k
     vs = v_scale if fp8 else exact_v
     consts, opts = launch_config(layout, exact_k.dtype, _arch(packed.device))
-    table = _sign_table(packed.device)
+    table = constant(_sign_table(packed.device))
     mma = _mma_module() if _use_mma_kernel(layout, packed) else None
     if mma is not None:
         if max_blocks:
             _launch_mma(mma, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, layout)
         consts["TAILS_ONLY"] = True
     grid = (b, hkv, 2) if mma is not None else (b * cols, hkv, 2)
-    _materialize_kernel[grid](
+    launch(
+        _materialize_kernel,
+        grid,
         packed,
         block_table,
         seq_lens,
@@ -536,7 +539,9 @@ def _launch_mma(mod, packed, block_table, seq_lens, cu_seqlens, k_out, v_out, la
     heads = -(-hkv // 2) if pair else hkv
     mps = d256_pairs() if layout.head_dim == 256 else 1
     kinds = 4 if mps == 1 and layout.head_dim == 256 else 2  # K, V (256: in 32-token programs)
-    mod.mma_materialize_kernel[(b * max_blocks * (layout.block_size // 64), heads, kinds)](
+    launch(
+        mod.mma_materialize_kernel,
+        (b * max_blocks * (layout.block_size // 64), heads, kinds),
         packed.view(torch.float16),
         packed.view(torch.int32),
         block_table,
@@ -610,6 +615,23 @@ def _materialize_fake(
     return None
 
 
+def _materialize_switches() -> tuple:
+    """What :func:`materialize`'s path reads besides its arguments: environment switches and
+    the module settings and choices that tests and benchmarks replace."""
+    env = os.environ.get
+    return (
+        env("KVARN_MATERIALIZE_MMA"), env("KVARN_MATERIALIZE_D256_PAIRS"), MATERIALIZE_WARPS,
+        CHUNK_VALUES, MMA_MAXNREG, MMA_D256_PAIRS, materialize_maxnreg, native_tail,
+        _use_mma_kernel, _mma_module, _materialize_kernel, launch_config,
+    )  # fmt: skip
+
+
+# Off unless KVARN_FAST_LAUNCH=1 until gpu/test_fast_launch.py's materialize replay has run on
+# a GPU.
+_PLANS = PlanCache(_materialize_switches, default_on=False)
+"""Recorded launches of :func:`materialize` calls (host time: see :mod:`._fastlaunch`)."""
+
+
 def materialize(
     packed: torch.Tensor,
     block_table: torch.Tensor,
@@ -649,6 +671,19 @@ def materialize(
         If the first call on a CUDA device is made inside a CUDA-graph capture (it uploads a
         512-byte sign table; later calls can be captured).
     """
+    tensors = (packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block,
+               k_out, v_out, cu_seqlens)  # fmt: skip
+    key = _PLANS.key(tensors, (id(layout),))
+    if _PLANS.replay(key, tensors):
+        return
+    with _PLANS.recording(key, tensors, keep=(layout,)):
+        _checked_materialize(*tensors, layout)
+
+
+def _checked_materialize(
+    packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, k_out,
+    v_out, cu_seqlens, layout,
+) -> None:  # fmt: skip
     b, g, hkv, d = check_context_args(
         packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block, layout
     )
