@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_ops._validate import check_index_range, check_tensor
+from kvarn_ops._validate import check_tensor
 from kvarn_ops.kernels._common import (
     abs_max,
     cast_rne,
@@ -44,6 +44,7 @@ from kvarn_ops.reference.mla import (
     MLA_DIM,
     STAGED_BYTES,
     _check_gather,
+    check_remap_args,
 )
 
 __all__ = ["mla_materialize", "mla_remap_indices", "mla_stage_fp8"]
@@ -510,13 +511,6 @@ def mla_remap_indices(indices, req_ids, block_table, out) -> None:
     if _REMAP_PLANS.replay(key, tensors):
         return
     with _REMAP_PLANS.recording(key, tensors):
-        dev = indices.device
-        check_tensor("indices", indices, dtypes=torch.int32, ndim=2, device=dev)
-        t, k = indices.shape
-        check_tensor("req_ids", req_ids, dtypes=torch.int32, shape=(t,), device=dev)
-        check_tensor("block_table", block_table, dtypes=torch.int32, ndim=2, device=dev)
-        check_tensor("out", out, dtypes=torch.int64, shape=(t, k), device=dev)
-        check_index_range("req_ids", req_ids, block_table.shape[0])
-        check_index_range("indices", indices, block_table.shape[1] * GROUP, low=-1)
+        check_remap_args(indices, req_ids, block_table, out)
         check_device(indices)
         launch_or_op(_remap_op, _remap_op_impl, indices, req_ids, block_table, out)

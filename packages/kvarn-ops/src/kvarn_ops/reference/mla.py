@@ -62,6 +62,7 @@ __all__ = [
     "MlaDecodeWorkspace",
     "check_mla_layout",
     "check_mla_pool",
+    "check_remap_args",
     "decode_mla_records",
     "encode_mla_records",
     "mla_decode",
@@ -396,6 +397,21 @@ def mla_rehydrate(
     pool_rope[dst] = rope
 
 
+def check_remap_args(indices, req_ids, block_table, out) -> tuple[int, int]:
+    """The argument checks of ``mla_remap_indices`` (this reference and the Triton kernel):
+    ValueError naming the bad argument. Returns ``(T, K)``."""
+    dev = indices.device
+    check_tensor("indices", indices, dtypes=torch.int32, ndim=2, device=dev)
+    t, k = indices.shape
+    check_tensor("req_ids", req_ids, dtypes=torch.int32, shape=(t,), device=dev)
+    check_tensor("block_table", block_table, dtypes=torch.int32, ndim=2, device=dev)
+    check_tensor("out", out, dtypes=torch.int64, shape=(t, k), device=dev)
+    b, mb = block_table.shape
+    check_index_range("req_ids", req_ids, b)
+    check_index_range("indices", indices, mb * GROUP, low=-1)
+    return t, k
+
+
 def mla_remap_indices(indices, req_ids, block_table, out) -> None:
     """Logical token indices to physical slots: ``out[i, j] = block_table[r, idx // 64] * 64 +
     idx % 64`` with ``r = req_ids[i]``, ``idx = indices[i, j]``; ``idx < 0`` gives ``-1``.
@@ -407,15 +423,7 @@ def mla_remap_indices(indices, req_ids, block_table, out) -> None:
     block_table : int32 [B, max_blocks].
     out : int64 [T, K] (written).
     """
-    dev = indices.device
-    check_tensor("indices", indices, dtypes=torch.int32, ndim=2, device=dev)
-    t, k = indices.shape
-    check_tensor("req_ids", req_ids, dtypes=torch.int32, shape=(t,), device=dev)
-    check_tensor("block_table", block_table, dtypes=torch.int32, ndim=2, device=dev)
-    check_tensor("out", out, dtypes=torch.int64, shape=(t, k), device=dev)
-    b, mb = block_table.shape
-    check_index_range("req_ids", req_ids, b)
-    check_index_range("indices", indices, mb * GROUP, low=-1)
+    check_remap_args(indices, req_ids, block_table, out)
     idx = indices.to(torch.long)
     phys = block_table[req_ids.to(torch.long)[:, None], (idx.clamp_min(0) // GROUP)]
     out.copy_(torch.where(idx >= 0, phys.to(torch.long) * GROUP + idx.clamp_min(0) % GROUP, -1))
