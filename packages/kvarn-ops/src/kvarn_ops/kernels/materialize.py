@@ -626,9 +626,7 @@ def _materialize_switches() -> tuple:
     )  # fmt: skip
 
 
-# Off unless KVARN_FAST_LAUNCH=1 until gpu/test_fast_launch.py's materialize replay has run on
-# a GPU.
-_PLANS = PlanCache(_materialize_switches, default_on=False)
+_PLANS = PlanCache(_materialize_switches)
 """Recorded launches of :func:`materialize` calls (host time: see :mod:`._fastlaunch`)."""
 
 
@@ -670,6 +668,9 @@ def materialize(
     RuntimeError
         If the first call on a CUDA device is made inside a CUDA-graph capture (it uploads a
         512-byte sign table; later calls can be captured).
+
+    A repeated call of one signature replays the launches of the first without its checks
+    (:mod:`._fastlaunch`; the sign table is a constant of the plan).
     """
     tensors = (packed, block_table, seq_lens, exact_k, exact_v, k_scale, v_scale, tail_pool_block,
                k_out, v_out, cu_seqlens)  # fmt: skip

@@ -442,11 +442,9 @@ def _gather_switches() -> tuple:
             _mla_gather_kernel, _mla_remap_kernel)  # fmt: skip
 
 
-# Off unless KVARN_FAST_LAUNCH=1 until gpu/test_fast_launch_mla.py's gather replays have run
-# on a GPU.
-_GATHER_PLANS = PlanCache(_gather_switches, default_on=False)
+_GATHER_PLANS = PlanCache(_gather_switches)
 """Recorded launches of :func:`mla_materialize` and :func:`mla_stage_fp8` calls."""
-_REMAP_PLANS = PlanCache(_gather_switches, default_on=False)
+_REMAP_PLANS = PlanCache(_gather_switches)
 """Recorded launches of :func:`mla_remap_indices` calls."""
 
 
@@ -483,9 +481,9 @@ def mla_materialize(
     packed, block_pool_map, pool_latent, pool_scale, pool_rope, slots, layout, out
 ) -> None:
     """Triton ``mla_materialize`` (contract of :func:`kvarn_ops.reference.mla.mla_materialize`):
-    ``out`` bfloat16 ``[N, 576]``, model frame; rows whose slot is -1 are not written. With
-    ``KVARN_FAST_LAUNCH=1``, a repeated call of one signature replays the launch of the first
-    without its checks (:mod:`._fastlaunch`)."""
+    ``out`` bfloat16 ``[N, 576]``, model frame; rows whose slot is -1 are not written. A
+    repeated call of one signature replays the launch of the first without its checks
+    (:mod:`._fastlaunch`)."""
     _gather(_materialize_op, _materialize_op_impl, False, packed, block_pool_map, pool_latent,
             pool_scale, pool_rope, slots, layout, out)  # fmt: skip
 
@@ -495,8 +493,8 @@ def mla_stage_fp8(
 ) -> None:
     """Triton ``mla_stage_fp8`` (contract of :func:`kvarn_ops.reference.mla.mla_stage_fp8`):
     ``out`` uint8 ``[N, 656]`` staged fp8 records, rotated frame, byte-exact; rows whose slot
-    is -1 are not written. With ``KVARN_FAST_LAUNCH=1``, a repeated call of one signature
-    replays the launch of the first without its checks (:mod:`._fastlaunch`)."""
+    is -1 are not written. A repeated call of one signature replays the launch of the first
+    without its checks (:mod:`._fastlaunch`)."""
     _gather(_stage_op, _stage_op_impl, True, packed, block_pool_map, pool_latent, pool_scale,
             pool_rope, slots, layout, out)  # fmt: skip
 
@@ -504,8 +502,8 @@ def mla_stage_fp8(
 def mla_remap_indices(indices, req_ids, block_table, out) -> None:
     """Triton ``mla_remap_indices`` (contract of
     :func:`kvarn_ops.reference.mla.mla_remap_indices`); on a GPU an index past the block table
-    gives -1 instead of raising. With ``KVARN_FAST_LAUNCH=1``, a repeated call of one
-    signature replays the launch of the first without its checks (:mod:`._fastlaunch`)."""
+    gives -1 instead of raising. A repeated call of one signature replays the launch of the
+    first without its checks (:mod:`._fastlaunch`)."""
     tensors = (indices, req_ids, block_table, out)
     key = _REMAP_PLANS.key(tensors, ())
     if _REMAP_PLANS.replay(key, tensors):

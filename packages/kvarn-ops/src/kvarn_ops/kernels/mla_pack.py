@@ -283,11 +283,9 @@ def _pack_switches() -> tuple:
             _mla_rehydrate_kernel, mla_pack_split._mla_pack_split_kernel)  # fmt: skip
 
 
-# Off unless KVARN_FAST_LAUNCH=1 until gpu/test_fast_launch_mla.py's pack and rehydrate
-# replays have run on a GPU.
-_PACK_PLANS = PlanCache(_pack_switches, default_on=False)
+_PACK_PLANS = PlanCache(_pack_switches)
 """Recorded launches of :func:`mla_pack` calls."""
-_REHYDRATE_PLANS = PlanCache(_pack_switches, default_on=False)
+_REHYDRATE_PLANS = PlanCache(_pack_switches)
 """Recorded launches of :func:`mla_rehydrate` calls."""
 
 
@@ -296,8 +294,8 @@ def mla_pack(
 ) -> None:
     """Triton ``mla_pack`` (contract of :func:`kvarn_ops.reference.mla.mla_pack`, without the
     reference-only refit). On a GPU, out-of-range block ids are not checked (no host sync).
-    With ``KVARN_FAST_LAUNCH=1``, a repeated call of one signature replays the launch of the
-    first without its checks (:mod:`._fastlaunch`), its scratch allocated anew."""
+    A repeated call of one signature replays the launch of the first without its checks
+    (:mod:`._fastlaunch`), its scratch allocated anew."""
     tensors = (pool_latent, pool_scale, pool_rope, src_pool_blocks, dst_blocks, packed)
     key = _PACK_PLANS.key(tensors, (id(layout),))
     if _PACK_PLANS.replay(key, tensors):
@@ -334,8 +332,7 @@ def mla_rehydrate(
     packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope, layout
 ) -> None:
     """Triton ``mla_rehydrate`` (contract of :func:`kvarn_ops.reference.mla.mla_rehydrate`).
-    With ``KVARN_FAST_LAUNCH=1``, a repeated call of one signature replays the launch of the
-    first (:mod:`._fastlaunch`)."""
+    A repeated call of one signature replays the launch of the first (:mod:`._fastlaunch`)."""
     tensors = (packed, src_blocks, dst_pool_blocks, pool_latent, pool_scale, pool_rope)
     key = _REHYDRATE_PLANS.key(tensors, (id(layout),))
     if _REHYDRATE_PLANS.replay(key, tensors):
