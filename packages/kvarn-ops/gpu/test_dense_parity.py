@@ -1028,6 +1028,7 @@ def test_materialize_cuda_graph_replay(gen, monkeypatch):
     v_out = torch.empty_like(k_out)
 
     monkeypatch.setattr(mat, "_TABLES", {})
+    mat._PLANS.clear()  # a plan recorded by an earlier test would replay without the upload
     graph = torch.cuda.CUDAGraph()
     with warnings.catch_warnings():  # the refused capture leaves an empty graph, as it should
         warnings.filterwarnings("ignore", "The CUDA Graph is empty", UserWarning)
