@@ -75,3 +75,59 @@ def test_version_matches_metadata():
     import kvarn_formats
 
     assert kvarn_formats.__version__ == version("kvarn-formats")
+
+
+def test_capacity_dense_counts_whole_blocks_after_the_pools(capsys):
+    args = ["capacity", "kvarn_k4v2_g64", "--memory-gib", "40", "--layers", "32"]
+    assert main([*args, "--kv-heads", "8"]) == 0
+    out = capsys.readouterr().out
+    # bf16: 2 (K, V) x 128 x 2 B x 8 heads x 32 layers = 131072 B a token
+    assert "bfloat16                 327,680         1.00x" in out
+    assert "float8                   655,360         2.00x" in out
+    # 256 pools of 64 bf16 tokens = 2 GiB; the other 38 GiB in records of 7296 B x 8 x 32
+    pools = 256 * 64 * 131072
+    blocks = (40 * 2**30 - pools) // (7296 * 8 * 32)
+    assert pools == 2 * 2**30 and blocks == 21845
+    assert f"kvarn_k4v2_g64         {blocks * 64:,}         4.27x" in out
+    assert "exact pools       2,048.0 MiB (256 requests x 1 block(s) of bfloat16)" in out
+
+
+def test_capacity_mla_and_pool_options(capsys):
+    args = ["capacity", "kvarn_mla_k4_g64", "--memory-gib", "1", "--layers", "2"]
+    assert main([*args, "--max-requests", "3", "--pool-dtype", "float8_e4m3fn"]) == 0
+    out = capsys.readouterr().out
+    # pool token: 512 fp8 + 64 bf16 RoPE + a float32 scale = 644 B, 3 x 64 tokens x 2 layers
+    pools = 3 * 64 * 644 * 2
+    record = 256 * 64 + 512 * 2 * 2 + 64 * 2 + 64 * 64 * 2  # codes, cs + zp, rs, RoPE
+    tokens = (2**30 - pools) // (record * 2) * 64
+    assert f"{'kvarn_mla_k4_g64':<18}{tokens:>14,}" in out
+    assert f"{'bfloat16':<18}{2**30 // (1152 * 2 * 64) * 64:>14,}" in out
+    assert f"exact pools       {pools / 2**20:,.1f} MiB (3 requests" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["kvarn_k4v2_g64", "--memory-gib", "1", "--layers", "4"], "--kv-heads is required"),
+        (["kvarn_mla_k4_g64", "--memory-gib", "1", "--layers", "4", "--kv-heads", "8"],
+         "--kv-heads is for dense formats"),
+        (["kvarn_k4v2_g64", "--memory-gib", "0.01", "--layers", "32", "--kv-heads", "8"],
+         "max_requests=256: the exact pools need"),
+        (["kvarn_k4v3_g63", "--memory-gib", "1", "--layers", "4", "--kv-heads", "8"],
+         "did you mean"),
+    ],
+)  # fmt: skip
+def test_capacity_bad_input_exits_2(args, message, capsys):
+    assert main(["capacity", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--memory-gib=-1", "--memory-gib=nan", "--layers=0"])
+def test_capacity_rejects_non_positive_numbers(flag, capsys):
+    base = {"--memory-gib": "1", "--layers": "4"}
+    name = flag.split("=")[0]
+    rest = [x for k, v in base.items() if k != name for x in (k, v)]
+    with pytest.raises(SystemExit) as exc:
+        main(["capacity", "kvarn_k4v2_g64", "--kv-heads", "8", flag, *rest])
+    assert exc.value.code == 2
+    assert "must be a positive" in capsys.readouterr().err
