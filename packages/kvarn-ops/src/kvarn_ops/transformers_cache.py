@@ -11,8 +11,8 @@ returned its keys and values, so every query sees its own tile exact; the first 
 sequence is its attention sink (``sink_rows``: its V row is kept almost exact and, at 2-bit
 K, its key is on every channel's grid), as in the plugin.
 
-Plain torch (:mod:`kvarn_ops.reference`): it runs on any device, the CPU included, and its
-records are byte for byte the reference's. Each update dequantizes every packed tile of the
+Plain torch (:mod:`kvarn_ops.reference`): it runs wherever torch does (tested on the CPU), and
+its records are byte for byte the reference's. Each update dequantizes every packed tile of the
 layer, as transformers' own quantized caches do, so a step's time grows with the context; the
 Triton kernels serve the vLLM path. Needs transformers 5 (the ``eval`` extra).
 """
