@@ -48,6 +48,20 @@ def test_unpacks_kvarn_formats_bytes(gen, bits):
     assert ref.unpack_codes(data, bits, len(codes)).tolist() == codes
 
 
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_unpacks_a_strided_field_with_bytes_around_it(gen, bits):
+    """A record's codes field is a strided slice of the record rows, with other fields' bytes
+    before and after it (``records.field_bytes``)."""
+    count = 61
+    rows = [torch.randint(0, 1 << bits, (count,), generator=gen).tolist() for _ in range(4)]
+    need = kf.packed_size(count, bits)
+    buf = torch.randint(0, 256, (4, need + 9), generator=gen).to(torch.uint8)
+    for i, codes in enumerate(rows):
+        buf[i, 3 : 3 + need] = torch.tensor(list(kf.pack_codes(codes, bits)), dtype=torch.uint8)
+    got = ref.unpack_codes(buf[:, 3:], bits, count)
+    assert got.is_contiguous() and got.tolist() == rows
+
+
 def test_rejects_bad_input():
     with pytest.raises(ValueError, match="^bits:"):
         ref.pack_codes(torch.zeros(8, dtype=torch.uint8), 1)

@@ -68,6 +68,12 @@ def unpack_codes(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
             f"{list(data.shape)}"
         )
     lead = data.shape[:-1]
+    if 8 % bits == 0:
+        # 2, 4, 8 bits: whole codes in each byte, code ``i`` of byte ``j`` is stream code
+        # ``j * 8 / bits + i`` (the same stream, without expanding it into bits)
+        shifts = torch.arange(0, 8, bits, device=data.device, dtype=torch.uint8)
+        codes = (data[..., :need].unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*lead, need * (8 // bits))[..., :count].contiguous()
     shifts8 = torch.arange(8, device=data.device, dtype=torch.int32)
     stream = (data[..., :need].to(torch.int32).unsqueeze(-1) >> shifts8) & 1
     stream = stream.reshape(*lead, need * 8)[..., : count * bits].reshape(*lead, count, bits)
