@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="the eval extra is not installed")
 pytest.importorskip("gguf", reason="the eval extra is not installed")
 
 import kvarn_formats as kf  # noqa: E402
+from kvarn_ops import cache_codec as cc  # noqa: E402
 from kvarn_ops.evaluation import attention as att  # noqa: E402
 from kvarn_ops.evaluation.harness import Harness, default_token_ids  # noqa: E402
 from kvarn_ops.evaluation.model_setup import write_tiny_llama  # noqa: E402
@@ -76,6 +77,39 @@ def test_updates_return_packed_tiles_dequantized_and_the_rest_exact(fmt, d, dtyp
         exact_bytes = 2 * layer.keys.numel() * layer.keys.element_size()
         assert layer.nbytes() == (packed // g) * b * hkv * layout.record_bytes + exact_bytes
     assert not torch.equal(kq.to(dtype), seen_k[:, :, : kq.shape[2]])  # really quantized
+
+
+def test_kernel_backend_updates_return_its_records_dequantized_and_the_rest_exact():
+    """``backend="kernels"`` (the Triton ops, here under the interpreter): each call returns
+    the records packed before it through one ``materialize`` and the rest exact; the records
+    packed over irregular updates are the bytes of packing the whole stream at once (the
+    codec's tests compare those with the reference's)."""
+    torch.manual_seed(2)
+    fmt, d, dtype = "kvarn_k4v2_g32", 64, torch.bfloat16
+    layer = KvarnLayer(fmt, backend="kernels")
+    layout = kf.dense_layout(kf.parse_format(fmt), d)
+    g = layout.block_size
+    b, hkv = 2, 2
+    seen_k = torch.empty(b, hkv, 0, d, dtype=dtype)
+    seen_v = torch.empty(b, hkv, 0, d, dtype=dtype)
+    packed = 0
+    for t in (g + 5, 1, g - 6, 2 * g + 1):
+        k = (torch.randn(b, hkv, t, d) * 3 + 0.5).to(dtype)
+        v = torch.randn(b, hkv, t, d).to(dtype)
+        before = layer.records.clone() if layer.records is not None else None
+        keys, values = layer.update(k, v)
+        assert layer.backend == "kernels"
+        seen_k, seen_v = torch.cat((seen_k, k), 2), torch.cat((seen_v, v), 2)
+        if before is not None and before.shape[1]:
+            kq, vq = cc.decode_tiles(before, layout, dtype, "kernels")
+            assert torch.equal(keys[:, :, :packed], kq) and torch.equal(values[:, :, :packed], vq)
+        assert torch.equal(keys[:, :, packed:], seen_k[:, :, packed:])
+        assert torch.equal(values[:, :, packed:], seen_v[:, :, packed:])
+        packed = seen_k.shape[2] // g * g
+        whole = cc.encode_tiles(seen_k[:, :, :packed], seen_v[:, :, :packed], layout, True,
+                                "kernels")  # fmt: skip
+        assert torch.equal(layer.records, whole)
+    assert not torch.equal(kq, seen_k[:, :, : kq.shape[2]])  # really quantized
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +198,9 @@ def test_bad_input_names_the_argument():
         layer.update(torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64))
     with pytest.raises(ValueError, match="cannot be cropped"):
         layer.crop(-1)
+    with pytest.raises(ValueError, match="^backend: expected one of"):
+        KvarnCache("kvarn_k4v2_g64", cfg, backend="cuda")
+    with pytest.raises(ValueError, match="^backend: expected one of"):
+        KvarnLayer("kvarn_k4v2_g64", backend="")
+    with pytest.raises(ValueError, match="^key_states: backend='kernels' takes bfloat16"):
+        KvarnLayer("kvarn_k4v2_g64", backend="kernels").update(x, x)

@@ -11,10 +11,13 @@ returned its keys and values, so every query sees its own tile exact; the first 
 sequence is its attention sink (``sink_rows``: its V row is kept almost exact and, at 2-bit
 K, its key is on every channel's grid), as in the plugin.
 
-Plain torch (:mod:`kvarn_ops.reference`): it runs wherever torch does (tested on the CPU), and
-its records are byte for byte the reference's. Each update dequantizes every packed tile of the
-layer, as transformers' own quantized caches do, so a step's time grows with the context; the
-Triton kernels serve the vLLM path. Needs transformers 5 (the ``eval`` extra).
+Two backends (``backend=``, :mod:`kvarn_ops.cache_codec`): ``"reference"``, plain torch on
+any device and dtype, records byte for byte the reference's; ``"kernels"``, the serving
+path's Triton ops (the tokens rotated into a bf16/fp16 pool, packed by ``flush``, read back by
+one ``materialize`` launch a layer), for bfloat16/float16 models on a CUDA device;
+``"auto"`` (the default) takes the kernels where they apply. Each update dequantizes every
+packed tile of the layer, as transformers' own quantized caches do, so a step's time grows
+with the context. Needs transformers 5 (the ``eval`` extra).
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 import kvarn_formats as kf
-from kvarn_ops.reference.hadamard import hadamard
-from kvarn_ops.reference.records import decode_records, encode_records
+from kvarn_ops.cache_codec import BACKENDS, choose_backend, decode_tiles, encode_tiles
 
 __all__ = ["KvarnCache", "KvarnLayer"]
 
@@ -51,9 +53,13 @@ class KvarnLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, format_name: str) -> None:
+    def __init__(self, format_name: str, backend: str = "auto") -> None:
         super().__init__()
         self.format = _dense_format(format_name)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.requested_backend = backend
+        self.backend: str | None = None  # chosen from the first K/V (kvarn_ops.cache_codec)
         self.layout: kf.RecordLayout | None = None
         self.records: torch.Tensor | None = None
         self.cumulative_length = 0
@@ -64,6 +70,7 @@ class KvarnLayer(DynamicLayer):
             self.layout = kf.dense_layout(self.format, d)
         except kf.LayoutError as exc:
             raise ValueError(f"key_states: head_dim {d}: {exc}") from None
+        self.backend = choose_backend(self.requested_backend, key_states)
         super().lazy_initialization(key_states, value_states)
         b, hkv = key_states.shape[0], key_states.shape[1]
         self.keys = key_states.new_empty((b, hkv, 0, d))
@@ -114,21 +121,16 @@ class KvarnLayer(DynamicLayer):
         """Encode the full tiles of ``keys`` / ``values`` (the filling tile and the new
         tokens) into records; keep the rest exact."""
         assert self.layout is not None and self.records is not None
+        assert self.backend is not None
         g = self.layout.block_size
-        b, hkv, n, d = keys.shape
-        tiles = n // g
+        tiles = keys.shape[-2] // g
         if tiles:
-            first = self.records.shape[1]
-            k = hadamard(keys[:, :, : tiles * g].float()).reshape(b, hkv, tiles, g, d)
-            v = hadamard(values[:, :, : tiles * g].float()).reshape(b, hkv, tiles, g, d)
-            # records [B, tiles, Hkv] in that order: tiles of one head are rows of K/V above
-            k = k.permute(0, 2, 1, 3, 4).reshape(-1, g, d)
-            v = v.permute(0, 2, 1, 3, 4).reshape(-1, g, d)
-            sink = torch.full((b, tiles, hkv), -1, dtype=torch.int32, device=keys.device)
-            if first == 0:
-                sink[:, 0] = 0  # the sequence's first token: its attention sink
-            rec = encode_records(k, v, self.layout, sink_rows=sink.flatten())
-            self.records = torch.cat((self.records, rec.view(b, tiles, hkv, -1)), dim=1)
+            first = self.records.shape[1] == 0
+            rec = encode_tiles(
+                keys[:, :, : tiles * g], values[:, :, : tiles * g], self.layout, first,
+                self.backend,
+            )  # fmt: skip
+            self.records = torch.cat((self.records, rec), dim=1)
         self.keys = keys[:, :, tiles * g :].contiguous()
         self.values = values[:, :, tiles * g :].contiguous()
 
@@ -136,15 +138,10 @@ class KvarnLayer(DynamicLayer):
         """The packed tiles' keys and values ``[B, Hkv, tiles * G, D]``, model frame, in the
         cache's dtype."""
         assert self.layout is not None and self.records is not None and self.keys is not None
-        b, tiles, hkv, r = self.records.shape
-        g, d = self.layout.block_size, self.layout.head_dim
-        if tiles == 0:
+        assert self.backend is not None
+        if self.records.shape[1] == 0:
             return self.keys[:, :, :0], self.values[:, :, :0]
-        k, v = decode_records(self.records.reshape(-1, r), self.layout)
-        shape = (b, tiles, hkv, g, d)
-        k = hadamard(k).view(shape).permute(0, 2, 1, 3, 4).reshape(b, hkv, tiles * g, d)
-        v = hadamard(v).view(shape).permute(0, 2, 1, 3, 4).reshape(b, hkv, tiles * g, d)
-        return k.to(self.keys.dtype), v.to(self.keys.dtype)
+        return decode_tiles(self.records, self.layout, self.keys.dtype, self.backend)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -209,10 +206,14 @@ class KvarnCache(Cache):
     format_name : a dense kvarn format, e.g. ``"kvarn_k4v2_g64"``.
     config : the model's config (its text config's ``num_hidden_layers`` layers, all of them
         full attention: sliding-window layers would drop tokens the records keep).
+    backend : ``"auto"`` (default), ``"reference"`` or ``"kernels"``
+        (:mod:`kvarn_ops.cache_codec`).
     """
 
-    def __init__(self, format_name: str, config: Any) -> None:
+    def __init__(self, format_name: str, config: Any, backend: str = "auto") -> None:
         _dense_format(format_name)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"]
         other = sorted(set(types) - {"full_attention"})
@@ -221,7 +222,9 @@ class KvarnCache(Cache):
                 f"config: KvarnCache serves full-attention layers only; this model has {other}"
             )
         self.format_name = format_name
-        super().__init__(layers=[KvarnLayer(format_name) for _ in range(text.num_hidden_layers)])
+        super().__init__(
+            layers=[KvarnLayer(format_name, backend) for _ in range(text.num_hidden_layers)]
+        )
 
     def nbytes(self) -> int:
         """Bytes the cache holds: every layer's records and exact tokens."""
