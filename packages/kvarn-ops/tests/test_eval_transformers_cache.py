@@ -33,8 +33,11 @@ def _expected_tiles(k: torch.Tensor, v: torch.Tensor, layout, first: bool):
     tiles = n // g
     if tiles == 0:
         return torch.empty(b, 0, hkv, layout.record_bytes, dtype=torch.uint8), k, v
-    kt = hadamard(k.float()).reshape(b, hkv, tiles, g, d).permute(0, 2, 1, 3, 4)
-    vt = hadamard(v.float()).reshape(b, hkv, tiles, g, d).permute(0, 2, 1, 3, 4)
+    # rotated in fp32, held in the K/V's dtype (as the serving pool holds them)
+    kt = hadamard(k.float()).to(k.dtype).float()
+    vt = hadamard(v.float()).to(v.dtype).float()
+    kt = kt.reshape(b, hkv, tiles, g, d).permute(0, 2, 1, 3, 4)
+    vt = vt.reshape(b, hkv, tiles, g, d).permute(0, 2, 1, 3, 4)
     sink = torch.full((b, tiles, hkv), -1, dtype=torch.int32)
     if first:
         sink[:, 0] = 0

@@ -7,7 +7,8 @@ carry its attention sink (token 0: ``first=True``), as the serving plugin's firs
 
 Two backends, one contract:
 
-- ``"reference"``: :func:`kvarn_ops.reference.encode_records` of the fp32 rotation and
+- ``"reference"``: :func:`kvarn_ops.reference.encode_records` of the tiles rotated in fp32
+  and rounded to the K/V's dtype (what the serving path's exact pool holds), and
   :func:`~kvarn_ops.reference.decode_records`; any device and dtype.
 - ``"kernels"``: the serving path's ops: ``store`` (rotation into a bf16/fp16 exact pool),
   ``flush`` (records; codes as the reference's for >= 99.9% of the values, see
@@ -95,8 +96,10 @@ def encode_tiles(
     if n != tiles * g:
         raise ValueError(f"keys: {n} tokens is not a whole number of {g}-token tiles")
     if backend == "reference":
-        k = hadamard(keys.float()).reshape(b, hkv, tiles, g, d)
-        v = hadamard(values.float()).reshape(b, hkv, tiles, g, d)
+        # rotated in fp32 and held in the model's dtype, as the serving path's exact pool
+        # holds them (a no-op for float32 models)
+        k = hadamard(keys.float()).to(keys.dtype).float().reshape(b, hkv, tiles, g, d)
+        v = hadamard(values.float()).to(values.dtype).float().reshape(b, hkv, tiles, g, d)
         # records [B, tiles, Hkv]: the tiles of one row and head are consecutive token runs
         k = k.permute(0, 2, 1, 3, 4).reshape(-1, g, d)
         v = v.permute(0, 2, 1, 3, 4).reshape(-1, g, d)

@@ -12,12 +12,13 @@ sequence is its attention sink (``sink_rows``: its V row is kept almost exact an
 K, its key is on every channel's grid), as in the plugin.
 
 Two backends (``backend=``, :mod:`kvarn_ops.cache_codec`): ``"reference"``, plain torch on
-any device and dtype, records byte for byte the reference's; ``"kernels"``, the serving
-path's Triton ops (the tokens rotated into a bf16/fp16 pool, packed by ``flush``, read back by
-one ``materialize`` launch a layer), for bfloat16/float16 models on a CUDA device;
-``"auto"`` (the default) takes the kernels where they apply. Each update dequantizes every
-packed tile of the layer, as transformers' own quantized caches do, so a step's time grows
-with the context. Needs transformers 5 (the ``eval`` extra).
+any device and dtype, records byte for byte ``reference.encode_records`` of the tiles rotated
+in fp32 and held in the model's dtype (as the serving path's exact pool holds them);
+``"kernels"``, the serving path's Triton ops (the tokens rotated into a bf16/fp16 pool,
+packed by ``flush``, read back by one ``materialize`` launch a layer), for bfloat16/float16
+models on a CUDA device; ``"auto"`` (the default) takes the kernels where they apply. Each
+update dequantizes every packed tile of the layer, as transformers' own quantized caches do,
+so a step's time grows with the context. Needs transformers 5 (the ``eval`` extra).
 """
 
 from __future__ import annotations
