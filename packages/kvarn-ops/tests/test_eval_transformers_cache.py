@@ -23,6 +23,7 @@ from kvarn_ops.evaluation.model_setup import write_tiny_llama  # noqa: E402
 from kvarn_ops.evaluation.variants import make_variant  # noqa: E402
 from kvarn_ops.reference import decode_records, encode_records, hadamard  # noqa: E402
 from kvarn_ops.transformers_cache import KvarnCache, KvarnLayer  # noqa: E402
+from test_decode import ATOL, ERR_FACTOR, emulated_error  # noqa: E402
 
 
 def _expected_tiles(k: torch.Tensor, v: torch.Tensor, layout, first: bool):
@@ -207,3 +208,155 @@ def test_bad_input_names_the_argument():
         KvarnLayer("kvarn_k4v2_g64", backend="")
     with pytest.raises(ValueError, match="^key_states: backend='kernels' takes bfloat16"):
         KvarnLayer("kvarn_k4v2_g64", backend="kernels").update(x, x)
+
+
+def _tiny_bf16_llama(layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=4096, rope_theta=1e5,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(4.0)  # attention far from uniform, so the cache's error shows
+    return model.to(torch.bfloat16).eval()
+
+
+def _step_logits(model, cache, ids, prompt):
+    """Logits of a prompt call, then of one call per further token (teacher forced)."""
+    kw = _cache_kwarg(model)
+    out = []
+    with torch.no_grad():
+        out.append(model(input_ids=ids[:, :prompt], **{kw: cache}).logits[:, -1:].float())
+        for s in range(prompt, ids.shape[1] - 1):
+            out.append(model(input_ids=ids[:, s : s + 1], **{kw: cache}).logits.float())
+    return torch.cat(out, 1)
+
+
+def test_kvarn_attention_decodes_from_the_records():
+    """``model.set_attn_implementation("kvarn")``: one-token steps run ``kvarn_ops.decode``
+    over the records and the rotated pool. Against the same cache read through SDPA (the
+    kernels backend, dequantized context): the logits agree within a tenth of the
+    quantization's own effect, except at the step whose token completes a tile, which the
+    serving order reads quantized (packed before the query) and the dequantizing cache exact
+    (and after it, where layer 1's last tile holds K/V computed at that step)."""
+    from transformers import DynamicCache
+
+    model = _tiny_bf16_llama()
+    fmt, g, prompt = "kvarn_k4v2_g32", 32, 60
+    ids = torch.randint(0, 512, (2, 70), generator=torch.Generator().manual_seed(3))
+    model.set_attn_implementation("kvarn")
+    packed_cache = KvarnCache(fmt, model.config)
+    assert packed_cache.packed_decode and packed_cache.layers[0].packed_decode
+    calls = []
+    real = KvarnLayer.attend
+    KvarnLayer.attend = lambda self, q, s: calls.append(1) or real(self, q, s)  # type: ignore
+    try:
+        packed = _step_logits(model, packed_cache, ids, prompt)
+    finally:
+        KvarnLayer.attend = real  # type: ignore
+    assert len(calls) == 2 * (ids.shape[1] - 1 - prompt)  # every one-token step, each layer
+    model.set_attn_implementation("sdpa")
+    deq_cache = KvarnCache(fmt, model.config, backend="kernels")
+    assert not deq_cache.packed_decode
+    deq = _step_logits(model, deq_cache, ids, prompt)
+    exact = _step_logits(model, DynamicCache(config=model.config), ids, prompt)
+    # layer 0's K/V come from the embeddings alone: the same tiles, packed the same way
+    assert torch.equal(packed_cache.layers[0].records, deq_cache.layers[0].records)
+    gap = (packed - deq).abs().amax(-1)  # [B, steps]; column j: the query at token prompt-1+j
+    effect = (deq - exact).abs().amax(-1)
+    completes = [j for j in range(gap.shape[1]) if (prompt + j) % g == 0]
+    assert completes == [4]  # token 63 fills the second tile
+    before, after = gap[:, 1:4], gap[:, 5:]
+    scale = effect[:, 1:].median()
+    print("gap", gap.tolist(), "effect", effect.tolist())
+    # before the tile completes: the same cache contents, only the arithmetic differs
+    assert before.max() < 0.1 * scale
+    # the completing token reads its tile quantized in the serving order
+    assert gap[:, 4].min() > 2 * before.max()
+    # after it, layer 1's tile holds K/V computed from that step: a part of the effect
+    assert after.max() < 0.25 * scale
+
+
+def test_kvarn_attention_of_one_step_against_the_reference_decode():
+    """A layer's ``attend`` equals ``reference.decode`` (fp64) over the layer's own records,
+    block table and pool, within ``test_decode``'s bound."""
+    from kvarn_ops import reference
+
+    torch.manual_seed(7)
+    fmt, d = "kvarn_k4v2_g32", 64
+    layer = KvarnLayer(fmt, packed_decode=True)
+    b, hkv, hq = 2, 2, 8
+    layer.update(torch.randn(b, hkv, 45, d).bfloat16(), torch.randn(b, hkv, 45, d).bfloat16())
+    for _ in range(3):
+        h, _v = layer.update(
+            torch.randn(b, hkv, 1, d).bfloat16(), torch.randn(b, hkv, 1, d).bfloat16()
+        )
+        assert h._kvarn_layer is layer
+    q = torch.randn(b, hq, 1, d).bfloat16()
+    got = layer.attend(q, d**-0.5)
+    lay = layer.layout
+    tiles = layer.records.shape[1]
+    assert tiles == 48 // 32 and layer.cumulative_length == 48
+    args = dict(
+        packed=layer.records.view(b * tiles, hkv, -1),
+        block_table=torch.arange(b * tiles, dtype=torch.int32).view(b, tiles),
+        seq_lens=torch.full((b,), 48, dtype=torch.int32), exact_k=layer.decoder.pool_k,
+        exact_v=layer.decoder.pool_v, k_scale=None, v_scale=None,
+        tail_pool_block=torch.arange(b, dtype=torch.int32), layout=lay, softmax_scale=d**-0.5,
+    )  # fmt: skip
+    qm = q.transpose(1, 2).contiguous()
+    want = torch.empty(b, 1, hq, d, dtype=torch.float32)
+    reference.decode(qm, **args, out=want, workspace=None, compute_dtype=torch.float64)
+    assert got.shape == (b, 1, hq, d) and got.dtype == torch.bfloat16
+    # the decode tests' bound: twice the error of the kernel's operand roundings emulated, plus
+    # the bf16 output's rounding
+    base = emulated_error(qm, dict(q=qm, **args), want.double())
+    tol = ERR_FACTOR * base + ATOL[torch.bfloat16] * want.abs().max().item()
+    assert (got.float() - want).abs().max().item() <= tol
+    # the pool holds the filling tile's 16 tokens rotated, in each row's block
+    kx = reference.hadamard(layer.keys.float()).to(torch.bfloat16)  # [B, Hkv, 16, D]
+    assert layer.keys.shape[2] == 16
+    pooled = layer.decoder.pool_k[:, :16].transpose(1, 2)
+    assert (pooled.float() - kx.float()).abs().max() <= 2.0**-7 * kx.float().abs().max()
+
+
+def test_kvarn_attention_falls_back_to_sdpa_for_a_padded_batch_and_refuses_misuse():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvarn_ops.transformers_decode import kvarn_attention_forward
+
+    torch.manual_seed(8)
+    layer = KvarnLayer("kvarn_k4v2_g32", packed_decode=True)
+    x = torch.randn(1, 2, 40, 64).bfloat16()
+    layer.update(x, x)
+    hk, hv = layer.update(x[:, :, :1], x[:, :, :1])
+    q = torch.randn(1, 4, 1, 64).bfloat16()
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    mask = torch.ones(1, 1, 1, 41, dtype=torch.bool)
+    mask[..., :3] = False  # three pad tokens
+    got, _ = kvarn_attention_forward(module, q, hk, hv, mask, scaling=0.125)
+    k_all, v_all = layer.full_kv()
+    want, _ = sdpa_attention_forward(module, q, k_all, v_all, mask, scaling=0.125)
+    assert torch.equal(got, want)
+    unpadded, _ = kvarn_attention_forward(module, q, hk, hv, None, scaling=0.125)
+    assert torch.equal(unpadded, layer.attend(q, 0.125))
+    with pytest.raises(ValueError, match="^dropout"):
+        kvarn_attention_forward(module, q, hk, hv, None, dropout=0.1)
+    with pytest.raises(ValueError, match="^query: this KvarnLayer was not built"):
+        KvarnLayer("kvarn_k4v2_g32").attend(q, 0.125)
+    with pytest.raises(ValueError, match="^backend: 'reference' cannot serve"):
+        KvarnLayer("kvarn_k4v2_g32", backend="reference", packed_decode=True)
+    model = _tiny_bf16_llama(layers=1)
+    model.set_attn_implementation("kvarn")
+    with pytest.raises(ValueError, match="^backend: 'reference' cannot serve"):
+        KvarnCache("kvarn_k4v2_g32", model.config, backend="reference")
+    cache = KvarnCache("kvarn_k4v2_g32", model.config)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="^config: the model's attention implementation changed"):
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long), **{_cache_kwarg(model): cache})

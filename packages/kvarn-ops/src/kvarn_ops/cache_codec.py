@@ -111,8 +111,8 @@ def encode_tiles(
     nblk = b * tiles
     pool_k = torch.empty((nblk, g, hkv, d), dtype=keys.dtype, device=keys.device)
     pool_v = torch.empty_like(pool_k)
-    kt = keys.transpose(1, 2).reshape(nblk * g, hkv, d)
-    vt = values.transpose(1, 2).reshape(nblk * g, hkv, d)
+    kt = keys.transpose(1, 2).reshape(nblk * g, hkv, d).contiguous()
+    vt = values.transpose(1, 2).reshape(nblk * g, hkv, d).contiguous()
     slots = torch.arange(nblk * g, dtype=torch.int64, device=keys.device)
     kvarn_ops.store(kt, vt, slots, pool_k, pool_v)
     packed = torch.empty((nblk, hkv, layout.record_bytes), dtype=torch.uint8, device=keys.device)

@@ -30,8 +30,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 import kvarn_formats as kf
 from kvarn_ops.cache_codec import BACKENDS, choose_backend, decode_tiles, encode_tiles
+from kvarn_ops.transformers_decode import ATTENTION_NAME, PackedDecode, register_attention
 
 __all__ = ["KvarnCache", "KvarnLayer"]
+
+register_attention()  # model.set_attn_implementation("kvarn") works once this module is imported
 
 
 def _dense_format(format_name: str) -> kf.DenseFormat:
@@ -50,16 +53,27 @@ def _dense_format(format_name: str) -> kf.DenseFormat:
 class KvarnLayer(DynamicLayer):
     """One attention layer's cache: ``records`` uint8 ``[B, tiles, Hkv, R]`` (the packed
     tiles) and, as ``keys`` / ``values`` ``[B, Hkv, r, D]`` with ``r < G``, the exact tokens of
-    the tile still filling (model frame)."""
+    the tile still filling (model frame). With ``packed_decode`` (the model's attention is
+    ``"kvarn"``, :mod:`kvarn_ops.transformers_decode`) one-token steps return handles the
+    ``"kvarn"`` attention reads the records through, not the dequantized context."""
 
     is_croppable = False
 
-    def __init__(self, format_name: str, backend: str = "auto") -> None:
+    def __init__(
+        self, format_name: str, backend: str = "auto", packed_decode: bool = False
+    ) -> None:
         super().__init__()
         self.format = _dense_format(format_name)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        self.requested_backend = backend
+        if packed_decode and backend == "reference":
+            raise ValueError(
+                "backend: 'reference' cannot serve the 'kvarn' attention (its decode steps run "
+                "the decode kernel over the records); use 'auto' or 'kernels'"
+            )
+        self.requested_backend = "kernels" if packed_decode else backend
+        self.packed_decode = packed_decode
+        self.decoder: PackedDecode | None = None
         self.backend: str | None = None  # chosen from the first K/V (kvarn_ops.cache_codec)
         self.layout: kf.RecordLayout | None = None
         self.records: torch.Tensor | None = None
@@ -79,6 +93,8 @@ class KvarnLayer(DynamicLayer):
         self.records = torch.empty(
             (b, 0, hkv, self.layout.record_bytes), dtype=torch.uint8, device=key_states.device
         )
+        if self.packed_decode:
+            self.decoder = PackedDecode(key_states, self.layout)
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.ndim != 4 or value_states.shape != key_states.shape:
@@ -110,13 +126,39 @@ class KvarnLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self.keys is not None and self.values is not None
-        packed_k, packed_v = self.dequantized()
+        t = key_states.shape[-2]
         keys = torch.cat((self.keys, key_states), dim=-2)
         values = torch.cat((self.values, value_states), dim=-2)
+        if self.decoder is not None and t == 1:
+            # the serving order: store, pack a tile this token fills, then the query reads
+            self._pack(keys, values)
+            self.cumulative_length += t
+            self.decoder.write(self.keys, self.values, t)
+            handle_k, handle_v = key_states.view_as(key_states), value_states.view_as(value_states)
+            handle_k._kvarn_layer = self  # type: ignore[attr-defined]
+            return handle_k, handle_v
+        packed_k, packed_v = self.dequantized()
         out = torch.cat((packed_k, keys), dim=-2), torch.cat((packed_v, values), dim=-2)
         self._pack(keys, values)
-        self.cumulative_length += key_states.shape[-2]
+        self.cumulative_length += t
+        if self.decoder is not None:
+            self.decoder.write(self.keys, self.values, t)
         return out
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The ``"kvarn"`` attention of a one-token step (:mod:`kvarn_ops.transformers_decode`):
+        ``[B, 1, Hq, D]`` from ``query`` ``[B, Hq, 1, D]`` over the records and the pool."""
+        if self.decoder is None or self.records is None:
+            raise ValueError("query: this KvarnLayer was not built for the 'kvarn' attention")
+        if query.shape[2] != 1:
+            raise ValueError(f"query: one token a row expected, got {query.shape[2]}")
+        return self.decoder.attend(self.records, self.cumulative_length, query, scale)
+
+    def full_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token's keys and values (packed tiles dequantized, the rest exact)."""
+        assert self.keys is not None and self.values is not None
+        packed_k, packed_v = self.dequantized()
+        return torch.cat((packed_k, self.keys), dim=-2), torch.cat((packed_v, self.values), dim=-2)
 
     def _pack(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Encode the full tiles of ``keys`` / ``values`` (the filling tile and the new
@@ -153,12 +195,15 @@ class KvarnLayer(DynamicLayer):
             return 0
         assert self.records is not None and self.keys is not None and self.values is not None
         exact = self.keys.numel() * self.keys.element_size() * 2
+        if self.decoder is not None:  # the filling tile again, rotated, a whole tile a row
+            exact += self.decoder.pool_k.numel() * self.decoder.pool_k.element_size() * 2
         return self.records.numel() + exact
 
     def reset(self) -> None:
         super().reset()
         self.records = None
         self.layout = None
+        self.decoder = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -177,6 +222,8 @@ class KvarnLayer(DynamicLayer):
             self.records = self.records.repeat_interleave(repeats, dim=0)
             self.keys = self.keys.repeat_interleave(repeats, dim=0)
             self.values = self.values.repeat_interleave(repeats, dim=0)
+            if self.decoder is not None:
+                self.decoder.repeat(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
@@ -185,6 +232,8 @@ class KvarnLayer(DynamicLayer):
             self.records = self.records[indices.to(self.records.device)]
             self.keys = self.keys[indices.to(self.keys.device)]
             self.values = self.values[indices.to(self.values.device)]
+            if self.decoder is not None:
+                self.decoder.select(indices)
 
     def offload(self) -> None:
         if self.is_initialized:
@@ -209,6 +258,11 @@ class KvarnCache(Cache):
         full attention: sliding-window layers would drop tokens the records keep).
     backend : ``"auto"`` (default), ``"reference"`` or ``"kernels"``
         (:mod:`kvarn_ops.cache_codec`).
+
+    A model whose attention implementation is ``"kvarn"`` (``model.set_attn_implementation(
+    "kvarn")``, registered when this module is imported) when the cache is built gets its
+    one-token steps from the records through ``kvarn_ops.decode``
+    (:mod:`kvarn_ops.transformers_decode`); that needs the kernels backend.
     """
 
     def __init__(self, format_name: str, config: Any, backend: str = "auto") -> None:
@@ -223,9 +277,31 @@ class KvarnCache(Cache):
                 f"config: KvarnCache serves full-attention layers only; this model has {other}"
             )
         self.format_name = format_name
+        self._text_config = text
+        self.packed_decode = getattr(text, "_attn_implementation", None) == ATTENTION_NAME
+        if self.packed_decode and backend == "reference":
+            raise ValueError(
+                "backend: 'reference' cannot serve the model's 'kvarn' attention (its decode "
+                "steps run the decode kernel over the records); use 'auto' or 'kernels'"
+            )
         super().__init__(
-            layers=[KvarnLayer(format_name, backend) for _ in range(text.num_hidden_layers)]
+            layers=[
+                KvarnLayer(format_name, backend, self.packed_decode)
+                for _ in range(text.num_hidden_layers)
+            ]
         )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        now = getattr(self._text_config, "_attn_implementation", None) == ATTENTION_NAME
+        if now != self.packed_decode:
+            raise ValueError(
+                "config: the model's attention implementation changed after this KvarnCache "
+                "was built (the 'kvarn' attention and the cache go together); build a new cache"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes the cache holds: every layer's records and exact tokens."""
