@@ -2,9 +2,11 @@
 
 A random-weight Llama with Llama-3.1-8B's attention and MLP geometry (hidden 4096, 32 query /
 8 KV heads of head_dim 128, intermediate 14336) and ``--layers`` layers, bf16, fed a random
-prompt of ``--prompt`` tokens, then ``--new`` greedy tokens; per cache (``DynamicCache``,
-``KvarnCache`` with the kernels backend and with the reference backend) and batch size: the
-median of ``--reps`` timed ``generate`` calls after a warm-up, and the cache's bytes at the end.
+prompt of ``--prompt`` tokens, then ``--new`` greedy tokens; per cache (``exact``:
+``DynamicCache``; ``packed``: ``KvarnCache`` under the ``"kvarn"`` attention, decode steps
+through ``kvarn_ops.decode`` over the records; ``kernels`` and ``reference``: ``KvarnCache``'s
+two backends under SDPA, the context dequantized every step) and batch size: the median of
+``--reps`` timed ``generate`` calls after a warm-up, and the cache's bytes at the end.
 Random weights: the tokens mean nothing, the times and bytes are those of the model's shape.
 
     python benchmarks/bench_transformers_cache.py --out results/x.json
@@ -53,7 +55,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--format", default="kvarn_k4v2_g64")
-    ap.add_argument("--caches", default="exact,kernels,reference")
+    ap.add_argument("--caches", default="exact,packed,kernels,reference")
     ap.add_argument("--out")
     args = ap.parse_args()
     import transformers
@@ -65,6 +67,7 @@ def main() -> None:
     kw = "cache" if "cache" in params else "past_key_values"
     make = {
         "exact": lambda: transformers.DynamicCache(config=cfg),
+        "packed": lambda: KvarnCache(args.format, cfg),
         "kernels": lambda: KvarnCache(args.format, cfg, backend="kernels"),
         "reference": lambda: KvarnCache(args.format, cfg, backend="reference"),
     }
@@ -73,6 +76,7 @@ def main() -> None:
     for b in (int(x) for x in args.batches.split(",")):
         ids = torch.randint(0, cfg.vocab_size, (b, args.prompt), device="cuda", generator=gen)
         for name in args.caches.split(","):
+            model.set_attn_implementation("kvarn" if name == "packed" else "sdpa")
             times, cache = [], None
             for rep in range(args.reps + 1):
                 cache = make[name]()

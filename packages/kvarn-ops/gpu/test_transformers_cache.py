@@ -11,7 +11,9 @@
 - a random-weight Llama (bf16) fed a sequence in 64-token chunks: the kernels backend's
   per-token NLL stays within a tenth of the quantization's own effect of the reference
   backend's (both pack the same bf16 rotated tiles; a wrong tile order, sink or frame would
-  move it by the whole effect or more).
+  move it by the whole effect or more);
+- the ``"kvarn"`` attention's decode steps (``kvarn_ops.decode`` over the records) against the
+  same cache read through SDPA.
 """
 
 from __future__ import annotations
@@ -144,3 +146,61 @@ def test_model_nll_kernels_against_reference_backend(gen):
     rec = kf.dense_layout("kvarn_k4v2_g64", 128).record_bytes
     # 448 tokens in 64-token calls: all 7 tiles packed, nothing exact left
     assert ker_cache.nbytes() == cfg.num_hidden_layers * 2 * 7 * cfg.num_key_value_heads * rec
+
+
+def test_kvarn_attention_on_gpu(gen):
+    """The ``"kvarn"`` attention (decode steps through ``kvarn_ops.decode`` over the records)
+    against the same cache read through SDPA (kernels backend): a random Llama with
+    Llama-3.1-8B's attention geometry (GQA 4, head_dim 128), bf16, two rows, a 250-token
+    prompt then 12 one-token steps (token 255 completes a tile). Before the completing step the
+    logits agree within a tenth of the quantization's own effect; at it the serving order
+    reads the tile quantized; after it within a quarter (layer 2's tile holds K/V from that
+    step). Every step's attention went through the decode kernel."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=DEVICE)))
+    cfg = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=4096, rope_theta=1e5,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(4.0)
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 263), device=DEVICE, generator=gen)
+    prompt = 250
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def run(cache):
+        out = []
+        with torch.no_grad():
+            step = {kw: cache, "use_cache": True}
+            out.append(model(input_ids=ids[:, :prompt], **step).logits[:, -1:].float())
+            for s in range(prompt, ids.shape[1] - 1):
+                out.append(model(input_ids=ids[:, s : s + 1], **step).logits.float())
+        return torch.cat(out, 1)
+
+    calls = []
+    real = KvarnLayer.attend
+    KvarnLayer.attend = lambda self, q, s: calls.append(1) or real(self, q, s)
+    try:
+        model.set_attn_implementation("kvarn")
+        packed_cache = KvarnCache("kvarn_k4v2_g64", cfg)
+        assert packed_cache.packed_decode
+        packed = run(packed_cache)
+    finally:
+        KvarnLayer.attend = real
+    assert len(calls) == 3 * (ids.shape[1] - 1 - prompt)
+    model.set_attn_implementation("sdpa")
+    deq = run(KvarnCache("kvarn_k4v2_g64", cfg, backend="kernels"))
+    exact = run(transformers.DynamicCache(config=cfg))
+    gap = (packed - deq).abs().amax(-1)
+    effect = (deq - exact).abs().amax(-1)
+    scale = effect[:, 1:].median()
+    j = 256 - prompt  # the query of token 255, which completes the fourth tile
+    print(f"effect {scale:.4f}, gaps {gap.tolist()}")
+    assert scale > 0.05
+    assert gap[:, 1:j].max() < 0.1 * scale
+    assert gap[:, j].min() > 2 * gap[:, 1:j].max()
+    assert gap[:, j + 1 :].max() < 0.25 * scale
