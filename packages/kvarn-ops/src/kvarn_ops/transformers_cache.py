@@ -7,7 +7,9 @@ format's records, the bytes ``kvarn_formats`` lays out (for ``kvarn_k4v2_g64`` a
 exact tokens in the model's dtype. Every ``update`` returns what a query sees in the vLLM
 plugin: the packed tiles dequantized (model frame), then the filling tile's tokens and the
 call's new tokens exact. A tile is packed once it is full, after the call that filled it has
-returned its keys and values, so every query sees its own tile exact; the first token of a
+returned its keys and values, so every query sees its own tile exact (as ``kvarn-eval``'s
+teacher-forced pass; the plugin's decode step whose token completes a tile reads that tile
+quantized, as the ``"kvarn"`` attention below does); the first token of a
 sequence is its attention sink (``sink_rows``: its V row is kept almost exact and, at 2-bit
 K, its key is on every channel's grid), as in the plugin.
 
