@@ -360,3 +360,52 @@ def test_kvarn_attention_falls_back_to_sdpa_for_a_padded_batch_and_refuses_misus
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="^config: the model's attention implementation changed"):
         model(input_ids=torch.zeros(1, 3, dtype=torch.long), **{_cache_kwarg(model): cache})
+
+
+def test_kvarn_attention_from_a_one_token_prompt_and_after_beam_reorder():
+    """A one-token first call (no record yet) and a beam reorder: each step equals the
+    reference decode of the layer's own state."""
+    from kvarn_ops import reference
+
+    torch.manual_seed(9)
+    d, b, hkv, hq = 64, 3, 1, 2
+    layer = KvarnLayer("kvarn_k4v2_g32", packed_decode=True)
+    lay = kf.dense_layout("kvarn_k4v2_g32", d)
+
+    def check(q):
+        got = layer.attend(q, 0.125)
+        n = layer.cumulative_length
+        tiles = layer.records.shape[1]
+        if tiles:
+            packed = layer.records.view(b * tiles, hkv, -1)
+        else:
+            packed = torch.zeros(1, hkv, lay.record_bytes, dtype=torch.uint8)
+        table = torch.arange(b * max(tiles, 1), dtype=torch.int32).view(b, -1)
+        args = dict(
+            packed=packed, block_table=table, seq_lens=torch.full((b,), n, dtype=torch.int32),
+            exact_k=layer.decoder.pool_k, exact_v=layer.decoder.pool_v, k_scale=None,
+            v_scale=None, tail_pool_block=torch.arange(b, dtype=torch.int32), layout=lay,
+            softmax_scale=0.125,
+        )  # fmt: skip
+        qm = q.transpose(1, 2).contiguous()
+        want = torch.empty(b, 1, hq, d)
+        reference.decode(qm, **args, out=want, workspace=None, compute_dtype=torch.float64)
+        base = emulated_error(qm, dict(q=qm, **args), want.double())
+        tol = ERR_FACTOR * base + ATOL[torch.bfloat16] * want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= tol
+
+    for i in range(34):  # crosses the first tile
+        x = torch.randn(b, hkv, 1, d).bfloat16()
+        layer.update(x, x * 0.5)
+        if i in (0, 31):  # the first token alone; the token that completes the tile
+            check(torch.randn(b, hq, 1, d).bfloat16())
+    check(torch.randn(b, hq, 1, d).bfloat16())
+    layer.reorder_cache(torch.tensor([2, 2, 0]))
+    x = torch.randn(b, hkv, 1, d).bfloat16()
+    layer.update(x, x)
+    check(torch.randn(b, hq, 1, d).bfloat16())
+    # rows 0 and 1 are now the same beam: the same records and the same first two pool rows
+    # (the third, this step's token, differs)
+    assert torch.equal(layer.records[0], layer.records[1])
+    assert torch.equal(layer.decoder.pool_k[0, :2], layer.decoder.pool_k[1, :2])
+    assert not torch.equal(layer.decoder.pool_k[0, 2], layer.decoder.pool_k[1, 2])

@@ -93,6 +93,7 @@ class PackedDecode:
         self.pool_v = torch.zeros_like(self.pool_k)
         self._table: tuple[int, torch.Tensor] | None = None
         self._ws: tuple[tuple[int, int, int], torch.Tensor] | None = None
+        self._rows = torch.arange(b, dtype=torch.int32, device=like.device)  # pool block a row
 
     def write(self, tail_k: torch.Tensor, tail_v: torch.Tensor, new: int) -> None:
         """Store the last ``new`` tokens of the filling tile ``tail_k``/``tail_v``
@@ -146,11 +147,11 @@ class PackedDecode:
         q = query.transpose(1, 2).contiguous()
         packed = records.view(b * tiles, hkv, r) if tiles else records.new_zeros((1, hkv, r))
         seq_lens = torch.full((b,), length, dtype=torch.int32, device=dev)
-        tail = torch.arange(b, dtype=torch.int32, device=dev)
         out = torch.empty_like(q)
+        ws = self._workspace(b, q.shape[2], length, dev)
         kvarn_ops.decode(
             q, packed, self._block_table(b, tiles, dev), seq_lens, self.pool_k, self.pool_v,
-            None, None, tail, self.layout, scale, out, self._workspace(b, q.shape[2], length, dev),
+            None, None, self._rows, self.layout, scale, out, ws,
         )  # fmt: skip
         return out
 
@@ -158,9 +159,14 @@ class PackedDecode:
         """Keep rows ``indices`` (beam reorder, batch selection)."""
         idx = indices.to(self.pool_k.device)
         self.pool_k, self.pool_v = self.pool_k[idx], self.pool_v[idx]
+        self._reset_rows()
+
+    def _reset_rows(self) -> None:
+        b = self.pool_k.shape[0]
+        self._rows = torch.arange(b, dtype=torch.int32, device=self.pool_k.device)
         self._table = self._ws = None
 
     def repeat(self, repeats: int) -> None:
         self.pool_k = self.pool_k.repeat_interleave(repeats, dim=0)
         self.pool_v = self.pool_v.repeat_interleave(repeats, dim=0)
-        self._table = self._ws = None
+        self._reset_rows()
