@@ -104,19 +104,25 @@ def test_layer_updates_on_gpu(gen):
     assert layer.records.shape[1] == packed // g
 
 
-def test_model_nll_kernels_against_reference_backend(gen):
+def _random_llama(gen, hidden, heads, kv_heads):
+    """A 3-layer random Llama (head_dim 128), bf16 on the GPU, its projections scaled up so
+    attention is far from uniform and the cache's error shows."""
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=DEVICE)))
     cfg = transformers.LlamaConfig(
-        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
         max_position_embeddings=4096, rope_theta=1e5,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "proj" in name:
-                p.mul_(4.0)  # attention far from uniform, so the cache's error shows
-    model = model.to(DEVICE, torch.bfloat16).eval()
+                p.mul_(4.0)
+    return model.to(DEVICE, torch.bfloat16).eval(), cfg
+
+
+def test_model_nll_kernels_against_reference_backend(gen):
+    model, cfg = _random_llama(gen, 256, 8, 2)
     ids = torch.randint(0, cfg.vocab_size, (2, 448), device=DEVICE)
 
     # transformers 5.25 renamed the forward's ``past_key_values`` to ``cache``
@@ -156,18 +162,7 @@ def test_kvarn_attention_on_gpu(gen):
     logits agree within a tenth of the quantization's own effect; at it the serving order
     reads the tile quantized; after it within a quarter (layer 2's tile holds K/V from that
     step). Every step's attention went through the decode kernel."""
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=DEVICE)))
-    cfg = transformers.LlamaConfig(
-        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-        max_position_embeddings=4096, rope_theta=1e5,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "proj" in name:
-                p.mul_(4.0)
-    model = model.to(DEVICE, torch.bfloat16).eval()
+    model, cfg = _random_llama(gen, 512, 16, 4)
     ids = torch.randint(0, cfg.vocab_size, (2, 263), device=DEVICE, generator=gen)
     prompt = 250
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
